@@ -1,0 +1,173 @@
+"""MultiDimensionalStrategy: several strategies, each on its own mesh axis, merged per dimension."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.sharding import PartitionSpec
+
+from substrax.mesh._config import ParallelismConfig
+from substrax.mesh._strategy import ShardingStrategy, SpecAndNotes, axis_size
+
+__all__ = ["MultiDimensionalStrategy"]
+
+
+def _entry_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: list[str]) -> Any:
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else tuple(axes)
+
+
+class MultiDimensionalStrategy:
+    """Multi-dimensional parallelism strategy combining multiple approaches.
+
+    Combines different sharding strategies (data, tensor, FSDP, pipeline) to achieve optimal
+    performance for large-scale training. Each strategy proposes a spec on its own mesh axis;
+    the proposals are merged by :meth:`resolve_sharding_conflicts`.
+    """
+
+    def __init__(self, strategies: Mapping[str, ShardingStrategy], config: ParallelismConfig):
+        """Initialize multi-dimensional strategy.
+
+        Args:
+          strategies: Dictionary mapping strategy names to strategy instances. Its order is the
+            priority order of the merge.
+          config: Sharding configuration for the multi-dimensional strategy.
+
+        Raises:
+          ValueError: If ``strategies`` is empty, holds something that is not a
+            ``ShardingStrategy``, or a strategy's axis is not where ``config`` puts it.
+        """
+        if not isinstance(config, ParallelismConfig):
+            raise ValueError(f"config must be a ParallelismConfig, got {type(config).__name__}.")
+        if not isinstance(strategies, Mapping) or not strategies:
+            raise ValueError(
+                "strategies must be a non-empty mapping of names to ShardingStrategy instances, "
+                f"got {strategies!r}."
+            )
+        names = config.mesh_axis_names
+        for key, strategy in strategies.items():
+            if not isinstance(strategy, ShardingStrategy):
+                raise ValueError(
+                    f"strategies[{key!r}] must be a ShardingStrategy, got {strategy!r}."
+                )
+            if strategy.axis_name not in names:
+                raise ValueError(
+                    f"strategies[{key!r}] uses mesh axis {strategy.axis_name!r}, which the "
+                    f"config's mesh does not have. Mesh axes: {names}."
+                )
+            if names.index(strategy.axis_name) != strategy.mesh_axis:
+                raise ValueError(
+                    f"strategies[{key!r}] expects {strategy.axis_name!r} at mesh axis "
+                    f"{strategy.mesh_axis}, but the config has it at "
+                    f"{names.index(strategy.axis_name)} (axes {names})."
+                )
+        self.strategies = dict(strategies)
+        self.config = config
+
+    def __repr__(self) -> str:
+        return f"MultiDimensionalStrategy({self.strategies!r})"
+
+    def get_combined_partition_spec(
+        self, tensor_name: str, tensor_shape: tuple[str, ...]
+    ) -> PartitionSpec:
+        """Get combined partition spec from all strategies.
+
+        Args:
+          tensor_name: Name/type of the tensor.
+          tensor_shape: Shape dimension names of the tensor.
+
+        Returns:
+          Combined PartitionSpec
+        """
+        proposals = {
+            key: strategy.get_partition_spec(tuple(tensor_shape))
+            for key, strategy in self.strategies.items()
+        }
+        return self.resolve_sharding_conflicts(tensor_name, proposals)
+
+    def resolve_sharding_conflicts(
+        self, tensor_name: str, proposed_specs: dict[str, PartitionSpec]
+    ) -> PartitionSpec:
+        """Resolve conflicts between multiple proposed partition specs.
+
+        The merge is deterministic: proposals are taken in the order of ``proposed_specs``
+        (the priority order) and merged dimension by dimension. A dimension collects the mesh
+        axes of every proposal for it, in that order, so FSDP on ``"data"`` and tensor
+        parallelism on ``"model"`` of the same dimension give ``("data", "model")``. A mesh axis
+        already used anywhere in the merged spec is skipped (first wins), so the result never
+        names one mesh axis twice. A shorter spec is padded with None (replicated), as
+        ``PartitionSpec`` itself reads it.
+
+        Args:
+          tensor_name: Name of the tensor (used in error messages).
+          proposed_specs: Dictionary of strategy names to proposed specs.
+
+        Returns:
+          Resolved PartitionSpec
+
+        Raises:
+          ValueError: If a proposal is not a ``PartitionSpec``.
+        """
+        for key, spec in proposed_specs.items():
+            if not isinstance(spec, PartitionSpec):
+                raise ValueError(
+                    f"Proposed spec {key!r} for {tensor_name!r} must be a PartitionSpec, "
+                    f"got {spec!r}."
+                )
+        rank = max((len(spec) for spec in proposed_specs.values()), default=0)
+        merged: list[list[str]] = [[] for _ in range(rank)]
+        used: set[str] = set()
+        for spec in proposed_specs.values():
+            for dim, entry in enumerate(spec):
+                for axis in _entry_axes(entry):
+                    if axis not in used:
+                        merged[dim].append(axis)
+                        used.add(axis)
+        return PartitionSpec(*(_entry(axes) for axes in merged))
+
+    def spec_for_shape(
+        self, shape: Sequence[int], mesh: Any, *, name: str | None = None
+    ) -> SpecAndNotes:
+        """The spec of a parameter of ``shape``: every strategy's, merged.
+
+        Each strategy's :meth:`ShardingStrategy.spec_for_shape` is merged by
+        :meth:`resolve_sharding_conflicts`. Where a dimension collects several axes whose
+        product does not divide it, the later axes are dropped and a note says so.
+
+        Args:
+          shape: The parameter's shape.
+          mesh: The mesh (a ``Mesh`` or ``AbstractMesh``).
+          name: The parameter's path, passed on to each strategy.
+
+        Returns:
+          ``(spec, notes)`` as :meth:`ShardingStrategy.spec_for_shape` returns them.
+        """
+        shape = tuple(int(d) for d in shape)
+        proposals, notes = {}, []
+        for key, strategy in self.strategies.items():
+            proposals[key], strategy_notes = strategy.spec_for_shape(shape, mesh, name=name)
+            notes.extend(f"{key}: {note}" for note in strategy_notes)
+        merged = self.resolve_sharding_conflicts(name or "<tensor>", proposals)
+        entries = []
+        for dim, entry in enumerate(merged):
+            kept: list[str] = []
+            for axis in _entry_axes(entry):
+                product = math.prod(axis_size(mesh, a) for a in [*kept, axis])
+                if shape[dim] % product:
+                    notes.append(
+                        f"dimension {dim} ({shape[dim]}) is not divisible by the product "
+                        f"{product} of mesh axes {(*kept, axis)}: {axis!r} dropped"
+                    )
+                else:
+                    kept.append(axis)
+            entries.append(_entry(kept))
+        return PartitionSpec(*entries), tuple(notes)

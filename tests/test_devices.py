@@ -1,0 +1,68 @@
+import jax
+import numpy as np
+from jax.sharding import AxisType
+
+from substrax.mesh import DeviceMeshManager
+
+
+def test_dict_and_pairs_give_the_same_mesh():
+    a = DeviceMeshManager.create_device_mesh({"data": 2, "model": 4})
+    b = DeviceMeshManager.create_device_mesh([("data", 2), ("model", 4)])
+    assert a.axis_names == b.axis_names == ("data", "model")
+    assert dict(a.shape) == dict(b.shape) == {"data": 2, "model": 4}
+    assert np.array_equal(
+        np.vectorize(lambda d: d.id)(a.devices), np.vectorize(lambda d: d.id)(b.devices)
+    )
+
+
+def test_axes_are_auto_by_default_even_though_make_mesh_defaults_to_explicit():
+    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    assert mesh.axis_types == (AxisType.Auto,)
+
+
+def test_axis_types_are_honoured():
+    types = (AxisType.Explicit, AxisType.Auto)
+    mesh = DeviceMeshManager.create_device_mesh({"a": 2, "b": 4}, axis_types=types)
+    assert mesh.axis_types == types
+
+
+def test_minus_one_takes_the_remaining_devices():
+    mesh = DeviceMeshManager.create_device_mesh({"data": -1, "model": 2})
+    assert dict(mesh.shape) == {"data": 4, "model": 2}
+
+
+def test_devices_argument_selects_a_subset():
+    devices = jax.devices()[4:]
+    mesh = DeviceMeshManager.create_device_mesh({"x": 2, "y": 2}, devices)
+    assert {d.id for d in mesh.devices.flat} == {d.id for d in devices}
+
+
+def test_data_model_and_hybrid_meshes():
+    assert dict(DeviceMeshManager.create_data_parallel_mesh().shape) == {"data": 8}
+    assert dict(DeviceMeshManager.create_data_parallel_mesh(4).shape) == {"data": 4}
+    assert dict(DeviceMeshManager.create_model_parallel_mesh(2).shape) == {"model": 2}
+    hybrid = DeviceMeshManager.create_hybrid_mesh(2, 2)
+    assert dict(hybrid.shape) == {"data": 2, "model": 2}
+    assert hybrid.axis_types == (AxisType.Auto, AxisType.Auto)
+    assert hybrid.devices.size == 4
+
+
+def test_get_mesh_info():
+    mesh = DeviceMeshManager.create_device_mesh({"data": 2, "model": 4})
+    info = DeviceMeshManager.get_mesh_info(mesh)
+    assert info == {
+        "num_devices": 8,
+        "num_axes": 2,
+        "axis_sizes": {"data": 2, "model": 4},
+        "num_processes": 1,
+    }
+    assert list(info["axis_sizes"]) == ["data", "model"]
+
+
+def test_a_mesh_shards_an_array():
+    mesh = DeviceMeshManager.create_device_mesh({"data": 2, "model": 4})
+    x = jax.device_put(
+        np.arange(32.0).reshape(4, 8),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model")),
+    )
+    assert x.addressable_shards[0].data.shape == (2, 2)

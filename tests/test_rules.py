@@ -1,0 +1,111 @@
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from substrax.mesh import (
+    MeshRules,
+    ResolvedAxis,
+    create_named_sharding,
+    data_parallel_rules,
+    fsdp_rules,
+    partition_spec_for_names,
+)
+
+
+def test_call_looks_up_each_name():
+    rules = MeshRules(data="data", embed="model")
+    assert rules("data", "embed", "mlp", None) == ("data", "model", None, None)
+
+
+def test_rules_are_frozen_and_hashable():
+    rules = MeshRules(data="data", extra={"vocab": "model"})
+    assert hash(rules) == hash(MeshRules(data="data", extra=[("vocab", "model")]))
+    assert {rules: 1}[MeshRules(data="data", extra={"vocab": "model"})] == 1
+    with pytest.raises(AttributeError):
+        rules.data = "x"
+
+
+def test_fields_are_keyword_only():
+    with pytest.raises(TypeError):
+        MeshRules("data")
+
+
+def test_extend_adds_names_beyond_the_four_fields():
+    rules = fsdp_rules().extend(vocab="model", kv=None, layers=None, seq=None, experts="data")
+    assert rules.logical_names == (
+        "data",
+        "embed",
+        "mlp",
+        "heads",
+        "experts",
+        "kv",
+        "layers",
+        "seq",
+        "vocab",
+    )
+    assert partition_spec_for_names(rules, "vocab", "kv") == P("model", None)
+    assert rules.extend(embed=None).embed is None
+
+
+def test_tuple_rule_shards_over_several_axes():
+    rules = MeshRules(data=("data", "model"))
+    assert partition_spec_for_names(rules, "data", None) == P(("data", "model"), None)
+
+
+def test_flax_pairs_round_trip():
+    pairs = [("data", "data"), ("embed", "model"), ("vocab", ("data", "model")), ("kv", None)]
+    rules = MeshRules.from_pairs(pairs)
+    assert rules.embed == "model"
+    assert dict(rules.to_pairs()) == {
+        "data": "data",
+        "embed": "model",
+        "mlp": None,
+        "heads": None,
+        "kv": None,
+        "vocab": ("data", "model"),
+    }
+    assert MeshRules.from_pairs(rules.to_pairs()) == rules
+
+
+def test_first_dimension_keeps_a_shared_mesh_axis():
+    rules = fsdp_rules()
+    assert partition_spec_for_names(rules, "embed", "mlp") == P("model", None)
+    assert partition_spec_for_names(rules, "mlp", "embed") == P("model", None)
+    resolved = rules.resolve("embed", "mlp")
+    assert resolved[1] == ResolvedAxis("mlp", ("model",), (), ("model",))
+
+
+def test_tuple_rule_loses_only_the_used_axes():
+    rules = MeshRules(data="data", embed=("data", "model"))
+    assert partition_spec_for_names(rules, "data", "embed") == P("data", "model")
+
+
+def test_none_is_a_replicated_dimension():
+    assert partition_spec_for_names(fsdp_rules(), None, "embed") == P(None, "model")
+    assert partition_spec_for_names(fsdp_rules()) == P()
+
+
+def test_data_parallel_rules_map_only_data():
+    rules = data_parallel_rules("batch_axis")
+    assert rules("data", "embed", "mlp", "heads") == ("batch_axis", None, None, None)
+
+
+def test_fsdp_rules_map_weights_to_the_model_axis():
+    rules = fsdp_rules(data_axis="d", model_axis="m")
+    assert rules("data", "embed", "mlp", "heads") == ("d", "m", "m", "m")
+
+
+def test_validate_accepts_rules_whose_axes_exist(mesh_2x4):
+    assert fsdp_rules().validate(mesh_2x4) == fsdp_rules()
+
+
+def test_create_named_sharding(mesh_2x4):
+    sharding = create_named_sharding(mesh_2x4, "data", None)
+    assert isinstance(sharding, NamedSharding)
+    assert sharding.spec == P("data", None)
+    assert create_named_sharding(mesh_2x4).spec == P()
+    assert create_named_sharding(mesh_2x4, ("data", "model")).spec == P(("data", "model"))
+    x = jax.device_put(np.ones((8, 4)), create_named_sharding(mesh_2x4, ("data", "model")))
+    assert x.addressable_shards[0].data.shape == (1, 4)
