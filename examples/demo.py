@@ -7,7 +7,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -43,7 +43,7 @@ def main():
 
     rules = fsdp_rules(data_axis="data", model_axis="model").extend(vocab="model", kv=None)
     print(f"rules (logical names): {rules.to_pairs()}")
-    for path, (shape, names) in MODEL.items():
+    for path, (_, names) in MODEL.items():
         print(f"  {path:20s} {names!s:28s} -> {partition_spec_for_names(rules, *names)}")
 
     config = ShardingConfig(data_parallel_size=2, tensor_parallel_size=4, fsdp_enabled=True)
@@ -68,7 +68,9 @@ def main():
             note = f"  ({'; '.join(notes)})" if notes else ""
             print(f"  {path:20s} {shape!s:15s} -> {spec}{note}")
     for count in (8, 64, 512, 4096):
-        print(f"ShardingConfig.from_device_count({count}) = {ShardingConfig.from_device_count(count)}")
+        print(
+            f"ShardingConfig.from_device_count({count}) = {ShardingConfig.from_device_count(count)}"
+        )
 
 
 if __name__ == "__main__":
