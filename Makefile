@@ -7,10 +7,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint format clean
 
-$(STAMP): pyproject.toml requirements-dev.txt
+$(STAMP): pyproject.toml integrations/flax/pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements-dev.txt -e .
+	$(PY) -m pip install --quiet -r requirements-dev.txt -e . -e integrations/flax
 	touch $(STAMP)
 
 demo: $(STAMP)

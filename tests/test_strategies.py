@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from substrax import ShardingWarning
 from substrax.mesh import (
     DataParallelStrategy,
     DeviceMeshManager,
@@ -59,7 +60,9 @@ def test_fsdp_shards_large_first_dimensions_only(mesh_2x4):
 
 def test_fsdp_replicates_an_indivisible_weight_with_a_warning(mesh_2x4):
     fsdp = FSDPStrategy("model", 1, min_weight_size=4)
-    with pytest.warns(UserWarning, match=r"\(18\) is not divisible by mesh axis 'model' of size 4"):
+    with pytest.warns(
+        ShardingWarning, match=r"\(18\) is not divisible by mesh axis 'model' of size 4"
+    ):
         placed = fsdp.apply_sharding(np.ones((18, 2)), mesh_2x4)
     assert _spec_of(placed) == P(None, None)
     spec, notes = fsdp.spec_for_shape((2, 2), mesh_2x4)

@@ -6,6 +6,8 @@ Submodules:
 * :mod:`substrax.spmd`: placing batches on a mesh and constraining activations.
 """
 
+from substrax._warnings import ShardingWarning as ShardingWarning
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["ShardingWarning", "__version__"]

@@ -9,7 +9,7 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from substrax.mesh._config import ParallelismConfig
-from substrax.mesh._strategy import ShardingStrategy, SpecAndNotes, axis_size
+from substrax.mesh._strategy import INDIVISIBLE, ShardingStrategy, SpecAndNotes, axis_size
 
 __all__ = ["MultiDimensionalStrategy"]
 
@@ -164,7 +164,7 @@ class MultiDimensionalStrategy:
                 product = math.prod(axis_size(mesh, a) for a in [*kept, axis])
                 if shape[dim] % product:
                     notes.append(
-                        f"dimension {dim} ({shape[dim]}) is not divisible by the product "
+                        f"dimension {dim} ({shape[dim]}) {INDIVISIBLE} the product "
                         f"{product} of mesh axes {(*kept, axis)}: {axis!r} dropped"
                     )
                 else:

@@ -11,7 +11,12 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["ShardingStrategy", "axis_size"]
+from substrax._warnings import ShardingWarning
+
+__all__ = ["INDIVISIBLE", "ShardingStrategy", "axis_size"]
+
+#: The phrase every note about a dimension left replicated for divisibility contains.
+INDIVISIBLE = "is not divisible by"
 
 #: A spec and, for every dimension left replicated that a strategy would shard, why.
 SpecAndNotes = tuple[PartitionSpec, tuple[str, ...]]
@@ -134,7 +139,7 @@ class ShardingStrategy(abc.ABC):
         for dim in dims:
             if shape[dim] % size:
                 indivisible.append(
-                    f"dimension {dim} of shape {shape} ({shape[dim]}) is not divisible by mesh "
+                    f"dimension {dim} of shape {shape} ({shape[dim]}) {INDIVISIBLE} mesh "
                     f"axis {self.axis_name!r} of size {size}: replicated"
                 )
             else:
@@ -158,5 +163,5 @@ class ShardingStrategy(abc.ABC):
         """Places a parameter by :meth:`spec_for_shape`, warning where it replicates."""
         spec, _, indivisible = self._spec_parts(array.shape, mesh, None)
         for note in indivisible:
-            warnings.warn(f"{type(self).__name__}: {note}.", stacklevel=3)
+            warnings.warn(f"{type(self).__name__}: {note}.", ShardingWarning, stacklevel=3)
         return self._place(array, mesh, spec)

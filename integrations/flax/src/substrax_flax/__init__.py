@@ -1,0 +1,28 @@
+"""The Flax NNX adapter of substrax: models and optax state created already sharded.
+
+Every variable's logical axis names (``nnx.with_partitioning``) resolve through substrax rules;
+unannotated variables follow a substrax strategy. Models are created inside ``jax.jit`` with
+the planned output shardings, so no device ever holds a whole model.
+"""
+
+from substrax_flax._optimizer import create_sharded_optimizer as create_sharded_optimizer
+from substrax_flax._plan import ModelPlan as ModelPlan
+from substrax_flax._plan import create_sharded_model as create_sharded_model
+from substrax_flax._plan import get_shardings as get_shardings
+from substrax_flax._plan import plan_model as plan_model
+from substrax_flax._plan import shard_model as shard_model
+from substrax_flax._report import ShardingReport as ShardingReport
+from substrax_flax._report import sharding_report as sharding_report
+from substrax_flax._resolve import VariableSharding as VariableSharding
+
+__all__ = [
+    "ModelPlan",
+    "ShardingReport",
+    "VariableSharding",
+    "create_sharded_model",
+    "create_sharded_optimizer",
+    "get_shardings",
+    "plan_model",
+    "shard_model",
+    "sharding_report",
+]

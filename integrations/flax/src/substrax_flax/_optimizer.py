@@ -1,0 +1,125 @@
+"""create_sharded_optimizer: an nnx.Optimizer whose optax state is created already sharded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from substrax_flax._plan import _plan_state, remember
+from substrax_flax._resolve import Resolver, Rules, Strategy, VariableSharding, make_row
+from substrax_flax._state import map_variables, shape_and_dtype, variables
+
+__all__ = ["create_sharded_optimizer", "optimizer_rows"]
+
+
+def _mirrored_param(path: str, shape: tuple[int, ...], params: dict) -> VariableSharding | None:
+    """The parameter whose path ends ``path`` and whose shape is ``shape``, if any."""
+    parts = path.split("/")
+    for start in range(len(parts)):
+        row = params.get("/".join(parts[start:]))
+        if row is not None and row.shape == shape:
+            return row
+    return None
+
+
+def optimizer_rows(
+    opt_state: Any, param_rows: tuple[VariableSharding, ...], mesh: Any
+) -> tuple[VariableSharding, ...]:
+    """Rows for an optimizer state: a leaf that mirrors a parameter takes its spec.
+
+    A leaf mirrors a parameter when its path ends with the parameter's path and its shape is
+    the parameter's (adam's ``mu`` / ``nu``, momentum traces, ...). Every other leaf (step
+    counters, scalars, factored statistics) is replicated, and its row says so.
+
+    Args:
+      opt_state: The optimizer's ``nnx.State`` (abstract or live).
+      param_rows: The rows of the parameters.
+      mesh: The device mesh.
+
+    Returns:
+      One row per optimizer-state variable.
+    """
+    params = {row.path: row for row in param_rows}
+    rows = []
+    for path, variable in variables(opt_state):
+        param = _mirrored_param(path, shape_and_dtype(variable)[0], params)
+        if param is not None:
+            row = make_row(
+                path,
+                variable,
+                param.spec,
+                mesh,
+                names=param.logical_names,
+                rule=f"mirrors {param.path}",
+                reasons=param.reasons,
+            )
+        else:
+            shape = shape_and_dtype(variable)[0]
+            row = make_row(
+                path,
+                variable,
+                PartitionSpec(),
+                mesh,
+                names=None,
+                rule="not parameter-shaped",
+                reasons=("replicated",) if shape else (),
+            )
+        rows.append(row)
+    return tuple(rows)
+
+
+def create_sharded_optimizer(
+    model: nnx.Module,
+    tx: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    rules: Rules = None,
+    *,
+    wrt: Any = nnx.Param,
+    strategy: Strategy = None,
+) -> nnx.Optimizer:
+    """Creates an ``nnx.Optimizer`` for ``model`` with its optax state already sharded.
+
+    The optax state is created inside ``jax.jit``: every leaf that mirrors a parameter (adam
+    ``mu`` / ``nu``, momentum, ...) gets that parameter's planned sharding, and counters and
+    other leaves are replicated. Flax's eager sharding is off while the state is created, so
+    the ``optimizer_sharding`` metadata and flax issue 5112 (stacked layers) play no part.
+
+    Args:
+      model: The model, usually from :func:`create_sharded_model`.
+      tx: The optax transformation, such as ``optax.adamw(1e-3)``.
+      mesh: The device mesh.
+      rules: The rules the model was planned with (see :func:`plan_model`).
+      wrt: The variables the optimizer updates, as for ``nnx.Optimizer``.
+      strategy: The strategy the model was planned with (see :func:`plan_model`).
+
+    Returns:
+      The optimizer, its state sharded like the parameters it mirrors.
+
+    Raises:
+      ValueError: As :func:`plan_model`, when the model's variables cannot be planned.
+    """
+    graphdef, model_state = nnx.split(model)
+    param_rows, _ = _plan_state(model_state, Resolver(mesh, rules, strategy))
+
+    def make(state):
+        with nnx.use_eager_sharding(False):
+            return nnx.Optimizer(nnx.merge(graphdef, state), tx, wrt=wrt)
+
+    opt_graphdef, abstract_opt_state = nnx.split(nnx.eval_shape(make, model_state))
+    rows = optimizer_rows(abstract_opt_state, param_rows, mesh)
+    by_path = {row.path: row for row in rows}
+    shardings = map_variables(
+        lambda path, _: NamedSharding(mesh, by_path[path].spec), abstract_opt_state
+    )
+
+    def init(state):
+        opt_state = nnx.state(make(state))
+        return jax.tree.map(jax.lax.with_sharding_constraint, opt_state, shardings)
+
+    optimizer = nnx.merge(opt_graphdef, jax.jit(init, out_shardings=shardings)(model_state))
+    remember(optimizer, rows)
+    return optimizer

@@ -1,0 +1,210 @@
+"""ShardingReport: one row per variable, totals against the ideal, and warnings."""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from substrax_flax._plan import ModelPlan, plans_of
+from substrax_flax._resolve import VariableSharding
+from substrax_flax._state import logical_names, shape_and_dtype, variables
+
+__all__ = ["ShardingReport", "sharding_report"]
+
+#: A fully replicated variable larger than this gets a warning in the report.
+LARGE_REPLICATED_BYTES = 1 << 20
+
+_COLUMNS = ("path", "shape", "dtype", "logical names", "rule", "spec", "total", "per device", "why")
+
+
+def _format_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def _mesh_axes(spec: PartitionSpec) -> set[str]:
+    axes: set[str] = set()
+    for entry in spec:
+        if entry is not None:
+            axes.update((entry,) if isinstance(entry, str) else entry)
+    return axes
+
+
+class ShardingReport:
+    """How every variable of a model (or optimizer) is laid out, with totals and warnings.
+
+    ``str(report)`` is a plain-text table; in a notebook the report renders as an HTML table.
+
+    Attributes:
+      rows: One :class:`VariableSharding` per variable.
+      mesh: The mesh the variables are laid out on (None if none is known).
+      bytes_total: Bytes of all variables.
+      bytes_per_device: Bytes one device holds.
+      devices_sharded_over: Devices of the mesh axes that any variable is sharded over.
+      ideal_bytes_per_device: ``bytes_total / devices_sharded_over``.
+      ratio_to_ideal: ``bytes_per_device / ideal_bytes_per_device`` (1.0 is perfect).
+      warnings: Variables over 1 MiB left fully replicated on a multi-device mesh.
+    """
+
+    def __init__(self, rows: tuple[VariableSharding, ...], mesh: Any = None):
+        self.rows = tuple(rows)
+        self.mesh = mesh
+        sizes = dict(mesh.shape) if mesh is not None else {}
+        used = set().union(*(_mesh_axes(row.spec) for row in self.rows)) if self.rows else set()
+        self.bytes_total = sum(row.bytes_total for row in self.rows)
+        self.bytes_per_device = sum(row.bytes_per_device for row in self.rows)
+        self.devices_sharded_over = math.prod(sizes[axis] for axis in used)
+        self.ideal_bytes_per_device = self.bytes_total / self.devices_sharded_over
+        self.ratio_to_ideal = (
+            self.bytes_per_device / self.ideal_bytes_per_device if self.bytes_total else 1.0
+        )
+        many_devices = math.prod(sizes.values()) > 1 if sizes else False
+        self.warnings = tuple(
+            f"{row.path} ({_format_bytes(row.bytes_total)}) is fully replicated"
+            + (f": {'; '.join(row.reasons)}" if row.reasons else "")
+            for row in self.rows
+            if many_devices
+            and row.bytes_total > LARGE_REPLICATED_BYTES
+            and not _mesh_axes(row.spec)
+        )
+
+    def row(self, path: str) -> VariableSharding:
+        """The row of the variable at ``path``.
+
+        Args:
+          path: A variable path such as ``"blocks/mlp/up/kernel"``.
+
+        Returns:
+          Its :class:`VariableSharding`.
+
+        Raises:
+          KeyError: If no variable has that path; the message lists a few that do.
+        """
+        for row in self.rows:
+            if row.path == path:
+                return row
+        raise KeyError(f"No variable at {path!r}. Paths: {[r.path for r in self.rows][:8]} ...")
+
+    def _cells(self) -> list[tuple[str, ...]]:
+        return [
+            (
+                row.path,
+                str(row.shape),
+                row.dtype,
+                str(row.logical_names) if row.logical_names else "-",
+                row.rule,
+                str(tuple(row.spec)) if len(row.spec) else "()",
+                _format_bytes(row.bytes_total),
+                _format_bytes(row.bytes_per_device),
+                "; ".join(row.reasons),
+            )
+            for row in self.rows
+        ]
+
+    def summary(self) -> str:
+        """The totals in one line.
+
+        Returns:
+          Total bytes, bytes per device, the ideal and their ratio.
+        """
+        return (
+            f"total {_format_bytes(self.bytes_total)}, per device "
+            f"{_format_bytes(self.bytes_per_device)}, ideal "
+            f"{_format_bytes(self.ideal_bytes_per_device)} (over {self.devices_sharded_over} "
+            f"devices), ratio {self.ratio_to_ideal:.3f}"
+        )
+
+    def __str__(self) -> str:
+        cells = [_COLUMNS, *self._cells()]
+        widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.append(self.summary())
+        lines.extend(f"warning: {w}" for w in self.warnings)
+        return "\n".join(line.rstrip() for line in lines)
+
+    def __repr__(self) -> str:
+        return f"ShardingReport({len(self.rows)} variables; {self.summary()})"
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in _COLUMNS)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
+            for cells in self._cells()
+        )
+        notes = "".join(f"<li>{html.escape(w)}</li>" for w in self.warnings)
+        return (
+            f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+            f"<p>{html.escape(self.summary())}</p>" + (f"<ul>{notes}</ul>" if notes else "")
+        )
+
+
+def _live_row(path: str, variable: Any, planned: VariableSharding | None) -> VariableSharding:
+    value = variable.get_value()
+    shape, dtype = shape_and_dtype(variable)
+    sharding = getattr(value, "sharding", None)
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+    shard_shape = sharding.shard_shape(shape) if sharding is not None else shape
+    itemsize = getattr(dtype, "itemsize", 0)
+    rule, reasons = ("-", ())
+    if planned is not None:
+        rule, reasons = planned.rule, planned.reasons
+        if tuple(planned.spec) != tuple(spec):
+            reasons = (f"differs from the plan, which had {planned.spec}", *reasons)
+    return VariableSharding(
+        path=path,
+        shape=shape,
+        dtype=str(dtype),
+        logical_names=logical_names(variable, path),
+        rule=rule,
+        spec=spec,
+        bytes_total=math.prod(shape) * itemsize,
+        bytes_per_device=math.prod(shard_shape) * itemsize,
+        reasons=reasons,
+    )
+
+
+def sharding_report(model_or_state: Any) -> ShardingReport:
+    """A report of how every variable is laid out.
+
+    For a live model, optimizer or state the report shows the actual shardings of the arrays;
+    for one that substrax created or sharded, the rule and reasons come from its plan, and a
+    variable whose sharding drifted from the plan says so.
+
+    Args:
+      model_or_state: A :class:`ModelPlan`, an ``nnx.Module``, an ``nnx.Optimizer`` (any
+        ``nnx.Pytree``) or an ``nnx.State``.
+
+    Returns:
+      A :class:`ShardingReport`.
+
+    Raises:
+      TypeError: For anything else.
+    """
+    if isinstance(model_or_state, ModelPlan):
+        return model_or_state.report()
+    if isinstance(model_or_state, nnx.Pytree):
+        state = nnx.state(model_or_state)
+    elif isinstance(model_or_state, nnx.State):
+        state = model_or_state
+    else:
+        raise TypeError(
+            "sharding_report expects a ModelPlan, an nnx.Module, an nnx.Optimizer or an nnx.State, "
+            "got "
+            f"{type(model_or_state).__name__}."
+        )
+    planned = {row.path: row for row in plans_of(model_or_state) or ()}
+    rows, mesh = [], None
+    for path, variable in variables(state):
+        rows.append(_live_row(path, variable, planned.get(path)))
+        sharding = getattr(variable.get_value(), "sharding", None)
+        if mesh is None and isinstance(sharding, NamedSharding):
+            mesh = sharding.mesh
+    return ShardingReport(tuple(rows), mesh)
