@@ -38,7 +38,7 @@ def optimizer_rows(
     Args:
       opt_state: The optimizer's ``nnx.State`` (abstract or live).
       param_rows: The rows of the parameters.
-      mesh: The device mesh.
+      mesh: The device mesh; None means one device (see :func:`plan_model`).
 
     Returns:
       One row per optimizer-state variable.
@@ -75,7 +75,7 @@ def optimizer_rows(
 def create_sharded_optimizer(
     model: nnx.Module,
     tx: optax.GradientTransformation,
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | None,
     rules: Rules = None,
     *,
     wrt: Any = nnx.Param,
@@ -91,7 +91,7 @@ def create_sharded_optimizer(
     Args:
       model: The model, usually from :func:`create_sharded_model`.
       tx: The optax transformation, such as ``optax.adamw(1e-3)``.
-      mesh: The device mesh.
+      mesh: The device mesh; None means one device (see :func:`plan_model`).
       rules: The rules the model was planned with (see :func:`plan_model`).
       wrt: The variables the optimizer updates, as for ``nnx.Optimizer``.
       strategy: The strategy the model was planned with (see :func:`plan_model`).
@@ -103,7 +103,9 @@ def create_sharded_optimizer(
       ValueError: As :func:`plan_model`, when the model's variables cannot be planned.
     """
     graphdef, model_state = nnx.split(model)
-    param_rows, _ = _plan_state(model_state, Resolver(mesh, rules, strategy))
+    resolver = Resolver(mesh, rules, strategy)
+    mesh = resolver.mesh
+    param_rows, _ = _plan_state(model_state, resolver)
 
     def make(state):
         with nnx.use_eager_sharding(False):

@@ -119,7 +119,7 @@ class ModelPlan:
 
 def plan_model(
     factory: Callable[[], nnx.Module],
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | None,
     rules: Rules = None,
     *,
     strategy: Strategy = None,
@@ -139,7 +139,9 @@ def plan_model(
     Args:
       factory: A function of no arguments that builds the model, such as
         ``lambda: Model(rngs=nnx.Rngs(0))``.
-      mesh: The device mesh.
+      mesh: The device mesh. None means a single device: the model is created unsharded on
+        the first device, so that an annotated model runs in a plain unit test (Flax alone
+        refuses to create an annotated variable without a mesh context).
       rules: ``MeshRules``, Flax-style pairs ``[(logical, mesh_axes), ...]``, or None, in which
         case logical names must be mesh axis names.
       strategy: A ``ShardingStrategy`` or ``MultiDimensionalStrategy`` for unannotated
@@ -163,7 +165,7 @@ def plan_model(
 
 def create_sharded_model(
     factory: Callable[[], nnx.Module],
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | None,
     rules: Rules = None,
     *,
     strategy: Strategy = None,
@@ -179,7 +181,7 @@ def create_sharded_model(
 
     Args:
       factory: A function of no arguments that builds the model.
-      mesh: The device mesh.
+      mesh: The device mesh; None means one device (see :func:`plan_model`).
       rules: ``MeshRules``, Flax-style pairs, or None (see :func:`plan_model`).
       strategy: Spec for unannotated variables (see :func:`plan_model`).
       strict: Raise instead of warning when a dimension does not divide its mesh axes.
@@ -217,7 +219,7 @@ def _state_of(model_or_state: Any) -> Any:
 
 def get_shardings(
     model_or_state: Any,
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | None,
     rules: Rules = None,
     *,
     strategy: Strategy = None,
@@ -228,7 +230,7 @@ def get_shardings(
 
     Args:
       model_or_state: A model (live or abstract) or its ``nnx.State``.
-      mesh: The device mesh.
+      mesh: The device mesh; None means one device (see :func:`plan_model`).
       rules: ``MeshRules``, Flax-style pairs, or None (see :func:`plan_model`).
       strategy: Spec for unannotated variables (see :func:`plan_model`).
       strict: Raise instead of warning when a dimension does not divide its mesh axes.
@@ -248,7 +250,7 @@ def get_shardings(
 
 def shard_model(
     model: nnx.Module,
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | None,
     rules: Rules = None,
     *,
     strategy: Strategy = None,
@@ -262,7 +264,7 @@ def shard_model(
 
     Args:
       model: A live model.
-      mesh: The device mesh.
+      mesh: The device mesh; None means one device (see :func:`plan_model`).
       rules: ``MeshRules``, Flax-style pairs, or None (see :func:`plan_model`).
       strategy: Spec for unannotated variables (see :func:`plan_model`).
       strict: Raise instead of warning when a dimension does not divide its mesh axes.

@@ -8,10 +8,16 @@ import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
 
+import jax
 from jax.sharding import PartitionSpec
 
 from substrax import ShardingWarning
-from substrax.mesh import MeshRules, MultiDimensionalStrategy, ShardingStrategy
+from substrax.mesh import (
+    DeviceMeshManager,
+    MeshRules,
+    MultiDimensionalStrategy,
+    ShardingStrategy,
+)
 from substrax.mesh._strategy import INDIVISIBLE
 from substrax_flax._state import logical_names, shape_and_dtype, variables
 
@@ -83,8 +89,15 @@ def make_row(
     )
 
 
+def single_device_mesh(rules: MeshRules | None) -> Any:
+    """A mesh over the first device with every axis ``rules`` names, each of size 1."""
+    axes = sorted(rules.mesh_axes()) if rules is not None else []
+    shape = {axis: 1 for axis in axes} or {"data": 1}
+    return DeviceMeshManager.create_device_mesh(shape, jax.devices()[:1])
+
+
 def as_rules(rules: Rules, mesh: Any) -> MeshRules:
-    """Rules as a validated :class:`MeshRules`.
+    """Rules as a :class:`MeshRules`, validated against ``mesh`` unless it is None.
 
     None means "logical names are mesh axis names" (Flax's behaviour without rules).
 
@@ -101,7 +114,7 @@ def as_rules(rules: Rules, mesh: Any) -> MeshRules:
                 f"None, got {rules!r}."
             )
         rules = MeshRules.from_pairs(rules)
-    return rules.validate(mesh)
+    return rules if mesh is None else rules.validate(mesh)
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -120,7 +133,9 @@ class Resolver:
     """Decides the spec of each variable of a state on one mesh.
 
     Args:
-      mesh: A ``Mesh`` or ``AbstractMesh``.
+      mesh: A ``Mesh`` or ``AbstractMesh``; None means one device (a mesh of size-1 axes, so
+        that code written for a mesh runs in a plain unit test). With neither mesh nor rules,
+        logical names are not resolved at all.
       rules: ``MeshRules``, Flax-style pairs, or None (logical names are mesh axis names).
       strategy: Gives unannotated variables a spec; None replicates them.
       strict: Raise instead of warning when a dimension does not divide its mesh axes.
@@ -148,6 +163,9 @@ class Resolver:
                 "strategy must be a ShardingStrategy, a MultiDimensionalStrategy or None, "
                 f"got {strategy!r}."
             )
+        self.ignore_names = mesh is None and rules is None
+        if mesh is None:
+            mesh = single_device_mesh(None if rules is None else as_rules(rules, None))
         self.mesh = mesh
         self.rules = as_rules(rules, mesh)
         self.strategy = strategy
@@ -168,7 +186,9 @@ class Resolver:
         """
         shape, _ = shape_and_dtype(variable)
         names = logical_names(variable, path)
-        if names is not None:
+        if self.ignore_names:
+            spec, rule, reasons = PartitionSpec(*([None] * len(shape))), "no mesh", ()
+        elif names is not None:
             spec, rule, reasons = self._from_names(path, shape, names)
         elif self.strategy is not None:
             spec, rule, reasons = self._from_strategy(path, shape)
