@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax_flax._plan import _plan_state, remember
 from substrax_flax._resolve import Resolver, Rules, Strategy, VariableSharding, make_row
-from substrax_flax._state import map_variables, shape_and_dtype, variables
+from substrax_flax._state import constrain_state, map_variables, shape_and_dtype, variables
 
 __all__ = ["create_sharded_optimizer", "optimizer_rows"]
 
@@ -120,7 +120,7 @@ def create_sharded_optimizer(
 
     def init(state):
         opt_state = nnx.state(make(state))
-        return jax.tree.map(jax.lax.with_sharding_constraint, opt_state, shardings)
+        return constrain_state(opt_state, shardings)
 
     optimizer = nnx.merge(opt_graphdef, jax.jit(init, out_shardings=shardings)(model_state))
     remember(optimizer, rows)

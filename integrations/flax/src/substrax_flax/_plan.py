@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from substrax_flax._resolve import Resolver, Rules, Strategy, UnknownNames, VariableSharding
-from substrax_flax._state import map_variables
+from substrax_flax._state import constrain_state, map_variables
 
 __all__ = [
     "ModelPlan",
@@ -82,7 +82,7 @@ class ModelPlan:
         with nnx.use_eager_sharding(False):
             model = self._factory()
         state = nnx.state(model)
-        return jax.tree.map(jax.lax.with_sharding_constraint, state, self.shardings)
+        return constrain_state(state, self.shardings)
 
     def compile_init(self) -> jax.stages.Compiled:
         """Compiles the init without running it.

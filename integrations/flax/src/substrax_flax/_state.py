@@ -8,7 +8,14 @@ from typing import Any
 import jax
 from flax import nnx
 
-__all__ = ["METADATA_KEYS", "is_variable", "logical_names", "map_variables", "variables"]
+__all__ = [
+    "METADATA_KEYS",
+    "constrain_state",
+    "is_variable",
+    "logical_names",
+    "map_variables",
+    "variables",
+]
 
 #: Where Flax keeps logical axis names, newest first: ``out_sharding`` (flax >= 0.12.4),
 #: ``sharding_names`` (0.11.2 - 0.12.3), ``sharding`` (<= 0.11.0).
@@ -68,3 +75,19 @@ def shape_and_dtype(variable: nnx.Variable) -> tuple[tuple[int, ...], Any]:
     """Shape and dtype of a variable's value (abstract or concrete)."""
     value = variable.get_value()
     return tuple(getattr(value, "shape", ())), getattr(value, "dtype", None)
+
+
+def _constrain(value: jax.Array, sharding: jax.sharding.NamedSharding) -> jax.Array:
+    explicit = jax.sharding.AxisType.Explicit in tuple(sharding.mesh.axis_types)
+    if explicit:
+        return jax.sharding.reshard(value, sharding)
+    return jax.lax.with_sharding_constraint(value, sharding)
+
+
+def constrain_state(state: Any, shardings: Any) -> Any:
+    """Inside ``jit``: every value of ``state`` laid out as in ``shardings``.
+
+    Uses ``with_sharding_constraint`` on Auto meshes and ``jax.sharding.reshard`` on meshes
+    with Explicit axes (where a constraint may name only Auto axes).
+    """
+    return jax.tree.map(_constrain, state, shardings)

@@ -1,0 +1,113 @@
+"""Bad input to the adapter: clear errors that name the variable, or warnings when asked."""
+
+import warnings
+
+import numpy as np
+import pytest
+from flax import nnx
+from flax_test_models import Transformer
+from jax.sharding import PartitionSpec as P
+
+import substrax_flax as sf
+from substrax import ShardingWarning
+from substrax.mesh import DeviceMeshManager, MeshRules, fsdp_rules
+
+RULES = fsdp_rules().extend(vocab="model", kv=None)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return DeviceMeshManager.create_device_mesh({"data": 2, "model": 4})
+
+
+def _one(shape, names):
+    class One(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(np.ones(shape, np.float32), out_sharding=names)
+
+    return One
+
+
+def test_annotation_length_must_match_rank(mesh):
+    with pytest.raises(ValueError, match=r"'w' of shape \(8, 4\) is annotated with \('embed',\)"):
+        sf.plan_model(_one((8, 4), ("embed",)), mesh, RULES)
+
+
+def test_unknown_logical_name_lists_the_known_ones(mesh):
+    with pytest.raises(ValueError) as info:
+        sf.plan_model(_one((8, 4), ("embed", "experts")), mesh, RULES)
+    message = str(info.value)
+    assert "Variable 'w' has logical name 'experts'" in message
+    assert "Known names: ['data', 'embed', 'mlp', 'heads', 'kv', 'vocab']" in message
+    assert "unknown_names='replicate'" in message
+
+
+def test_unknown_logical_name_can_be_replicated_with_a_warning(mesh):
+    with pytest.warns(ShardingWarning, match="'experts'"):
+        plan = sf.plan_model(
+            _one((8, 4), ("embed", "experts")), mesh, RULES, unknown_names="replicate"
+        )
+    row = plan.report().row("w")
+    assert row.spec == P("model", None) and "unknown logical name" in row.reasons[0]
+
+
+def test_rule_naming_a_missing_mesh_axis(mesh):
+    with pytest.raises(ValueError, match=r"mesh axis 'tensor', which the mesh does not have"):
+        sf.plan_model(_one((8, 4), ("embed", None)), mesh, MeshRules(embed="tensor"))
+
+
+def test_repeated_logical_name_names_the_variable(mesh):
+    with pytest.raises(ValueError, match=r"Variable 'w' repeats logical name 'embed'"):
+        sf.plan_model(_one((8, 8), ("embed", "embed")), mesh, RULES)
+
+
+def test_indivisible_dimension_warns_with_path_shape_and_axis_size(mesh):
+    with pytest.warns(ShardingWarning) as caught:
+        plan = sf.plan_model(_one((6, 4), ("embed", None)), mesh, RULES)
+    assert str(caught[0].message) == (
+        "Variable 'w' of shape (6, 4): dim 0 (6) is not divisible by mesh axes ('model',) "
+        "of size 4: replicated."
+    )
+    assert plan.report().row("w").spec == P(None, None)
+
+
+def test_indivisible_dimension_raises_when_strict(mesh):
+    with pytest.raises(ValueError, match=r"dim 0 \(6\) is not divisible .* \(strict=True\)"):
+        sf.plan_model(_one((6, 4), ("embed", None)), mesh, RULES, strict=True)
+
+
+def test_tuple_rule_keeps_the_axes_that_divide(mesh):
+    rules = MeshRules(embed=("data", "model"))
+    with pytest.warns(ShardingWarning, match=r"dim 0 \(6\)"):
+        plan = sf.plan_model(_one((6, 4), ("embed", None)), mesh, rules)
+    assert plan.report().row("w").spec == P("data", None)
+
+
+def test_a_factory_that_raises_propagates_its_own_exception(mesh):
+    class Broken(Exception):
+        pass
+
+    def factory():
+        raise Broken("the user's own error")
+
+    with pytest.raises(Broken, match="the user's own error"):
+        sf.create_sharded_model(factory, mesh, RULES)
+
+
+def test_wrong_argument_types(mesh):
+    with pytest.raises(TypeError, match="rules must be a MeshRules"):
+        sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, "fsdp")
+    with pytest.raises(TypeError, match="strategy must be a ShardingStrategy"):
+        sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, RULES, strategy="fsdp")
+    with pytest.raises(ValueError, match="unknown_names must be 'error' or 'replicate'"):
+        sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, RULES, unknown_names="skip")
+    with pytest.raises(TypeError, match=r"expects a ModelPlan, an nnx\.Module"):
+        sf.sharding_report([1, 2])
+    with pytest.raises(TypeError, match=r"shard_model expects an nnx\.Module"):
+        sf.shard_model({"w": 1}, mesh, RULES)
+
+
+def test_no_warning_when_everything_divides(mesh):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, RULES.extend(layers=None))

@@ -1,0 +1,84 @@
+"""The sharded init: same values as unsharded, and no full-size buffer of a sharded parameter."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from flax_test_models import StackedTransformer, Transformer, unsharded
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import substrax_flax as sf
+from substrax.mesh import DeviceMeshManager, MeshRules
+
+ALL = ("data", "model")
+FSDP_ALL = MeshRules(data=ALL, embed=ALL).extend(vocab=None, kv=None, layers=None)
+FSDP_TP = MeshRules(data="data", embed="data", mlp="model", heads="model").extend(
+    vocab="model", kv=None, layers=None
+)
+AUTO, EXPLICIT = (AxisType.Auto,) * 2, (AxisType.Explicit,) * 2
+
+
+def _full_shape_buffers(hlo, rows):
+    """Sharded parameters whose global shape appears in the HLO text."""
+    return [
+        row.path
+        for row in rows
+        if any(entry is not None for entry in row.spec)
+        and "[" + ",".join(map(str, row.shape)) + "]" in hlo
+    ]
+
+
+@pytest.mark.parametrize("axis_types", [AUTO, EXPLICIT], ids=["auto", "explicit"])
+@pytest.mark.parametrize("rules", [FSDP_ALL, FSDP_TP], ids=["fsdp", "fsdp+tp"])
+def test_values_equal_the_unsharded_factory(rules, axis_types):
+    factory = lambda: Transformer(nnx.Rngs(0))  # noqa: E731
+    mesh = DeviceMeshManager.create_device_mesh({"data": 2, "model": 4}, axis_types=axis_types)
+    model = sf.create_sharded_model(factory, mesh, rules)
+    reference = unsharded(factory)
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(reference))
+    for (path, expected), actual in zip(leaves, jax.tree.leaves(nnx.state(model)), strict=True):
+        np.testing.assert_array_equal(actual, expected, err_msg=jax.tree_util.keystr(path))
+
+
+def test_stacked_values_equal_the_unsharded_factory():
+    factory = lambda: StackedTransformer(nnx.Rngs(3))  # noqa: E731
+    mesh = DeviceMeshManager.create_device_mesh({"data": 2, "model": 4})
+    model = sf.create_sharded_model(factory, mesh, FSDP_TP.extend(layers="data"))
+    assert model.blocks.wq[...].sharding.spec == P("data", None, "model", None)
+    for expected, actual in zip(
+        jax.tree.leaves(nnx.state(unsharded(factory))),
+        jax.tree.leaves(nnx.state(model)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(actual, expected)
+
+
+@pytest.mark.parametrize("axis_types", [AUTO, EXPLICIT], ids=["auto", "explicit"])
+def test_compiled_init_holds_no_full_sharded_parameter(axis_types):
+    mesh = DeviceMeshManager.create_device_mesh({"data": 2, "model": 4}, axis_types=axis_types)
+    plan = sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, FSDP_ALL)
+    compiled = plan.compile_init()
+    assert _full_shape_buffers(compiled.as_text(), plan.rows) == []
+    # Output bytes per device: the shards, plus the 8-byte pointer table of the output tuple.
+    output = compiled.memory_analysis().output_size_in_bytes
+    assert output == plan.report().bytes_per_device + 8 * len(plan.rows)
+
+
+def test_the_full_buffer_detector_fires_on_a_naive_init():
+    mesh = DeviceMeshManager.create_device_mesh({"data": 2, "model": 4})
+    plan = sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, FSDP_ALL)
+
+    def naive():
+        return nnx.state(unsharded(lambda: Transformer(nnx.Rngs(0))))
+
+    hlo = jax.jit(naive).lower().compile().as_text()
+    assert "blocks/0/wq" in _full_shape_buffers(hlo, plan.rows)
+
+
+def test_init_is_compiled_before_anything_is_allocated():
+    mesh = DeviceMeshManager.create_device_mesh({"data": 2, "model": 4})
+    plan = sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, FSDP_TP)
+    stats = plan.compile_init().memory_analysis()
+    assert stats.argument_size_in_bytes == 0
+    assert stats.output_size_in_bytes > 0
