@@ -1,9 +1,9 @@
 """The public API matches the reference and every public name is documented Google-style."""
 
-import dataclasses
 import inspect
 
 import pytest
+from docstring_checks import check_google_docstring, public_callables
 
 import substrax.mesh as mesh_module
 
@@ -120,53 +120,8 @@ def test_abstract_methods():
     }
 
 
-def _public_callables():
-    for name in mesh_module.__all__:
-        obj = getattr(mesh_module, name)
-        yield name, obj
-        if inspect.isclass(obj):
-            for attr, member in vars(obj).items():
-                if attr.startswith("_") and attr not in ("__init__", "__call__"):
-                    continue
-                member = getattr(member, "__func__", member)
-                generated = attr == "__init__" and dataclasses.is_dataclass(obj)
-                if inspect.isfunction(member) and not generated:
-                    yield f"{name}.{attr}", member
-
-
-def _sections(doc):
-    return {line.strip() for line in doc.splitlines() if line.strip().endswith(":")}
-
-
-@pytest.mark.parametrize(("name", "obj"), list(_public_callables()), ids=lambda v: str(v)[:60])
-def test_every_public_name_has_a_google_docstring(name, obj):
-    doc = inspect.getdoc(obj)
-    assert doc and doc.strip(), f"{name} has no docstring"
-    if not inspect.isfunction(obj):
-        return
-    params = [p for p in inspect.signature(obj).parameters if p not in ("self", "cls")]
-    sections = _sections(doc)
-    if params:
-        assert "Args:" in sections, f"{name} documents no Args"
-        for param in params:
-            assert param in doc, f"{name} does not document {param}"
-    returns_value = obj.__name__ != "__init__" and inspect.signature(obj).return_annotation not in (
-        None,
-        "None",
-        inspect.Signature.empty,
-    )
-    if returns_value:
-        assert "Returns:" in sections, f"{name} documents no Returns"
-    if "raise " in inspect.getsource(obj):
-        assert "Raises:" in sections, f"{name} raises but documents no Raises"
-
-
 @pytest.mark.parametrize(
-    "name", [n for n in mesh_module.__all__ if dataclasses.is_dataclass(getattr(mesh_module, n))]
+    ("name", "obj"), list(public_callables(mesh_module)), ids=lambda v: str(v)[:60]
 )
-def test_dataclasses_document_every_field(name):
-    cls = getattr(mesh_module, name)
-    doc = inspect.getdoc(cls)
-    assert "Attributes:" in _sections(doc)
-    for field in dataclasses.fields(cls):
-        assert f"  {field.name}:" in doc, f"{name} does not document {field.name}"
+def test_every_public_name_has_a_google_docstring(name, obj):
+    check_google_docstring(name, obj)

@@ -61,6 +61,12 @@ class ModelPlan:
     """
 
     def __init__(self, factory: Callable[[], nnx.Module], resolver: Resolver):
+        """Plans the model; use :func:`plan_model` rather than calling this directly.
+
+        Args:
+          factory: A function of no arguments that builds the model.
+          resolver: Decides each variable's spec (mesh, rules, strategy, strictness).
+        """
         self.mesh = resolver.mesh
         self.rules = resolver.rules
         self._factory = factory
@@ -175,9 +181,14 @@ def create_sharded_model(
     """Creates the model that ``factory`` builds, every variable already sharded.
 
     The same as ``plan_model(...).create()``: the model is created inside ``jax.jit`` with the
-    planned output shardings, so no device ever holds a full parameter that the plan shards
-    (on an Auto mesh; see the docs for Explicit meshes). Values equal those of ``factory()``
-    run unsharded with the same seeds.
+    planned output shardings, so no device ever holds a full parameter that the plan shards.
+    Values equal those of ``factory()`` run unsharded with the same seeds.
+
+    On a mesh with Explicit axes the model is created the same way (the init uses
+    ``jax.sharding.reshard`` there) and the model code needs no change to be *created*; to
+    *run* it, every contraction over sharded dimensions must say how its output is sharded
+    (``out_sharding=`` or ``jax.sharding.reshard``), as jax requires of Explicit meshes. Meshes
+    from :class:`substrax.mesh.DeviceMeshManager` are Auto unless asked otherwise.
 
     Args:
       factory: A function of no arguments that builds the model.

@@ -54,6 +54,12 @@ class ShardingReport:
     """
 
     def __init__(self, rows: tuple[VariableSharding, ...], mesh: Any = None):
+        """Builds the report and its totals.
+
+        Args:
+          rows: One :class:`VariableSharding` per variable.
+          mesh: The mesh, for the totals; None when unknown (everything on one device).
+        """
         self.rows = tuple(rows)
         self.mesh = mesh
         sizes = dict(mesh.shape) if mesh is not None else {}
