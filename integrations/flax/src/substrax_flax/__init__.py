@@ -14,14 +14,18 @@ from substrax_flax._plan import shard_model as shard_model
 from substrax_flax._report import ShardingReport as ShardingReport
 from substrax_flax._report import sharding_report as sharding_report
 from substrax_flax._resolve import VariableSharding as VariableSharding
+from substrax_flax._train import TrainStep as TrainStep
+from substrax_flax._train import make_train_step as make_train_step
 
 __all__ = [
     "ModelPlan",
     "ShardingReport",
+    "TrainStep",
     "VariableSharding",
     "create_sharded_model",
     "create_sharded_optimizer",
     "get_shardings",
+    "make_train_step",
     "plan_model",
     "shard_model",
     "sharding_report",

@@ -1,0 +1,175 @@
+"""A GPT-style decoder in plain Flax NNX with logical-axis annotations, its data, and layouts.
+
+Shared by ``fsdp_training.py`` (the main job) and ``benchmarks/``. The model code knows only
+logical names (``vocab``, ``embed``, ``heads``, ``kv``, ``mlp``, ``data``); a layout maps them
+to mesh axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from substrax.mesh import MeshRules
+from substrax.spmd import constrain
+
+LAYOUTS = ("dp", "fsdp", "hsdp", "tp", "fsdp+tp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Model size. The defaults give the 5.2M-parameter decoder of the benchmark."""
+
+    vocab: int = 4096
+    d_model: int = 256
+    heads: int = 8
+    mlp: int = 1024
+    layers: int = 4
+    seq: int = 64
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+
+def _param(rngs, shape, names, init=None):
+    init = init or nnx.initializers.lecun_normal()
+    return nnx.Param(init(rngs.params(), shape), out_sharding=names)
+
+
+def _rms_norm(x, scale):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+class Block(nnx.Module):
+    """Pre-norm causal self-attention and MLP."""
+
+    def __init__(self, config: Config, rngs: nnx.Rngs):
+        d, h, k, m = config.d_model, config.heads, config.head_dim, config.mlp
+        self.attn_norm = nnx.Param(jnp.ones((d,)), out_sharding=("embed",))
+        self.wq = _param(rngs, (d, h, k), ("embed", "heads", "kv"))
+        self.wk = _param(rngs, (d, h, k), ("embed", "heads", "kv"))
+        self.wv = _param(rngs, (d, h, k), ("embed", "heads", "kv"))
+        self.wo = _param(rngs, (h, k, d), ("heads", "kv", "embed"))
+        self.mlp_norm = nnx.Param(jnp.ones((d,)), out_sharding=("embed",))
+        self.up = _param(rngs, (d, m), ("embed", "mlp"))
+        self.down = _param(rngs, (m, d), ("mlp", "embed"))
+
+    def __call__(self, x):
+        h = _rms_norm(x, self.attn_norm[...])
+        q = constrain(jnp.einsum("bte,ehk->bthk", h, self.wq[...]), "data", None, "heads", "kv")
+        k = constrain(jnp.einsum("bte,ehk->bthk", h, self.wk[...]), "data", None, "heads", "kv")
+        v = constrain(jnp.einsum("bte,ehk->bthk", h, self.wv[...]), "data", None, "heads", "kv")
+        scores = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(q.shape[-1])
+        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+        attended = jnp.einsum("bhts,bshk->bthk", weights, v)
+        x = constrain(
+            x + jnp.einsum("bthk,hke->bte", attended, self.wo[...]), "data", None, "embed"
+        )
+        h = constrain(
+            jax.nn.gelu(_rms_norm(x, self.mlp_norm[...]) @ self.up[...]), "data", None, "mlp"
+        )
+        return constrain(x + h @ self.down[...], "data", None, "embed")
+
+
+class GPT(nnx.Module):
+    """Token embedding, ``layers`` blocks, a final norm and an untied output head."""
+
+    def __init__(self, config: Config, rngs: nnx.Rngs):
+        self.embedding = _param(
+            rngs, (config.vocab, config.d_model), ("vocab", "embed"), nnx.initializers.normal(1.0)
+        )
+        self.blocks = nnx.List([Block(config, rngs) for _ in range(config.layers)])
+        self.norm = nnx.Param(jnp.ones((config.d_model,)), out_sharding=("embed",))
+        self.head = _param(rngs, (config.d_model, config.vocab), ("embed", "vocab"))
+
+    def __call__(self, tokens):
+        x = constrain(jnp.take(self.embedding[...], tokens, axis=0), "data", None, "embed")
+        for block in self.blocks:
+            x = block(x)
+        logits = _rms_norm(x, self.norm[...]) @ self.head[...]
+        return constrain(logits, "data", None, "vocab")
+
+
+def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
+    """Next-token cross-entropy of a batch of token rows ``[batch, seq + 1]``."""
+    logits = model(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def optimizer(learning_rate: float = 3e-3) -> optax.GradientTransformation:
+    """adamw with gradient clipping."""
+    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(learning_rate, b2=0.98))
+
+
+# --- data: sentences from a small grammar, as bytes --------------------------------------------
+
+_SUBJECTS = ("the cat", "a dog", "the old man", "my sister", "a small bird", "the teacher")
+_VERBS = ("sees", "likes", "follows", "draws", "hears", "finds")
+_OBJECTS = ("the moon", "a red ball", "the river", "an apple", "the green door", "a song")
+_ENDINGS = (" today", " again", " at night", "", " slowly", " in the park")
+
+
+def _sentence(rng: np.random.Generator) -> str:
+    parts = (_SUBJECTS, _VERBS, _OBJECTS, _ENDINGS)
+    words = [part[rng.integers(len(part))] for part in parts]
+    return f"{words[0]} {words[1]} {words[2]}{words[3]}. "
+
+
+def batch_at(step: int, batch_size: int, seq: int, seed: int = 0) -> np.ndarray:
+    """The batch of ``step``: ``batch_size`` rows of ``seq + 1`` byte tokens.
+
+    Deterministic in ``(seed, step)``, so the data position of a run is its step number.
+    """
+    rng = np.random.default_rng([seed, step])
+    rows = []
+    for _ in range(batch_size):
+        text = ""
+        while len(text) < seq + 1 + 40:
+            text += _sentence(rng)
+        start = rng.integers(40)
+        rows.append(np.frombuffer(text[start : start + seq + 1].encode(), np.uint8))
+    return np.stack(rows).astype(np.int32)
+
+
+# --- layouts --------------------------------------------------------------------------------------
+
+
+def layout(name: str, axis_names: tuple[str, ...]) -> tuple[MeshRules, MeshRules]:
+    """Parameter rules and compute rules of a named layout on a mesh with ``axis_names``.
+
+    * ``dp``: parameters replicated, the batch over every axis.
+    * ``fsdp``: parameters sharded on ``embed`` over every axis, the batch too.
+    * ``hsdp``: parameters sharded on ``embed`` over ``model``, the batch over every axis.
+    * ``tp``: ``mlp``, ``heads`` and ``vocab`` over ``model``, the batch over ``data``.
+    * ``fsdp+tp``: ``tp``, plus ``embed`` over ``data``.
+
+    Compute rules gather ``embed`` (parameters are used whole on the FSDP axes).
+
+    Raises:
+      ValueError: For an unknown layout, or one that needs an axis the mesh lacks.
+    """
+    if name not in LAYOUTS:
+        raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(LAYOUTS)}.")
+    every = tuple(axis_names)
+    needs = {"hsdp": ("data", "model"), "tp": ("model",), "fsdp+tp": ("data", "model")}
+    missing = [axis for axis in needs.get(name, ()) if axis not in axis_names]
+    if missing:
+        raise ValueError(f"Strategy {name!r} needs mesh axes {missing}; the mesh has {every}.")
+    base = dict(vocab=None, kv=None, mlp=None, heads=None, embed=None, data=every)
+    tensor = dict(mlp="model", heads="model", vocab="model")
+    data_only = tuple(a for a in every if a != "model") or None
+    params = {
+        "dp": base,
+        "fsdp": {**base, "embed": every},
+        "hsdp": {**base, "embed": "model"},
+        "tp": {**base, **tensor, "data": data_only},
+        "fsdp+tp": {**base, **tensor, "data": data_only, "embed": data_only},
+    }[name]
+    return MeshRules().extend(**params), MeshRules().extend(**{**params, "embed": None})

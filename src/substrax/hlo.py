@@ -1,0 +1,145 @@
+"""Collective communication read off compiled HLO text: what XLA actually chose.
+
+Use the text of a compiled executable (``jitted.lower(...).compile().as_text()``), which is
+partitioned: every shape in it is per device. Each collective's traffic per device follows the
+ring algorithm's volume, the usual way of stating collective cost: with ``n`` devices in a
+group and ``B`` the bytes of the full (gathered or reduced) array,
+
+* all-gather: ``B * (n - 1) / n`` (``B`` is the result),
+* reduce-scatter: ``B * (n - 1) / n`` (``B`` is the operand: ``n`` times the result),
+* all-reduce: ``2 * B * (n - 1) / n``,
+* all-to-all: ``B * (n - 1) / n``,
+* collective-permute: ``B`` (each device sends its buffer once).
+
+Counts are static: an op inside a loop body is counted once, and :attr:`Collective.computation`
+names the computation it sits in, so loop bodies can be told apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+__all__ = ["KINDS", "Collective", "collectives", "traffic_by_kind"]
+
+#: The collective kinds, as XLA names them.
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+_DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<kind>" + "|".join(KINDS) + r")(?P<async>-start)?\(")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective op of a compiled program.
+
+    Attributes:
+      kind: One of :data:`KINDS`.
+      computation: The HLO computation that holds it (loop bodies have their own).
+      result_bytes: Bytes of its result per device.
+      group_size: Devices in each of its replica groups.
+      traffic_bytes: Bytes it moves per device, by the ring volumes in the module docstring.
+    """
+
+    kind: str
+    computation: str
+    result_bytes: int
+    group_size: int
+    traffic_bytes: float
+
+
+def _shape_bytes(text: str) -> list[int]:
+    sizes = []
+    for dtype, dims in _SHAPE.findall(text):
+        if dtype not in _DTYPE_BYTES:
+            continue
+        count = 1
+        for dim in filter(None, dims.split(",")):
+            count *= int(dim)
+        sizes.append(count * _DTYPE_BYTES[dtype])
+    return sizes
+
+
+def _group_size(line: str, num_devices: int) -> int:
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if named:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", named.group(1)))
+        size = 1
+        for axis in re.findall(r"'([^']+)'", named.group(2)):
+            size *= int(sizes[axis])
+        return size
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+    if iota:
+        return int(iota.group(2))
+    listed = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
+    if listed:
+        return len(listed.group(1).split(","))
+    return num_devices
+
+
+def _traffic(kind: str, result_bytes: int, n: int) -> float:
+    if kind == "collective-permute":
+        return float(result_bytes)
+    if n <= 1:
+        return 0.0
+    share = (n - 1) / n
+    if kind == "all-reduce":
+        return 2 * result_bytes * share
+    if kind == "reduce-scatter":
+        return result_bytes * n * share
+    return result_bytes * share
+
+
+def collectives(hlo_text: str, num_devices: int = 1) -> list[Collective]:
+    """Every collective op in a compiled program's HLO text.
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of a partitioned program.
+      num_devices: Group size to assume where an op lists no replica groups (all devices).
+
+    Returns:
+      One :class:`Collective` per op, in text order. ``*-done`` halves of asynchronous pairs
+      are skipped; a ``*-start`` counts as the op.
+    """
+    found, computation = [], ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line.strip())
+        if header and "=" not in line.split("{")[0]:
+            computation = header.group(1)
+            continue
+        match = _OP.search(line)
+        if match is None:
+            continue
+        kind = match.group("kind")
+        results = _shape_bytes(match.group("result"))
+        if match.group("async"):  # (operand, result) tuples: the result is the last shape
+            results = results[-1:]
+        n = _group_size(line, num_devices)
+        found.append(
+            Collective(kind, computation, sum(results), n, _traffic(kind, sum(results), n))
+        )
+    return found
+
+
+def traffic_by_kind(hlo_text: str, num_devices: int = 1) -> dict[str, dict[str, float]]:
+    """Count and traffic per device of each collective kind.
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of a partitioned program.
+      num_devices: Group size to assume where an op lists no replica groups.
+
+    Returns:
+      ``{kind: {"count": int, "bytes": float}}`` for every kind in :data:`KINDS`.
+    """
+    table = {kind: {"count": 0, "bytes": 0.0} for kind in KINDS}
+    for op in collectives(hlo_text, num_devices):
+        table[op.kind]["count"] += 1
+        table[op.kind]["bytes"] += op.traffic_bytes
+    return table

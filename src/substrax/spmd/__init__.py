@@ -1,0 +1,21 @@
+"""Data-parallel helpers: batches on the mesh, and logical-name constraints for model code.
+
+Sharding inference is left to XLA on Auto meshes: a batch sharded over the data axes is all a
+data-parallel step needs for XLA to insert the gradient all-reduce.
+"""
+
+from substrax.spmd._batch import batch_sharding as batch_sharding
+from substrax.spmd._batch import replicate as replicate
+from substrax.spmd._batch import shard_batch as shard_batch
+from substrax.spmd._constrain import active_rules as active_rules
+from substrax.spmd._constrain import constrain as constrain
+from substrax.spmd._constrain import use_rules as use_rules
+
+__all__ = [
+    "active_rules",
+    "batch_sharding",
+    "constrain",
+    "replicate",
+    "shard_batch",
+    "use_rules",
+]

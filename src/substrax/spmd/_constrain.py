@@ -1,0 +1,87 @@
+"""Logical-name sharding constraints for model code, resolved through the active rules."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from substrax.mesh import MeshRules, partition_spec_for_names
+
+__all__ = ["active_rules", "constrain", "use_rules"]
+
+_ACTIVE = threading.local()
+
+
+@contextlib.contextmanager
+def use_rules(mesh: Mesh, rules: MeshRules) -> Iterator[MeshRules]:
+    """Makes ``rules`` on ``mesh`` the active rules for :func:`constrain` in this thread.
+
+    substrax's train steps activate their compute rules while tracing, so model code can call
+    :func:`constrain` without knowing the layout. Contexts nest; the innermost wins.
+
+    Args:
+      mesh: The device mesh.
+      rules: The rules that resolve logical names.
+
+    Yields:
+      ``rules``, validated against ``mesh``.
+
+    Raises:
+      ValueError: If a rule names a mesh axis that ``mesh`` lacks.
+    """
+    rules.validate(mesh)
+    stack = getattr(_ACTIVE, "stack", [])
+    _ACTIVE.stack = [*stack, (mesh, rules)]
+    try:
+        yield rules
+    finally:
+        _ACTIVE.stack = stack
+
+
+def active_rules() -> tuple[Mesh, MeshRules] | None:
+    """The innermost ``(mesh, rules)`` activated by :func:`use_rules`, or None.
+
+    Returns:
+      The active mesh and rules, or None outside any :func:`use_rules` context.
+    """
+    stack = getattr(_ACTIVE, "stack", [])
+    return stack[-1] if stack else None
+
+
+def constrain(x: jax.Array, *logical_names: str | None) -> jax.Array:
+    """Constrains ``x`` to the layout its logical names resolve to under the active rules.
+
+    Flax NNX has no logical-name constraint of its own; this is one. Inside a substrax train
+    step (or any :func:`use_rules` context) it is ``jax.lax.with_sharding_constraint`` with
+    the spec from :func:`substrax.mesh.partition_spec_for_names` (``jax.sharding.reshard`` on
+    Explicit meshes). Outside any context it returns ``x`` unchanged, so the same model code
+    runs unsharded in unit tests.
+
+    Args:
+      x: The array, usually an activation inside ``jit``.
+      *logical_names: One logical name (or None) per dimension of ``x``.
+
+    Returns:
+      ``x``, constrained.
+
+    Raises:
+      ValueError: If the number of names differs from ``x.ndim``, or a name is unknown to the
+        active rules or repeated.
+    """
+    if len(logical_names) != x.ndim:
+        raise ValueError(
+            f"constrain got {len(logical_names)} logical names {logical_names} for an array "
+            f"of shape {x.shape} ({x.ndim} dimensions)."
+        )
+    active = active_rules()
+    if active is None:
+        return x
+    mesh, rules = active
+    sharding = NamedSharding(mesh, partition_spec_for_names(rules, *logical_names))
+    if AxisType.Explicit in tuple(mesh.axis_types):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)

@@ -1,0 +1,38 @@
+"""The layouts benchmark runs at a tiny size and reports what it should."""
+
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import layouts  # noqa: E402
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_benchmark_runs_at_a_tiny_size(tmp_path):
+    report = layouts.main(
+        ["--size", "tiny", "--steps", "2", "--layouts", "FSDP 8", "TP 4 x DP 2",
+         "--output-dir", str(tmp_path)]
+    )  # fmt: skip
+    assert (tmp_path / "layouts.json").exists()
+    assert "| FSDP 8 | substrax |" in (tmp_path / "layouts.md").read_text()
+    fsdp = report["rows"][0]
+    for name in ("substrax", "flax"):
+        assert fsdp[name]["bytes_per_device"] > 0
+        assert len(fsdp[name]["losses"]) == 3
+    assert fsdp["max_loss_difference"] < 1e-4
+    assert fsdp["substrax"]["full_size_init_buffers"] == []
+    assert fsdp["substrax"]["traffic_bytes"] == pytest.approx(
+        fsdp["theory_traffic_bytes"], rel=0.05
+    )
+
+
+def test_theory_volumes():
+    assert layouts.theory_bytes("dp", 800, {"data": 8}) == 2 * 800 * 7 / 8
+    assert layouts.theory_bytes("fsdp", 800, {"data": 8}) == 3 * 800 * 7 / 8
+    hsdp = layouts.theory_bytes("hsdp", 800, {"data": 2, "model": 4})
+    assert hsdp == 3 * 800 * 3 / 4 + 2 * 200 / 2
+    assert layouts.theory_bytes("tp", 800, {"data": 2, "model": 4}) is None

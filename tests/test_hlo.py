@@ -1,0 +1,70 @@
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from substrax.hlo import KINDS, Collective, collectives, traffic_by_kind
+
+
+def _hlo(f, *args):
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def test_psum_in_shard_map_is_one_all_reduce_of_known_bytes(mesh_2x4):
+    f = jax.shard_map(
+        lambda x: jax.lax.psum(x, "model"),
+        mesh=mesh_2x4,
+        in_specs=P("data", "model"),
+        out_specs=P("data"),
+    )
+    ops = collectives(_hlo(f, jnp.ones((4, 1024), jnp.float32)))
+    # Each device holds a (2, 256) float32 block: 2048 bytes, summed over groups of 4.
+    assert ops == [Collective("all-reduce", ops[0].computation, 2048, 4, 2 * 2048 * 3 / 4)]
+
+
+def test_all_gather_traffic_by_kind(mesh_2x4):
+    x = jax.device_put(jnp.ones((8, 64)), NamedSharding(mesh_2x4, P(("data", "model"))))
+    hlo = _hlo(lambda x: jax.lax.with_sharding_constraint(x * 2, NamedSharding(mesh_2x4, P())), x)
+    table = traffic_by_kind(hlo)
+    assert set(table) == set(KINDS)
+    gathered = 8 * 64 * 4
+    assert table["all-gather"]["count"] >= 1
+    assert table["all-gather"]["bytes"] >= gathered * 7 / 8 - 1e-6
+    assert table["all-reduce"] == {"count": 0, "bytes": 0.0}
+
+
+def test_collective_permute_and_loop_bodies(mesh_2x4):
+    def ring(x):
+        def body(_, x):
+            return jax.lax.ppermute(x, "model", [(i, (i + 1) % 4) for i in range(4)])
+
+        return jax.lax.fori_loop(0, 3, body, x)
+
+    f = jax.shard_map(
+        ring, mesh=mesh_2x4, in_specs=P("data", "model"), out_specs=P("data", "model")
+    )
+    ops = collectives(_hlo(f, jnp.ones((2, 16), jnp.float32)))
+    assert [op.kind for op in ops] == ["collective-permute"]
+    assert ops[0].traffic_bytes == ops[0].result_bytes == 4 * 4
+    assert ops[0].computation != "main"  # inside the loop body, named as such
+
+
+def test_text_formats_of_replica_groups():
+    lines = [
+        "ENTRY %main (p: f32[4]) -> f32[4] {",
+        "  %a = f32[16]{0} all-gather(f32[4]{0} %p), replica_groups=[2,4]<=[8], dimensions={0}",
+        "  %b = bf16[8]{0} all-reduce(bf16[8]{0} %p), replica_groups={{0,1},{2,3}}, to_apply=%s",
+        "  %c = f32[2]{0} reduce-scatter(f32[8]{0} %p), replica_groups=mesh['x'=2,'y'=4] {'y'}",
+        "  %d = (f32[4]{0}, f32[16]{0}) all-gather-start(f32[4]{0} %p), replica_groups=[2,4]<=[8]",
+        "  %e = f32[16]{0} all-gather-done(%d)",
+        "}",
+    ]
+    ops = collectives("\n".join(lines))
+    assert [(op.kind, op.result_bytes, op.group_size) for op in ops] == [
+        ("all-gather", 64, 4),
+        ("all-reduce", 16, 2),
+        ("reduce-scatter", 8, 4),
+        ("all-gather", 64, 4),
+    ]
+    assert [op.traffic_bytes for op in ops] == [48.0, 16.0, 24.0, 48.0]
+    assert {op.computation for op in ops} == {"main"}

@@ -1,0 +1,97 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from substrax.mesh import DeviceMeshManager, MeshRules, fsdp_rules
+from substrax.spmd import active_rules, batch_sharding, constrain, replicate, shard_batch, use_rules
+
+
+def test_shard_batch_over_one_axis(mesh_2x4):
+    batch = {"x": np.arange(24.0).reshape(4, 6), "y": np.arange(4)}
+    placed = shard_batch(batch, mesh_2x4, "data")
+    assert placed["x"].sharding.spec == P("data")
+    assert placed["x"].addressable_shards[0].data.shape == (2, 6)
+    np.testing.assert_array_equal(placed["x"], batch["x"])
+    np.testing.assert_array_equal(placed["y"], batch["y"])
+
+
+def test_shard_batch_over_several_axes(mesh_2x4):
+    placed = shard_batch(np.arange(16.0).reshape(8, 2), mesh_2x4, ("data", "model"))
+    assert placed.sharding.spec == P(("data", "model"))
+    assert placed.addressable_shards[0].data.shape == (1, 2)
+    np.testing.assert_array_equal(placed, np.arange(16.0).reshape(8, 2))
+
+
+def test_batch_that_does_not_divide_is_an_error(mesh_2x4):
+    with pytest.raises(ValueError, match=r"Global batch size 6 .* does not divide the 8 devices"):
+        shard_batch({"x": np.ones((6, 2))}, mesh_2x4, ("data", "model"))
+
+
+def test_scalar_leaf_is_an_error(mesh_2x4):
+    with pytest.raises(ValueError, match=r"\['lr'\] is a scalar"):
+        shard_batch({"lr": np.float32(0.1)}, mesh_2x4)
+
+
+def test_unknown_data_axis_is_an_error(mesh_2x4):
+    with pytest.raises(ValueError, match=r"must be distinct axes of the mesh; its axes are"):
+        batch_sharding(mesh_2x4, "batch")
+    with pytest.raises(ValueError, match="must name one or more mesh axes"):
+        batch_sharding(mesh_2x4, ())
+
+
+def test_replicate(mesh_2x4):
+    placed = replicate({"a": np.arange(3), "b": np.float32(2.0)}, mesh_2x4)
+    assert placed["a"].sharding.is_fully_replicated
+    assert len(placed["a"].sharding.device_set) == 8
+    assert float(placed["b"]) == 2.0
+
+
+def test_constrain_is_the_identity_outside_a_context():
+    x = jnp.ones((4, 8))
+    assert constrain(x, "data", "embed") is x
+    assert active_rules() is None
+
+
+def test_constrain_resolves_through_the_active_rules(mesh_2x4):
+    rules = fsdp_rules()
+
+    @jax.jit
+    def f(x):
+        return constrain(x * 2, "data", "mlp")
+
+    with use_rules(mesh_2x4, rules) as active:
+        assert active is rules and active_rules() == (mesh_2x4, rules)
+        y = f(jnp.ones((4, 8)))
+    assert active_rules() is None
+    assert y.sharding.is_equivalent_to(NamedSharding(mesh_2x4, P("data", "model")), 2)
+
+
+def test_use_rules_nests_and_validates(mesh_2x4):
+    with use_rules(mesh_2x4, fsdp_rules()), use_rules(mesh_2x4, MeshRules(data="model")):
+        assert active_rules()[1] == MeshRules(data="model")
+    with (
+        pytest.raises(ValueError, match="names mesh axis 'tensor'"),
+        use_rules(mesh_2x4, MeshRules(mlp="tensor")),
+    ):
+        pass
+
+
+def test_constrain_checks_rank_and_names(mesh_2x4):
+    with pytest.raises(ValueError, match=r"got 1 logical names \('data',\) for an array of shape"):
+        constrain(jnp.ones((2, 2)), "data")
+    with use_rules(mesh_2x4, fsdp_rules()), pytest.raises(ValueError, match="'vocab'"):
+        constrain(jnp.ones((2, 2)), "data", "vocab")
+
+
+def test_constrain_on_an_explicit_mesh_reshards():
+    from jax.sharding import AxisType
+
+    mesh = DeviceMeshManager.create_device_mesh(
+        {"data": 2, "model": 4}, axis_types=(AxisType.Explicit,) * 2
+    )
+    with jax.set_mesh(mesh), use_rules(mesh, fsdp_rules()):
+        y = jax.jit(lambda x: constrain(x, "data", "embed"))(jnp.ones((4, 8)))
+    assert y.sharding.spec == P("data", "model")
