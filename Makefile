@@ -1,11 +1,12 @@
-# `make demo` runs the main job; `make test` runs lint and the whole test suite.
-# Both set up .venv on first use, so a fresh machine needs only python3, git and make.
+# `make demo` runs the main job (FSDP training on 8 simulated devices); `make test` runs lint and
+# the whole test suite; `make specs` prints every strategy's specs; `make bench` runs the benchmark.
+# Each sets up .venv on first use, so a fresh machine needs only python3, git and make.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format clean
+.PHONY: demo specs bench test lint format clean
 
 $(STAMP): pyproject.toml integrations/flax/pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +15,13 @@ $(STAMP): pyproject.toml integrations/flax/pyproject.toml requirements-dev.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
+	$(PY) examples/fsdp_training.py
+
+specs: $(STAMP)
 	$(PY) examples/demo.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/layouts.py --output-dir benchmarks/results
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
