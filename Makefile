@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo specs bench test lint format clean
+.PHONY: demo specs bench test lint docs docs-serve format clean
 
 $(STAMP): pyproject.toml integrations/flax/pyproject.toml requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,14 @@ lint: $(STAMP)
 
 test: lint
 	$(PY) -m pytest
+	$(MAKE) docs
+
+# Builds the site into site/, executing every tutorial notebook; fails on any warning or error.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -22,8 +22,8 @@ import re
 
 __all__ = ["KINDS", "Collective", "collectives", "traffic_by_kind"]
 
-#: The collective kinds, as XLA names them.
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+"""The collective kinds, as XLA names them."""
 
 _DTYPE_BYTES = {
     "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,

@@ -1,0 +1,52 @@
+"""The docs cannot drift: every public name is in the API reference, notebooks are stripped."""
+
+import json
+import pathlib
+
+import pytest
+
+import substrax
+import substrax.hlo
+import substrax.mesh
+import substrax.spmd
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+API = "\n".join(path.read_text() for path in (ROOT / "docs" / "api").glob("*.md"))
+MODULES = [substrax, substrax.mesh, substrax.spmd, substrax.hlo]
+
+
+def _public(module):
+    return [name for name in module.__all__ if not name.startswith("__")]
+
+
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_every_public_name_is_in_the_api_reference(module):
+    missing = [
+        f"{module.__name__}.{name}"
+        for name in _public(module)
+        if f"::: {module.__name__}.{name}\n" not in API + "\n"
+    ]
+    assert missing == []
+
+
+def test_every_adapter_name_is_in_the_api_reference():
+    import substrax_flax
+
+    missing = [n for n in substrax_flax.__all__ if f"::: substrax_flax.{n}\n" not in API + "\n"]
+    assert missing == []
+
+
+@pytest.mark.parametrize(
+    "notebook", sorted((ROOT / "docs" / "tutorials").glob("*.ipynb")), ids=lambda p: p.name
+)
+def test_notebooks_are_stored_without_outputs(notebook):
+    cells = json.loads(notebook.read_text())["cells"]
+    code = [cell for cell in cells if cell["cell_type"] == "code"]
+    assert code, f"{notebook.name} has no code"
+    assert all(cell["outputs"] == [] and cell["execution_count"] is None for cell in code)
+
+
+def test_every_tutorial_is_in_the_site_navigation():
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for notebook in (ROOT / "docs" / "tutorials").glob("*.ipynb"):
+        assert f"tutorials/{notebook.name}" in nav
