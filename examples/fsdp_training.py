@@ -6,6 +6,10 @@ The data is generated: sentences of a small grammar, as bytes, so the loss falls
     python examples/fsdp_training.py --mesh data=2,model=4 --strategy fsdp --steps 150
 
 Writes ``metrics.json`` (losses, mesh, strategy, throughput, memory) into ``--output-dir``.
+With ``--checkpoint-dir`` it saves sharded checkpoints (model, optimizer, step, data position);
+``--resume`` continues from the latest one, under any ``--mesh`` / ``--strategy``. It runs
+unchanged on several processes: ``python -m substrax.launch --num-processes 2
+--devices-per-process 4 examples/fsdp_training.py``.
 """
 
 from __future__ import annotations
@@ -17,8 +21,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 
+import substrax.distributed
+
 if __name__ == "__main__":
-    jax.config.update("jax_num_cpu_devices", int(os.environ.get("SUBSTRAX_CPU_DEVICES", "8")))
+    # 8 simulated CPU devices, or what `python -m substrax.launch` asks for in each process.
+    substrax.distributed.initialize(cpu_devices=8)
 
 import argparse
 import dataclasses
@@ -69,6 +76,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=defaults.seq)
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("runs/fsdp"))
     parser.add_argument("--quiet", action="store_true", help="no sharding report")
+    parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None)
+    parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    resume.add_argument(
+        "--resume-if-present", action="store_true", help="--resume, or a fresh start if none"
+    )
     return parser.parse_args(argv)
 
 
@@ -78,8 +93,10 @@ def build(args):
         raise UsageError(f"--vocab {args.vocab}: the byte-level data needs at least 128")
     if args.d_model % args.heads:
         raise UsageError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
-    if args.steps < 1 or args.batch_size < 1:
-        raise UsageError("--steps and --batch-size must be positive")
+    if args.steps < 1 or args.batch_size < 1 or args.save_every < 1:
+        raise UsageError("--steps, --batch-size and --save-every must be positive")
+    if (args.resume or args.resume_if_present) and args.checkpoint_dir is None:
+        raise UsageError("--resume needs --checkpoint-dir")
     shape = parse_mesh(args.mesh)
     try:
         mesh = DeviceMeshManager.create_device_mesh(shape)
@@ -145,6 +162,7 @@ def train(args) -> dict:
     model = plan.create()
     optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(args.learning_rate), mesh, rules)
     step_fn = sf.make_train_step(gpt.loss_fn, mesh, rules, compute_rules=compute)
+    checkpointer = resume(args, model, optimizer, primary)
     start_step = int(optimizer.step[...])
     losses, progress = [], Progress(args.steps, start_step)
     tokens = args.batch_size * config.seq
@@ -156,7 +174,11 @@ def train(args) -> dict:
         losses.append(loss)
         if primary:
             progress.update(step + 1, loss, tokens / (time.perf_counter() - tick))
+        if checkpointer and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+            checkpointer.save(step + 1, model, optimizer, {"step": step + 1, "seed": args.seed})
     elapsed = time.perf_counter() - started
+    if not losses:
+        raise UsageError(f"nothing to do: the checkpoint is at step {start_step} >= --steps")
     state = sf.sharding_report(model).bytes_per_device
     state += sf.sharding_report(optimizer).bytes_per_device
     metrics = {
@@ -179,6 +201,28 @@ def train(args) -> dict:
             f"{metrics['tokens_per_second']:,.0f} tok/s; wrote {args.output_dir / 'metrics.json'}"
         )
     return metrics
+
+
+def resume(args, model, optimizer, primary):
+    """The run's Checkpointer (None without --checkpoint-dir), after restoring if asked."""
+    if args.checkpoint_dir is None:
+        return None
+    checkpointer = sf.Checkpointer(args.checkpoint_dir, keep=args.keep)
+    if not (args.resume or args.resume_if_present):
+        return checkpointer
+    if checkpointer.latest_step() is None:
+        if args.resume:
+            raise UsageError(
+                f"--resume: no checkpoint in {args.checkpoint_dir} (use --resume-if-present to "
+                "start fresh)"
+            )
+        return checkpointer
+    metadata = checkpointer.restore(model, optimizer)
+    if metadata.get("seed", args.seed) != args.seed:
+        raise UsageError(f"--seed {args.seed} differs from the checkpoint's {metadata['seed']}")
+    if primary:
+        print(f"resumed from step {metadata['step']} in {args.checkpoint_dir}")
+    return checkpointer
 
 
 def main(argv=None) -> int:

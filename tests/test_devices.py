@@ -1,5 +1,6 @@
 import jax
 import numpy as np
+import pytest
 from jax.sharding import AxisType
 
 from substrax.mesh import DeviceMeshManager
@@ -55,6 +56,8 @@ def test_get_mesh_info():
         "num_axes": 2,
         "axis_sizes": {"data": 2, "model": 4},
         "num_processes": 1,
+        "process_index": 0,
+        "num_local_devices": 8,
     }
     assert list(info["axis_sizes"]) == ["data", "model"]
 
@@ -66,3 +69,13 @@ def test_a_mesh_shards_an_array():
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", "model")),
     )
     assert x.addressable_shards[0].data.shape == (2, 2)
+
+
+def test_multihost_mesh_in_one_process():
+    mesh = DeviceMeshManager.create_multihost_mesh({"data": 1}, {"data": 2, "model": -1})
+    assert dict(mesh.shape) == {"data": 2, "model": 4}
+    assert mesh.axis_types == (AxisType.Auto, AxisType.Auto)
+    with pytest.raises(ValueError, match=r"intra_host \{'model': 4\} multiplies to 4, but there"):
+        DeviceMeshManager.create_multihost_mesh({"data": 1}, {"model": 4})
+    with pytest.raises(ValueError, match=r"inter_host \{'data': 2\} multiplies to 2"):
+        DeviceMeshManager.create_multihost_mesh({"data": 2}, {"model": 8})

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 MeshShape = Mapping[str, int] | Sequence[tuple[str, int]]
@@ -234,6 +235,55 @@ class DeviceMeshManager:
         return DeviceMeshManager.create_device_mesh(shape, devices)
 
     @staticmethod
+    def create_multihost_mesh(
+        inter_host: MeshShape,
+        intra_host: MeshShape,
+        *,
+        axis_types: Sequence[AxisType] | None = None,
+    ) -> Mesh:
+        """Create a mesh whose process (host) dimension is outermost.
+
+        ``inter_host`` axes span processes (slow links: data parallelism), ``intra_host`` axes
+        span the devices of one process (fast links: model parallelism). An axis named in both
+        has the product of the two sizes, the process part outermost. Each may use one ``-1``
+        size. Works for any process count, including one.
+
+        Args:
+          inter_host: Axis sizes across processes; they multiply to ``jax.process_count()``.
+          intra_host: Axis sizes within a process; they multiply to
+            ``jax.local_device_count()``.
+          axis_types: One ``AxisType`` per axis of the result (inter-host axes first, then
+            new intra-host axes); Auto for every axis when None.
+
+        Returns:
+          A JAX device mesh in which each process owns whole rows of the inter-host axes.
+
+        Raises:
+          ValueError: If a shape does not match the process or local device count, or a size
+            or name is invalid.
+        """
+        inter = _resolve_inferred(_normalize_shape(inter_host), jax.process_count())
+        intra = _resolve_inferred(_normalize_shape(intra_host), jax.local_device_count())
+        for what, pairs, count in (
+            ("inter_host", inter, jax.process_count()),
+            ("intra_host", intra, jax.local_device_count()),
+        ):
+            if math.prod(size for _, size in pairs) != count:
+                raise ValueError(
+                    f"{what} {dict(pairs)} multiplies to {math.prod(s for _, s in pairs)}, "
+                    f"but there are {count} "
+                    f"{'processes' if what == 'inter_host' else 'devices per process'}."
+                )
+        names = list(dict.fromkeys([n for n, _ in inter] + [n for n, _ in intra]))
+        types = _check_axis_types(axis_types, names)
+        dcn = [dict(inter).get(name, 1) for name in names]
+        ici = [dict(intra).get(name, 1) for name in names]
+        devices = mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, jax.devices(), process_is_granule=True
+        )
+        return Mesh(devices, tuple(names), axis_types=types)
+
+    @staticmethod
     def get_mesh_info(mesh: Mesh) -> dict[str, int | dict[str, int]]:
         """Get information about a device mesh.
 
@@ -243,7 +293,8 @@ class DeviceMeshManager:
         Returns:
           A dictionary containing information about the mesh, including the number of devices
           and the size of each axis: ``num_devices``, ``num_axes``, ``axis_sizes`` (axis name to
-          size, in mesh order) and ``num_processes`` (how many processes own its devices).
+          size, in mesh order), ``num_processes`` (how many processes own its devices),
+          ``process_index`` (this process) and ``num_local_devices`` (its devices in the mesh).
 
         Raises:
           TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``.
@@ -258,4 +309,8 @@ class DeviceMeshManager:
             "num_axes": len(mesh.axis_names),
             "axis_sizes": {name: int(size) for name, size in mesh.shape.items()},
             "num_processes": len(processes),
+            "process_index": jax.process_index(),
+            "num_local_devices": sum(
+                d.process_index == jax.process_index() for d in mesh.devices.flat
+            ),
         }

@@ -5,6 +5,7 @@ unannotated variables follow a substrax strategy. Models are created inside ``ja
 the planned output shardings, so no device ever holds a whole model.
 """
 
+from substrax_flax._checkpoint import Checkpointer as Checkpointer
 from substrax_flax._optimizer import create_sharded_optimizer as create_sharded_optimizer
 from substrax_flax._plan import ModelPlan as ModelPlan
 from substrax_flax._plan import create_sharded_model as create_sharded_model
@@ -18,6 +19,7 @@ from substrax_flax._train import TrainStep as TrainStep
 from substrax_flax._train import make_train_step as make_train_step
 
 __all__ = [
+    "Checkpointer",
     "ModelPlan",
     "ShardingReport",
     "TrainStep",

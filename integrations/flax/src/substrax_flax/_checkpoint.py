@@ -1,0 +1,157 @@
+"""Checkpointer: sharded Orbax checkpoints of a model and its optimizer, restorable anywhere."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+__all__ = ["Checkpointer"]
+
+
+def _abstract(tree: Any) -> Any:
+    """ShapeDtypeStructs with the shardings of a tree of live arrays (the restore target)."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {jax.tree_util.keystr(p, simple=True, separator="/"): tuple(x.shape) for p, x in leaves}
+
+
+class Checkpointer:
+    """Saves and restores a model, its optimizer and run metadata with Orbax.
+
+    Every process writes only its own shards; a restore reads each array straight into the
+    sharding of the target model and optimizer, whatever mesh, layout or number of processes
+    saved it. Saves are atomic (Orbax writes a temporary directory and renames it when every
+    process is done), so a run killed mid-save leaves the previous checkpoint intact, and only
+    the last ``keep`` checkpoints are kept.
+
+    Args:
+      directory: Where checkpoints go, one subdirectory per step.
+      keep: How many checkpoints to keep.
+    """
+
+    def __init__(self, directory: str | pathlib.Path, *, keep: int = 3):
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, got {keep}.")
+        self.directory = pathlib.Path(directory).absolute()
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=keep, enable_async_checkpointing=False, create=True
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=options,
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "metadata": ocp.JsonCheckpointHandler(),
+            },
+        )
+
+    def latest_step(self) -> int | None:
+        """The step of the newest complete checkpoint.
+
+        Returns:
+          The step, or None when the directory holds no complete checkpoint.
+        """
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        """Steps of every complete checkpoint, oldest first.
+
+        Returns:
+          The steps.
+        """
+        return sorted(self._manager.all_steps())
+
+    def save(
+        self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, metadata: dict | None = None
+    ) -> None:
+        """Saves the model's and optimizer's state and ``metadata`` as checkpoint ``step``.
+
+        Args:
+          step: The step number (the checkpoint's name).
+          model: The model.
+          optimizer: Its optimizer.
+          metadata: JSON-serialisable run information (data position, configuration, ...).
+        """
+        state = {
+            "model": nnx.to_pure_dict(nnx.state(model)),
+            "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
+        }
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                metadata=ocp.args.JsonSave(dict(metadata or {})),
+            ),
+        )
+        self._manager.wait_until_finished()
+
+    def restore(self, model: nnx.Module, optimizer: nnx.Optimizer, step: int | None = None) -> dict:
+        """Restores checkpoint ``step`` (the latest when None) into ``model`` and ``optimizer``.
+
+        Each array is read directly into the sharding that the array of ``model`` or
+        ``optimizer`` has now, so a model created by substrax under another mesh or strategy
+        is restored in its own layout.
+
+        Args:
+          model: The target model, created (sharded) as the run wants it.
+          optimizer: Its optimizer.
+          step: The checkpoint to restore; the latest when None.
+
+        Returns:
+          The metadata saved with the checkpoint.
+
+        Raises:
+          FileNotFoundError: If there is no checkpoint (or no such step) in the directory.
+          ValueError: If the checkpoint's shapes or paths differ from the targets'; the message
+            names every mismatched path.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self._manager.all_steps():
+            raise FileNotFoundError(
+                f"No checkpoint {'' if step is None else f'for step {step} '}in "
+                f"{self.directory}; steps there: {self.all_steps()}."
+            )
+        target = {
+            "model": nnx.to_pure_dict(nnx.state(model)),
+            "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
+        }
+        self._check_shapes(step, target)
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(_abstract(target)),
+                metadata=ocp.args.JsonRestore(),
+            ),
+        )
+        model_state, optimizer_state = nnx.state(model), nnx.state(optimizer)
+        nnx.replace_by_pure_dict(model_state, restored.state["model"])
+        nnx.replace_by_pure_dict(optimizer_state, restored.state["optimizer"])
+        nnx.update(model, model_state)
+        nnx.update(optimizer, optimizer_state)
+        return dict(restored.metadata)
+
+    def _check_shapes(self, step: int, target: dict) -> None:
+        saved_tree = self._manager.item_metadata(step).state
+        saved = {path: tuple(shape) for path, shape in _flat_shapes(saved_tree).items()}
+        wanted = _flat_shapes(target)
+        problems = [
+            f"{path}: checkpoint {saved.get(path, 'missing')}, target {wanted.get(path, 'missing')}"
+            for path in sorted(set(saved) | set(wanted))
+            if saved.get(path) != wanted.get(path)
+        ]
+        if problems:
+            raise ValueError(
+                f"Checkpoint step {step} in {self.directory} does not match the target model: "
+                + "; ".join(problems)
+            )
+
+    def close(self) -> None:
+        """Waits for pending work and releases the manager."""
+        self._manager.close()
