@@ -41,6 +41,6 @@ def check_google_docstring(name, obj):
             assert param in doc, f"{name} does not document {param}"
     annotation = inspect.signature(obj).return_annotation
     if obj.__name__ != "__init__" and annotation not in (None, "None", inspect.Signature.empty):
-        assert "Returns:" in found, f"{name} documents no Returns"
+        assert found & {"Returns:", "Yields:"}, f"{name} documents no Returns"
     if "raise " in inspect.getsource(obj):
         assert "Raises:" in found, f"{name} raises but documents no Raises"

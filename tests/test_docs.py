@@ -6,17 +6,23 @@ import pathlib
 import pytest
 
 import substrax
+import substrax.distributed
 import substrax.hlo
+import substrax.launch
 import substrax.mesh
 import substrax.spmd
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 API = "\n".join(path.read_text() for path in (ROOT / "docs" / "api").glob("*.md"))
-MODULES = [substrax, substrax.mesh, substrax.spmd, substrax.hlo]
+MODULES = [substrax, substrax.mesh, substrax.spmd, substrax.hlo, substrax.launch]
 
 
 def _public(module):
     return [name for name in module.__all__ if not name.startswith("__")]
+
+
+def test_distributed_initialize_is_in_the_api_reference():
+    assert "::: substrax.distributed.initialize\n" in API
 
 
 @pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)

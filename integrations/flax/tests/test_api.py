@@ -2,12 +2,22 @@ import pytest
 from docstring_checks import check_google_docstring, public_callables
 
 import substrax
+import substrax.distributed
+import substrax.hlo
+import substrax.launch
+import substrax.spmd
 import substrax_flax
 
 
 @pytest.mark.parametrize(
     ("name", "obj"),
-    [*public_callables(substrax_flax), *public_callables(substrax)],
+    [
+        *public_callables(substrax_flax),
+        *public_callables(substrax),
+        *public_callables(substrax.spmd),
+        *public_callables(substrax.hlo),
+        *public_callables(substrax.launch),
+    ],
     ids=lambda v: str(v)[:60],
 )
 def test_every_public_name_has_a_google_docstring(name, obj):

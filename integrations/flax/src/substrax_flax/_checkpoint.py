@@ -30,13 +30,18 @@ class Checkpointer:
     saved it. Saves are atomic (Orbax writes a temporary directory and renames it when every
     process is done), so a run killed mid-save leaves the previous checkpoint intact, and only
     the last ``keep`` checkpoints are kept.
-
-    Args:
-      directory: Where checkpoints go, one subdirectory per step.
-      keep: How many checkpoints to keep.
     """
 
     def __init__(self, directory: str | pathlib.Path, *, keep: int = 3):
+        """Opens (or creates) a checkpoint directory.
+
+        Args:
+          directory: Where checkpoints go, one subdirectory per step.
+          keep: How many checkpoints to keep.
+
+        Raises:
+          ValueError: If ``keep`` is smaller than 1.
+        """
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}.")
         self.directory = pathlib.Path(directory).absolute()
