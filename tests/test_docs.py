@@ -10,11 +10,19 @@ import substrax.distributed
 import substrax.hlo
 import substrax.launch
 import substrax.mesh
+import substrax.pipeline
 import substrax.spmd
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 API = "\n".join(path.read_text() for path in (ROOT / "docs" / "api").glob("*.md"))
-MODULES = [substrax, substrax.mesh, substrax.spmd, substrax.hlo, substrax.launch]
+MODULES = [
+    substrax,
+    substrax.mesh,
+    substrax.spmd,
+    substrax.hlo,
+    substrax.launch,
+    substrax.pipeline,
+]
 
 
 def _public(module):

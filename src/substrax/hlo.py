@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-__all__ = ["KINDS", "Collective", "collectives", "traffic_by_kind"]
+__all__ = ["KINDS", "Collective", "collectives", "traffic_by_kind", "while_bodies"]
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 """The collective kinds, as XLA names them."""
@@ -33,7 +33,7 @@ _DTYPE_BYTES = {
 }  # fmt: skip
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<kind>" + "|".join(KINDS) + r")(?P<async>-start)?\(")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented header
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +110,8 @@ def collectives(hlo_text: str, num_devices: int = 1) -> list[Collective]:
     """
     found, computation = [], ""
     for line in hlo_text.splitlines():
-        header = _COMPUTATION.match(line.strip())
-        if header and "=" not in line.split("{")[0]:
+        header = _COMPUTATION.match(line)
+        if header:
             computation = header.group(1)
             continue
         match = _OP.search(line)
@@ -143,3 +143,15 @@ def traffic_by_kind(hlo_text: str, num_devices: int = 1) -> dict[str, dict[str, 
         table[op.kind]["count"] += 1
         table[op.kind]["bytes"] += op.traffic_bytes
     return table
+
+
+def while_bodies(hlo_text: str) -> set[str]:
+    """Names of the computations that are bodies of ``while`` loops (``scan``, ``fori_loop``).
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of a program.
+
+    Returns:
+      The body computations' names, to compare with :attr:`Collective.computation`.
+    """
+    return set(re.findall(r"\swhile\(.*?body=%?([\w.\-]+)", hlo_text))

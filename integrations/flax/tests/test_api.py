@@ -5,6 +5,7 @@ import substrax
 import substrax.distributed
 import substrax.hlo
 import substrax.launch
+import substrax.pipeline
 import substrax.spmd
 import substrax_flax
 
@@ -17,6 +18,7 @@ import substrax_flax
         *public_callables(substrax.spmd),
         *public_callables(substrax.hlo),
         *public_callables(substrax.launch),
+        *public_callables(substrax.pipeline),
     ],
     ids=lambda v: str(v)[:60],
 )

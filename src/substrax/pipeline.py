@@ -1,0 +1,520 @@
+"""Pipeline parallelism that runs: GPipe, 1F1B and circular schedules in one ``shard_map``.
+
+A :class:`Pipeline` splits a stack of layers (parameters with a leading layer axis) over the
+stage axis of a :class:`~substrax.mesh.PipelineParallelStrategy`, splits each batch into
+microbatches and runs them through the stages, moving activations forward and cotangents back
+with ``lax.ppermute`` along the strategy's own communication patterns. Other mesh axes given as
+``data_axes`` split each microbatch (data parallelism); the gradient is reduced over them once,
+after the pipeline loop. Mesh axes that are neither stay Auto, for XLA to shard inside a stage.
+
+Schedules, for ``S`` stages and ``M`` microbatches (a tick runs one stage step on every stage):
+
+* ``"gpipe"``: all forwards, then all backwards (``jax.grad`` through a scan of ``M + S - 1``
+  ticks); activation memory grows with ``M``.
+* ``"circular"``: each stage holds ``repeats`` chunks of layers and every microbatch goes round
+  the ring ``repeats`` times (``repeats * M + S - 1`` ticks, needs ``M >= S``); the bubble
+  shrinks by ``repeats``.
+* ``"1f1b"``: forward of microbatch ``i`` on stage ``s`` at tick ``i + s``, its backward at tick
+  ``i + 2 (S - 1) - s``, each stage keeping only the inputs of the microbatches in flight and
+  recomputing the stage inside ``jax.vjp``: activation memory is bounded by ``S``, not ``M``.
+
+Uneven layer counts are padded with masked identity layers whose gradients are exactly zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from substrax.mesh import PipelineParallelStrategy
+
+__all__ = ["SCHEDULES", "Pipeline", "ScheduleSlot"]
+
+SCHEDULES = ("gpipe", "1f1b", "circular")
+"""The schedules :class:`Pipeline` runs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleSlot:
+    """One unit of work of a schedule: what a stage does at a tick.
+
+    Attributes:
+      tick: The tick (time step) of the loop.
+      stage: The stage.
+      op: ``"forward"`` or ``"backward"``.
+      microbatch: The microbatch.
+      repeat: The round of the ring (circular schedules; 0 otherwise).
+    """
+
+    tick: int
+    stage: int
+    op: str
+    microbatch: int
+    repeat: int = 0
+
+
+def _balanced(num_layers: int, parts: int) -> list[int]:
+    base, extra = divmod(num_layers, parts)
+    return [base + (1 if p < extra else 0) for p in range(parts)]
+
+
+class Pipeline:
+    """Runs a layer stack as a pipeline over a mesh's stage axis.
+
+    Args:
+      layer_fn: ``layer_fn(layer_params, x) -> x`` for one layer; a stage applies its layers in
+        order. Its output must have its input's shape and dtype.
+      loss_fn: ``loss_fn(y, target) -> scalar``: the loss of one microbatch of the last
+        stage's output (a mean over its rows).
+      mesh: The mesh; it has the strategy's stage axis.
+      strategy: Names the stage axis and the number of stages.
+      num_microbatches: How many microbatches each batch is split into.
+      schedule: ``"gpipe"``, ``"1f1b"`` or ``"circular"``.
+      repeats: Rounds of the ring for ``"circular"`` (1 otherwise).
+      remat: Recompute each stage in the backward pass instead of keeping its activations
+        (GPipe and circular; 1F1B always recomputes).
+      data_axes: Mesh axes that split each microbatch (data parallelism).
+
+    Raises:
+      ValueError: For an unknown schedule, a stage count that differs from the mesh's stage
+        axis, ``repeats`` other than 1 outside ``"circular"``, a circular schedule with fewer
+        microbatches than stages, or data axes that are not mesh axes.
+    """
+
+    def __init__(
+        self,
+        layer_fn: Callable[[Any, jax.Array], jax.Array],
+        loss_fn: Callable[[jax.Array, jax.Array], jax.Array],
+        mesh: Mesh,
+        strategy: PipelineParallelStrategy,
+        *,
+        num_microbatches: int,
+        schedule: str = "gpipe",
+        repeats: int = 1,
+        remat: bool = False,
+        data_axes: Sequence[str] = (),
+    ):
+        """Validates the configuration; see the class docstring for the arguments."""
+        if schedule not in SCHEDULES:
+            raise ValueError(f"Unknown schedule {schedule!r}; choose one of {SCHEDULES}.")
+        stage_size = dict(mesh.shape).get(strategy.axis_name)
+        if stage_size != strategy.num_stages:
+            raise ValueError(
+                f"The strategy has {strategy.num_stages} stages but mesh axis "
+                f"{strategy.axis_name!r} has size {stage_size} (mesh axes {dict(mesh.shape)})."
+            )
+        if num_microbatches < 1 or repeats < 1:
+            raise ValueError(
+                f"num_microbatches and repeats must be positive, got {num_microbatches} and "
+                f"{repeats}."
+            )
+        if repeats != 1 and schedule != "circular":
+            raise ValueError(f"repeats={repeats} needs schedule='circular', not {schedule!r}.")
+        if schedule == "circular" and repeats > 1 and num_microbatches < strategy.num_stages:
+            raise ValueError(
+                f"A circular schedule needs at least as many microbatches as stages: got "
+                f"{num_microbatches} microbatches for {strategy.num_stages} stages."
+            )
+        data_axes = tuple(data_axes)
+        bad = [a for a in data_axes if a not in mesh.axis_names or a == strategy.axis_name]
+        if bad:
+            raise ValueError(
+                f"data_axes {data_axes} must be mesh axes other than the stage axis "
+                f"{strategy.axis_name!r}; the mesh has {tuple(mesh.axis_names)}."
+            )
+        self.layer_fn, self.loss_fn = layer_fn, loss_fn
+        self.mesh, self.strategy, self.stage_axis = mesh, strategy, strategy.axis_name
+        self.num_stages, self.num_microbatches = strategy.num_stages, num_microbatches
+        self.schedule, self.repeats, self.remat = schedule, repeats, remat
+        self.data_axes = data_axes
+        self.data_size = math.prod(dict(mesh.shape)[a] for a in data_axes)
+
+    # --- layer assignment -------------------------------------------------------------------
+
+    def layer_counts(self, num_layers: int) -> list[list[int]]:
+        """Layers per stage and repeat: ``counts[stage][repeat]``.
+
+        With one repeat this is the strategy's ``assign_layers_to_stages``; a circular schedule
+        splits the layers into ``stages * repeats`` balanced chunks, chunk ``r * S + s`` going
+        to stage ``s`` for round ``r``.
+
+        Args:
+          num_layers: Layers in the stack.
+
+        Returns:
+          The counts.
+
+        Raises:
+          ValueError: If there are fewer layers than chunks.
+        """
+        chunks = self.num_stages * self.repeats
+        if self.repeats == 1:
+            counts = self.strategy.assign_layers_to_stages(num_layers)
+        elif num_layers < chunks:
+            raise ValueError(
+                f"Cannot split {num_layers} layers into {chunks} chunks ({self.num_stages} "
+                f"stages x {self.repeats} repeats): every chunk needs a layer."
+            )
+        else:
+            counts = _balanced(num_layers, chunks)
+        return [[counts[r * self.num_stages + s] for r in range(self.repeats)]
+                for s in range(self.num_stages)]  # fmt: skip
+
+    def _slots(self, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer index of every padded slot ``[S, R, Lc]`` (padding: 0) and its mask."""
+        counts = self.layer_counts(num_layers)
+        width = max(c for stage in counts for c in stage)
+        index = np.zeros((self.num_stages, self.repeats, width), np.int32)
+        mask = np.zeros((self.num_stages, self.repeats, width), bool)
+        start = 0
+        for r in range(self.repeats):
+            for s in range(self.num_stages):
+                count = counts[s][r]
+                index[s, r, :count] = np.arange(start, start + count)
+                mask[s, r, :count] = True
+                start += count
+        return index, mask
+
+    def stack(self, params: Any) -> tuple[Any, jax.Array]:
+        """Pads and places a layer stack for the pipeline.
+
+        Args:
+          params: A pytree whose leaves have a leading layer axis ``L``.
+
+        Returns:
+          ``(padded, mask)``: leaves of shape ``[S, R, Lc, ...]`` sharded over the stage axis
+          (padding slots hold copies of layer 0 and are masked out), and the ``[S, R, Lc]``
+          mask.
+
+        Raises:
+          ValueError: If the leaves disagree on the layer count.
+        """
+        counts = {leaf.shape[0] for leaf in jax.tree.leaves(params)}
+        if len(counts) != 1:
+            raise ValueError(f"Every parameter needs the same leading layer axis, got {counts}.")
+        index, mask = self._slots(counts.pop())
+        sharding = NamedSharding(self.mesh, PartitionSpec(self.stage_axis))
+        padded = jax.tree.map(lambda a: jax.device_put(jnp.asarray(a)[index], sharding), params)
+        return padded, jax.device_put(jnp.asarray(mask), sharding)
+
+    def unstack(self, padded: Any, num_layers: int) -> Any:
+        """The inverse of :meth:`stack`: ``[S, R, Lc, ...]`` back to ``[L, ...]``.
+
+        Args:
+          padded: A pytree like the first result of :meth:`stack` (such as its gradients).
+          num_layers: Layers in the stack.
+
+        Returns:
+          The pytree with leading layer axis ``L``; padding slots are dropped.
+        """
+        index, mask = self._slots(num_layers)
+        order = np.argsort(np.where(mask, index, num_layers).reshape(-1), kind="stable")
+        keep = order[:num_layers]
+        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:])[keep], padded)
+
+    # --- schedules --------------------------------------------------------------------------
+
+    @property
+    def num_ticks(self) -> int:
+        """Ticks of the pipeline loop."""
+        stages, micro = self.num_stages, self.num_microbatches
+        if self.schedule == "1f1b":
+            return micro + 2 * (stages - 1)
+        return self.repeats * micro + stages - 1
+
+    def schedule_table(self) -> list[ScheduleSlot]:
+        """Every unit of work of the schedule, in tick order.
+
+        GPipe and circular list their forward ticks (their backward is the reversed loop).
+
+        Returns:
+          The slots.
+        """
+        stages, micro = self.num_stages, self.num_microbatches
+        slots = []
+        for tick in range(self.num_ticks):
+            for stage in range(stages):
+                if self.schedule == "1f1b":
+                    if 0 <= tick - stage < micro:
+                        slots.append(ScheduleSlot(tick, stage, "forward", tick - stage))
+                    back = tick - 2 * (stages - 1) + stage
+                    if 0 <= back < micro:
+                        slots.append(ScheduleSlot(tick, stage, "backward", back))
+                elif 0 <= tick - stage < self.repeats * micro:
+                    item = tick - stage
+                    slots.append(ScheduleSlot(tick, stage, "forward", item % micro, item // micro))
+        return slots
+
+    def idle_fraction(self) -> float:
+        """The share of (stage, tick, op) slots with no work, counted from the schedule table.
+
+        Every tick costs the same on every stage (the loop runs in lock step), so this is the
+        share of compute spent idle: ``(S-1)/(M+S-1)`` for GPipe, ``(S-1)/(R*M+S-1)`` for
+        circular, and ``2(S-1)/(M+2(S-1))`` for this fused 1F1B, whose ticks pair one forward
+        with one backward (the textbook ``(S-1)/(M+S-1)`` counts a tick per op).
+
+        Returns:
+          The idle fraction.
+        """
+        per_tick = 2 if self.schedule == "1f1b" else 1
+        return 1 - len(self.schedule_table()) / (self.num_ticks * self.num_stages * per_tick)
+
+    # --- running ----------------------------------------------------------------------------
+
+    def microbatch(self, x: jax.Array) -> jax.Array:
+        """Splits a batch into microbatches: ``[B, ...]`` to ``[M, B / M, ...]``.
+
+        The batch is reshaped to ``[B / M, M, ...]`` and transposed, which keeps its data
+        sharding on the rows of each microbatch (reshaping straight to ``[M, B / M]`` would
+        move it onto the microbatch index). Microbatch ``m`` holds rows ``m, m + M, ...``.
+
+        Args:
+          x: The batch.
+
+        Returns:
+          The microbatches.
+
+        Raises:
+          ValueError: If ``B`` is not a multiple of ``M`` times the data axes' size.
+        """
+        micro, rows = self.num_microbatches, x.shape[0]
+        if rows % (micro * self.data_size):
+            raise ValueError(
+                f"A batch of {rows} rows does not split into {micro} microbatches of "
+                f"{self.data_size} data shards each; use a multiple of {micro * self.data_size}."
+            )
+        return jnp.swapaxes(x.reshape(rows // micro, micro, *x.shape[1:]), 0, 1)
+
+    def _split(self, x: jax.Array, microbatched: bool) -> jax.Array:
+        if not microbatched:
+            return self.microbatch(x)
+        if x.shape[0] != self.num_microbatches or x.shape[1] % self.data_size:
+            raise ValueError(
+                f"Microbatched inputs must be [{self.num_microbatches}, rows, ...] with rows a "
+                f"multiple of {self.data_size}, got shape {x.shape}."
+            )
+        return x
+
+    def _check_layer(self, padded: Any, xs: jax.Array) -> None:
+        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[3:], a.dtype), padded)
+        rows = xs.shape[1] // self.data_size
+        sample = jax.ShapeDtypeStruct((rows, *xs.shape[2:]), xs.dtype)
+        out = jax.eval_shape(self.layer_fn, layer, sample)
+        if (out.shape, out.dtype) != (sample.shape, sample.dtype):
+            raise ValueError(
+                f"layer_fn must keep its input's shape and dtype: {sample.shape} {sample.dtype} "
+                f"became {out.shape} {out.dtype}."
+            )
+
+    def _stage(self, params: Any, mask: jax.Array, x: jax.Array) -> jax.Array:
+        def body(x, layer):
+            layer_params, keep = layer
+            return jnp.where(keep, self.layer_fn(layer_params, x), x), None
+
+        return jax.lax.scan(body, x, (params, mask))[0]
+
+    def _specs(self, padded: Any) -> tuple[Any, PartitionSpec, PartitionSpec]:
+        data = self.data_axes if len(self.data_axes) != 1 else self.data_axes[0]
+        param_spec = jax.tree.map(lambda _: PartitionSpec(self.stage_axis), padded)
+        return param_spec, PartitionSpec(self.stage_axis), PartitionSpec(None, data or None)
+
+    def _vary(self, tree: Any) -> Any:
+        """Marks parameters as varying over the data axes, so gradients reduce after the loop."""
+        if not self.data_axes:
+            return tree
+        return jax.tree.map(lambda a: jax.lax.pcast(a, self.data_axes, to="varying"), tree)
+
+    def _varying(self, tree: Any) -> Any:
+        """Marks a scan's initial carry as varying over every manual axis, as its output is."""
+        axes = (self.stage_axis, *self.data_axes)
+
+        def cast(x):
+            have = set(jax.typeof(x).manual_axis_type.varying)
+            missing = tuple(a for a in axes if a not in have)
+            return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+        return jax.tree.map(cast, tree)
+
+    def _mean(self, value: jax.Array) -> jax.Array:
+        value = jax.lax.psum(value, self.stage_axis) / self.num_microbatches
+        return jax.lax.pmean(value, self.data_axes) if self.data_axes else value
+
+    def loss(
+        self,
+        padded: Any,
+        mask: jax.Array,
+        inputs: jax.Array,
+        targets: jax.Array,
+        *,
+        microbatched: bool = False,
+    ) -> Any:
+        """The pipelined loss (GPipe or circular), differentiable with ``jax.grad``.
+
+        Args:
+          padded: Parameters from :meth:`stack`.
+          mask: The mask from :meth:`stack`.
+          inputs: The batch ``[B, ...]`` entering the first layer.
+          targets: The targets ``[B, ...]`` for ``loss_fn``.
+          microbatched: Whether ``inputs`` and ``targets`` are already ``[M, rows, ...]``
+            (from :meth:`microbatch`).
+
+        Returns:
+          The mean loss over every microbatch.
+
+        Raises:
+          ValueError: For the 1F1B schedule (use :meth:`loss_and_grads`), a batch that does not
+            split, or a ``layer_fn`` that changes shapes.
+        """
+        if self.schedule == "1f1b":
+            raise ValueError("The 1F1B schedule computes its own backward: use loss_and_grads.")
+        xs, ts = self._split(inputs, microbatched), self._split(targets, microbatched)
+        self._check_layer(padded, xs)
+        param_spec, mask_spec, batch_spec = self._specs(padded)
+        run = jax.shard_map(
+            self._forward_loop,
+            mesh=self.mesh,
+            in_specs=(param_spec, mask_spec, batch_spec, batch_spec),
+            out_specs=PartitionSpec(),
+            axis_names={self.stage_axis, *self.data_axes},
+        )
+        return run(padded, mask, xs, ts)
+
+    def _forward_loop(self, params, mask, xs, targets):
+        params = self._vary(jax.tree.map(lambda a: a[0], params))
+        mask, stages, micro, repeats = mask[0], self.num_stages, self.num_microbatches, self.repeats
+        stage = jax.lax.axis_index(self.stage_axis)
+        pattern = self.strategy.get_forward_communication_pattern()
+        if repeats > 1:
+            pattern = [*pattern, (stages - 1, 0)]
+        apply = jax.checkpoint(self._stage) if self.remat else self._stage
+
+        def tick(carry, t):
+            received, ring, total = carry
+            item = jnp.clip(t - stage, 0, repeats * micro - 1)
+            index, rnd = item % micro, item // micro
+            first = xs[index] if repeats == 1 else jnp.where(rnd == 0, xs[index], ring[index])
+            x = jnp.where(stage == 0, first, received)
+            layers = jax.tree.map(lambda a: a[rnd], params)
+            y = apply(layers, mask[rnd], x)
+            done = (stage == stages - 1) & (t - stage >= 0) & (rnd == repeats - 1)
+            total = total + jnp.where(done, self.loss_fn(y, targets[index]), 0.0)
+            sent = jax.lax.ppermute(y, self.stage_axis, pattern)
+            if repeats > 1:  # stage 0 keeps what comes back round the ring, by microbatch
+                back = jnp.clip(t - (stages - 1), 0, repeats * micro - 1) % micro
+                ring = jnp.where((stage == 0) & (t >= stages - 1), ring.at[back].set(sent), ring)
+            return (sent, ring, total), None
+
+        start = jnp.zeros_like(xs[0])
+        ring = jnp.zeros_like(xs) if repeats > 1 else jnp.zeros((), xs.dtype)
+        carry = self._varying((start, ring, jnp.zeros((), jnp.float32)))
+        (_, _, total), _ = jax.lax.scan(tick, carry, jnp.arange(self.num_ticks))
+        return self._mean(total)
+
+    def loss_and_grads(
+        self,
+        padded: Any,
+        mask: jax.Array,
+        inputs: jax.Array,
+        targets: jax.Array,
+        *,
+        microbatched: bool = False,
+    ) -> tuple[jax.Array, Any]:
+        """The loss and the gradients of the padded parameters.
+
+        Args:
+          padded: Parameters from :meth:`stack`.
+          mask: The mask from :meth:`stack`.
+          inputs: The batch ``[B, ...]``.
+          targets: The targets ``[B, ...]``.
+          microbatched: Whether ``inputs`` and ``targets`` are already ``[M, rows, ...]``.
+
+        Returns:
+          ``(loss, grads)``, the gradients shaped and sharded like ``padded`` (padding slots
+          exactly zero); :meth:`unstack` gives them the layer axis back.
+
+        Raises:
+          ValueError: For a batch that does not split, or a ``layer_fn`` that changes shapes.
+        """
+        if self.schedule != "1f1b":
+            loss = functools.partial(self.loss, microbatched=microbatched)
+            return jax.value_and_grad(loss)(padded, mask, inputs, targets)
+        xs, ts = self._split(inputs, microbatched), self._split(targets, microbatched)
+        self._check_layer(padded, xs)
+        param_spec, mask_spec, batch_spec = self._specs(padded)
+        run = jax.shard_map(
+            self._one_f_one_b,
+            mesh=self.mesh,
+            in_specs=(param_spec, mask_spec, batch_spec, batch_spec),
+            out_specs=(PartitionSpec(), param_spec),
+            axis_names={self.stage_axis, *self.data_axes},
+        )
+        return run(padded, mask, xs, ts)
+
+    def _one_f_one_b(self, params, mask, xs, targets):
+        params = self._vary(jax.tree.map(lambda a: a[0, 0], params))
+        mask, stages, micro = mask[0, 0], self.num_stages, self.num_microbatches
+        stage = jax.lax.axis_index(self.stage_axis)
+        forward = self.strategy.get_forward_communication_pattern()
+        backward = self.strategy.get_backward_communication_pattern()
+        depth = 2 * stages  # microbatches in flight on a stage: at most 2 (S - 1) + 1
+
+        def run_stage(p, x):
+            return self._stage(p, mask, x)
+
+        def tick(carry, t):
+            received, cotangent_in, stash, grads, total = carry
+            i = jnp.clip(t - stage, 0, micro - 1)
+            forward_ok = (t - stage >= 0) & (t - stage < micro)
+            x = jnp.where(stage == 0, xs[i], received)
+            y = run_stage(params, x)
+            stash = jnp.where(forward_ok, stash.at[i % depth].set(x), stash)
+            loss, dy = jax.value_and_grad(self.loss_fn)(y, targets[i])
+            total = total + jnp.where((stage == stages - 1) & forward_ok, loss, 0.0)
+            j = jnp.clip(t - 2 * (stages - 1) + stage, 0, micro - 1)
+            backward_ok = (t - 2 * (stages - 1) + stage >= 0) & (
+                t - 2 * (stages - 1) + stage < micro
+            )
+            cotangent = jnp.where(stage == stages - 1, dy / micro, cotangent_in)
+            _, vjp = jax.vjp(run_stage, params, stash[j % depth])
+            dparams, dx = vjp(cotangent)
+            grads = jax.tree.map(lambda g, d: g + jnp.where(backward_ok, d, 0), grads, dparams)
+            sent = jax.lax.ppermute(y, self.stage_axis, forward)
+            sent_back = jax.lax.ppermute(dx, self.stage_axis, backward)
+            return (sent, sent_back, stash, grads, total), None
+
+        zero = jnp.zeros_like(xs[0])
+        stash = jnp.zeros((depth, *xs.shape[1:]), xs.dtype)
+        grads = jax.tree.map(jnp.zeros_like, params)
+        carry = self._varying((zero, zero, stash, grads, jnp.zeros((), jnp.float32)))
+        (_, _, _, grads, total), _ = jax.lax.scan(tick, carry, jnp.arange(self.num_ticks))
+        if self.data_axes:
+            grads = jax.tree.map(lambda g: jax.lax.psum(g, self.data_axes) / self.data_size, grads)
+        grads = jax.tree.map(lambda g: g[None, None], grads)
+        return self._mean(total), grads
+
+    def reference_loss(self, params: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+        """The same loss without a pipeline: every layer in order, the same microbatches.
+
+        Args:
+          params: The unpadded stack ``[L, ...]``.
+          inputs: The batch ``[B, ...]``.
+          targets: The targets ``[B, ...]``.
+
+        Returns:
+          The mean loss over the microbatches (equal to the pipelined one up to rounding).
+        """
+        xs, ts = self.microbatch(inputs), self.microbatch(targets)
+
+        def one(x, t):
+            y = jax.lax.scan(lambda h, p: (self.layer_fn(p, h), None), x, params)[0]
+            return self.loss_fn(y, t)
+
+        return jnp.mean(jax.vmap(one)(xs, ts))

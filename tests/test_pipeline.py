@@ -1,0 +1,163 @@
+"""Pipeline schedules: the same loss and gradients as no pipeline, and the promised HLO/memory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from substrax.hlo import collectives, while_bodies
+from substrax.mesh import DeviceMeshManager, PipelineParallelStrategy
+from substrax.pipeline import Pipeline
+
+D = 16
+
+
+def layer_fn(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"])
+
+
+def loss_fn(y, t):
+    return jnp.mean((y - t) ** 2)
+
+
+def _params(layers, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 2)
+    w = jax.random.normal(keys[0], (layers, D, D)) / 4
+    return {"w": w, "b": jax.random.normal(keys[1], (layers, D)) * 0.1}
+
+
+def _batch(rows, seed=1):
+    x = jax.random.normal(jax.random.key(seed), (rows, D))
+    return x, jnp.sin(x)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
+
+
+def _pipeline(mesh, schedule, micro, repeats=1, **kwargs):
+    stages = dict(mesh.shape)["pipe"]
+    strategy = PipelineParallelStrategy("pipe", mesh.axis_names.index("pipe"), stages)
+    return Pipeline(layer_fn, loss_fn, mesh, strategy, num_microbatches=micro,
+                    schedule=schedule, repeats=repeats, data_axes=("data",), **kwargs)  # fmt: skip
+
+
+def _check(pipe, params, rows):
+    x, t = _batch(rows)
+    padded, mask = pipe.stack(params)
+    loss, grads = jax.jit(pipe.loss_and_grads)(padded, mask, x, t)
+    ref_loss, ref_grads = jax.value_and_grad(pipe.reference_loss)(params, x, t)
+    assert abs(float(loss) - float(ref_loss)) < 1e-5
+    layers = jax.tree.leaves(params)[0].shape[0]
+    unstacked = jax.tree.leaves(pipe.unstack(grads, layers))
+    for got, want in zip(unstacked, jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    return grads, mask
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "circular"])
+@pytest.mark.parametrize("factor", [1, 2, 4])
+def test_schedules_match_no_pipeline(mesh, schedule, factor):
+    repeats = 2 if schedule == "circular" else 1
+    pipe = _pipeline(mesh, schedule, micro=4 * factor, repeats=repeats)
+    _check(pipe, _params(8), rows=2 * 4 * factor * 2)
+
+
+def test_remat_matches_too(mesh):
+    _check(_pipeline(mesh, "gpipe", micro=4, remat=True), _params(8), rows=16)
+
+
+def test_three_axis_mesh_with_an_auto_model_axis():
+    mesh = DeviceMeshManager.create_device_mesh({"pipe": 2, "data": 2, "model": 2})
+    for schedule in ("gpipe", "1f1b"):
+        _check(_pipeline(mesh, schedule, micro=4), _params(6), rows=16)
+
+
+def test_uneven_layers_pad_with_exactly_zero_gradients(mesh):
+    pipe = _pipeline(mesh, "1f1b", micro=4)
+    assert pipe.layer_counts(10) == [[3], [3], [2], [2]]
+    grads, mask = _check(pipe, _params(10), rows=16)
+    padding = ~np.asarray(mask)
+    for leaf in jax.tree.leaves(grads):
+        assert np.all(np.asarray(leaf)[padding] == 0.0)
+    assert padding.sum() == 2
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "circular"])
+def test_hlo_reduces_gradients_after_the_loop_and_permutes_inside(mesh, schedule):
+    pipe = _pipeline(mesh, schedule, micro=4, repeats=2 if schedule == "circular" else 1)
+    padded, mask = pipe.stack(_params(8))
+    x, t = _batch(16)
+    text = jax.jit(pipe.loss_and_grads).lower(padded, mask, x, t).compile().as_text()
+    bodies, ops = while_bodies(text), collectives(text)
+    in_loops = [op.kind for op in ops if op.computation in bodies]
+    assert "all-reduce" not in in_loops and "reduce-scatter" not in in_loops
+    # one activation permute forward and one cotangent permute back
+    assert in_loops.count("collective-permute") == 2
+    assert any(op.kind == "all-reduce" and op.computation not in bodies for op in ops)
+
+
+def _temp_bytes(pipe, micro, rows_per_microbatch=4):
+    padded, mask = pipe.stack(_params(8))
+    x, t = _batch(micro * rows_per_microbatch)
+    xs, ts = pipe.microbatch(x), pipe.microbatch(t)
+    lowered = jax.jit(pipe.loss_and_grads, static_argnames="microbatched").lower(
+        padded, mask, xs, ts, microbatched=True
+    )
+    return lowered.compile().memory_analysis().temp_size_in_bytes
+
+
+def test_1f1b_memory_is_flat_in_microbatches_and_gpipe_is_not(mesh):
+    one_f = [_temp_bytes(_pipeline(mesh, "1f1b", micro=m), m) for m in (4, 32)]
+    gpipe = [_temp_bytes(_pipeline(mesh, "gpipe", micro=m), m) for m in (4, 32)]
+    assert one_f[1] <= 1.1 * one_f[0], one_f
+    assert gpipe[1] > 2 * gpipe[0], gpipe
+    remat = _temp_bytes(_pipeline(mesh, "gpipe", micro=32, remat=True), 32)
+    assert remat < gpipe[1]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "circular"])
+def test_schedule_is_valid(mesh, schedule):
+    micro, repeats = 8, 2 if schedule == "circular" else 1
+    pipe = _pipeline(mesh, schedule, micro=micro, repeats=repeats)
+    table = pipe.schedule_table()
+    ops = [(s.stage, s.op, s.microbatch, s.repeat) for s in table]
+    assert len(ops) == len(set(ops))  # each op exactly once
+    kinds = ("forward", "backward") if schedule == "1f1b" else ("forward",)
+    assert len(ops) == 4 * micro * repeats * len(kinds)
+    when = {(s.stage, s.op, s.microbatch, s.repeat): s.tick for s in table}
+    for stage in range(4):
+        for i in range(micro):
+            for r in range(repeats):
+                if stage > 0:  # a stage works on what the stage before it sent
+                    assert when[(stage, "forward", i, r)] > when[(stage - 1, "forward", i, r)]
+                if schedule == "1f1b":
+                    assert when[(stage, "forward", i, 0)] <= when[(stage, "backward", i, 0)]
+    formula = {"gpipe": 3 / (micro + 3), "circular": 3 / (repeats * micro + 3),
+               "1f1b": 6 / (micro + 6)}[schedule]  # fmt: skip
+    assert pipe.idle_fraction() == pytest.approx(formula)
+
+
+def test_bad_input(mesh):
+    strategy = PipelineParallelStrategy("pipe", 0, 4)
+    with pytest.raises(ValueError, match="at least as many microbatches as stages: got 2"):
+        Pipeline(layer_fn, loss_fn, mesh, strategy, num_microbatches=2, schedule="circular",
+                 repeats=2)  # fmt: skip
+    with pytest.raises(ValueError, match="has 2 stages but mesh axis 'pipe' has size 4"):
+        Pipeline(layer_fn, loss_fn, mesh, PipelineParallelStrategy("pipe", 0, 2),
+                 num_microbatches=4)  # fmt: skip
+    with pytest.raises(ValueError, match="Unknown schedule 'zb'"):
+        Pipeline(layer_fn, loss_fn, mesh, strategy, num_microbatches=4, schedule="zb")
+    pipe = _pipeline(mesh, "gpipe", micro=4)
+    with pytest.raises(ValueError, match="Cannot assign 3 layers to 4 pipeline stages"):
+        pipe.stack(_params(3))
+    padded, mask = pipe.stack(_params(8))
+    x, t = _batch(12)
+    with pytest.raises(ValueError, match="12 rows does not split into 4 microbatches of 2"):
+        pipe.loss_and_grads(padded, mask, x, t)
+    widen = {"w": jnp.ones((8, D, 2 * D)), "b": jnp.ones((8, 2 * D))}
+    padded, mask = pipe.stack(widen)
+    x, t = _batch(16)
+    with pytest.raises(ValueError, match=r"layer_fn must keep its input's shape"):
+        pipe.loss_and_grads(padded, mask, x, t)
