@@ -69,24 +69,8 @@ def _balanced(num_layers: int, parts: int) -> list[int]:
 class Pipeline:
     """Runs a layer stack as a pipeline over a mesh's stage axis.
 
-    Args:
-      layer_fn: ``layer_fn(layer_params, x) -> x`` for one layer; a stage applies its layers in
-        order. Its output must have its input's shape and dtype.
-      loss_fn: ``loss_fn(y, target) -> scalar``: the loss of one microbatch of the last
-        stage's output (a mean over its rows).
-      mesh: The mesh; it has the strategy's stage axis.
-      strategy: Names the stage axis and the number of stages.
-      num_microbatches: How many microbatches each batch is split into.
-      schedule: ``"gpipe"``, ``"1f1b"`` or ``"circular"``.
-      repeats: Rounds of the ring for ``"circular"`` (1 otherwise).
-      remat: Recompute each stage in the backward pass instead of keeping its activations
-        (GPipe and circular; 1F1B always recomputes).
-      data_axes: Mesh axes that split each microbatch (data parallelism).
-
-    Raises:
-      ValueError: For an unknown schedule, a stage count that differs from the mesh's stage
-        axis, ``repeats`` other than 1 outside ``"circular"``, a circular schedule with fewer
-        microbatches than stages, or data axes that are not mesh axes.
+    Build one per configuration; :meth:`stack` places the layer stack, :meth:`loss_and_grads`
+    runs a step, :meth:`unstack` gives gradients their layer axis back.
     """
 
     def __init__(
@@ -102,7 +86,27 @@ class Pipeline:
         remat: bool = False,
         data_axes: Sequence[str] = (),
     ):
-        """Validates the configuration; see the class docstring for the arguments."""
+        """Validates the configuration.
+
+        Args:
+          layer_fn: ``layer_fn(layer_params, x) -> x`` for one layer; a stage applies its
+            layers in order. Its output must have its input's shape and dtype.
+          loss_fn: ``loss_fn(y, target) -> scalar``: the loss of one microbatch of the last
+            stage's output (a mean over its rows).
+          mesh: The mesh; it has the strategy's stage axis.
+          strategy: Names the stage axis and the number of stages.
+          num_microbatches: How many microbatches each batch is split into.
+          schedule: ``"gpipe"``, ``"1f1b"`` or ``"circular"``.
+          repeats: Rounds of the ring for ``"circular"`` (1 otherwise).
+          remat: Recompute each stage in the backward pass instead of keeping its activations
+            (GPipe and circular; 1F1B always recomputes).
+          data_axes: Mesh axes that split each microbatch (data parallelism).
+
+        Raises:
+          ValueError: For an unknown schedule, a stage count that differs from the mesh's
+            stage axis, ``repeats`` other than 1 outside ``"circular"``, a circular schedule
+            with fewer microbatches than stages, or data axes that are not mesh axes.
+        """
         if schedule not in SCHEDULES:
             raise ValueError(f"Unknown schedule {schedule!r}; choose one of {SCHEDULES}.")
         stage_size = dict(mesh.shape).get(strategy.axis_name)
