@@ -161,3 +161,28 @@ def test_bad_input(mesh):
     x, t = _batch(16)
     with pytest.raises(ValueError, match=r"layer_fn must keep its input's shape"):
         pipe.loss_and_grads(padded, mask, x, t)
+
+
+def head_loss(y, t, head):
+    return jnp.mean((y @ head["proj"] - t) ** 2)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "circular"])
+def test_head_and_input_gradients_match_no_pipeline(mesh, schedule):
+    strategy = PipelineParallelStrategy("pipe", 0, 4)
+    repeats = 2 if schedule == "circular" else 1
+    pipe = Pipeline(layer_fn, head_loss, mesh, strategy, num_microbatches=4,
+                    schedule=schedule, repeats=repeats, data_axes=("data",))  # fmt: skip
+    params, head = _params(8), {"proj": jax.random.normal(jax.random.key(5), (D, D)) / 4}
+    x, t = _batch(16)
+    padded, mask = pipe.stack(params)
+    loss, (grads, dhead, dx) = jax.jit(pipe.value_and_grad)(padded, mask, x, t, head)
+    ref_loss, (ref_g, ref_dx, ref_dhead) = jax.value_and_grad(
+        pipe.reference_loss, argnums=(0, 1, 3)
+    )(params, x, t, head)
+    assert abs(float(loss) - float(ref_loss)) < 1e-5
+    np.testing.assert_allclose(dhead["proj"], ref_dhead["proj"], atol=1e-5)
+    np.testing.assert_allclose(dx, ref_dx, atol=1e-6)
+    got = jax.tree.leaves(pipe.unstack(grads, 8))
+    for a, b in zip(got, jax.tree.leaves(ref_g), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)

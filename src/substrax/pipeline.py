@@ -351,12 +351,29 @@ class Pipeline:
         value = jax.lax.psum(value, self.stage_axis) / self.num_microbatches
         return jax.lax.pmean(value, self.data_axes) if self.data_axes else value
 
+    def _loss(self, y: jax.Array, target: jax.Array, head: Any) -> jax.Array:
+        return self.loss_fn(y, target) if head is None else self.loss_fn(y, target, head)
+
+    def _shard_map(self, body, padded, head, out_specs):
+        param_spec, mask_spec, batch_spec = self._specs(padded)
+        head_spec = jax.tree.map(lambda _: PartitionSpec(), head)
+        if callable(out_specs):
+            out_specs = out_specs(param_spec, head_spec, batch_spec)
+        return jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(param_spec, mask_spec, batch_spec, batch_spec, head_spec),
+            out_specs=out_specs,
+            axis_names={self.stage_axis, *self.data_axes},
+        )
+
     def loss(
         self,
         padded: Any,
         mask: jax.Array,
         inputs: jax.Array,
         targets: jax.Array,
+        head: Any = None,
         *,
         microbatched: bool = False,
     ) -> Any:
@@ -367,6 +384,8 @@ class Pipeline:
           mask: The mask from :meth:`stack`.
           inputs: The batch ``[B, ...]`` entering the first layer.
           targets: The targets ``[B, ...]`` for ``loss_fn``.
+          head: Parameters of the loss (an output layer, say), replicated on every stage and
+            passed as ``loss_fn(y, target, head)``; None calls ``loss_fn(y, target)``.
           microbatched: Whether ``inputs`` and ``targets`` are already ``[M, rows, ...]``
             (from :meth:`microbatch`).
 
@@ -374,24 +393,17 @@ class Pipeline:
           The mean loss over every microbatch.
 
         Raises:
-          ValueError: For the 1F1B schedule (use :meth:`loss_and_grads`), a batch that does not
-            split, or a ``layer_fn`` that changes shapes.
+          ValueError: For the 1F1B schedule (use :meth:`value_and_grad`), a batch that does
+            not split, or a ``layer_fn`` that changes shapes.
         """
         if self.schedule == "1f1b":
-            raise ValueError("The 1F1B schedule computes its own backward: use loss_and_grads.")
+            raise ValueError("The 1F1B schedule computes its own backward: use value_and_grad.")
         xs, ts = self._split(inputs, microbatched), self._split(targets, microbatched)
         self._check_layer(padded, xs)
-        param_spec, mask_spec, batch_spec = self._specs(padded)
-        run = jax.shard_map(
-            self._forward_loop,
-            mesh=self.mesh,
-            in_specs=(param_spec, mask_spec, batch_spec, batch_spec),
-            out_specs=PartitionSpec(),
-            axis_names={self.stage_axis, *self.data_axes},
-        )
-        return run(padded, mask, xs, ts)
+        run = self._shard_map(self._forward_loop, padded, head, PartitionSpec())
+        return run(padded, mask, xs, ts, head)
 
-    def _forward_loop(self, params, mask, xs, targets):
+    def _forward_loop(self, params, mask, xs, targets, head):
         params = self._vary(jax.tree.map(lambda a: a[0], params))
         mask, stages, micro, repeats = mask[0], self.num_stages, self.num_microbatches, self.repeats
         stage = jax.lax.axis_index(self.stage_axis)
@@ -409,7 +421,7 @@ class Pipeline:
             layers = jax.tree.map(lambda a: a[rnd], params)
             y = apply(layers, mask[rnd], x)
             done = (stage == stages - 1) & (t - stage >= 0) & (rnd == repeats - 1)
-            total = total + jnp.where(done, self.loss_fn(y, targets[index]), 0.0)
+            total = total + jnp.where(done, self._loss(y, targets[index], head), 0.0)
             sent = jax.lax.ppermute(y, self.stage_axis, pattern)
             if repeats > 1:  # stage 0 keeps what comes back round the ring, by microbatch
                 back = jnp.clip(t - (stages - 1), 0, repeats * micro - 1) % micro
@@ -422,6 +434,58 @@ class Pipeline:
         (_, _, total), _ = jax.lax.scan(tick, carry, jnp.arange(self.num_ticks))
         return self._mean(total)
 
+    def value_and_grad(
+        self,
+        padded: Any,
+        mask: jax.Array,
+        inputs: jax.Array,
+        targets: jax.Array,
+        head: Any = None,
+        *,
+        microbatched: bool = False,
+    ) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
+        """The loss, and the gradients of the layers, the loss's parameters and the inputs.
+
+        Args:
+          padded: Parameters from :meth:`stack`.
+          mask: The mask from :meth:`stack`.
+          inputs: The batch ``[B, ...]`` (or ``[M, rows, ...]`` when ``microbatched``).
+          targets: The targets, shaped like ``inputs``.
+          head: Parameters of the loss (see :meth:`loss`), or None.
+          microbatched: Whether ``inputs`` and ``targets`` are already microbatched.
+
+        Returns:
+          ``(loss, (grads, head_grads, input_grads))``: ``grads`` shaped and sharded like
+          ``padded`` (padding slots exactly zero), ``head_grads`` like ``head`` (None without
+          one), ``input_grads`` like ``inputs``, for backpropagating into what produced them.
+
+        Raises:
+          ValueError: For a batch that does not split, or a ``layer_fn`` that changes shapes.
+        """
+        if self.schedule != "1f1b":
+            loss = functools.partial(self.loss, microbatched=microbatched)
+            if head is None:
+                value, (grads, dx) = jax.value_and_grad(loss, argnums=(0, 2))(
+                    padded, mask, inputs, targets
+                )
+                return value, (grads, None, dx)
+            value, (grads, dx, dhead) = jax.value_and_grad(loss, argnums=(0, 2, 4))(
+                padded, mask, inputs, targets, head
+            )
+            return value, (grads, dhead, dx)
+        xs, ts = self._split(inputs, microbatched), self._split(targets, microbatched)
+        self._check_layer(padded, xs)
+        run = self._shard_map(
+            self._one_f_one_b,
+            padded,
+            head,
+            lambda params, head_spec, batch: (PartitionSpec(), params, head_spec, batch),
+        )
+        value, grads, dhead, dxs = run(padded, mask, xs, ts, head)
+        if not microbatched:  # [M, rows] back to the batch's row order
+            dxs = jnp.swapaxes(dxs, 0, 1).reshape(inputs.shape)
+        return value, (grads, dhead, dxs)
+
     def loss_and_grads(
         self,
         padded: Any,
@@ -431,7 +495,7 @@ class Pipeline:
         *,
         microbatched: bool = False,
     ) -> tuple[jax.Array, Any]:
-        """The loss and the gradients of the padded parameters.
+        """The loss and the gradients of the padded layer parameters.
 
         Args:
           padded: Parameters from :meth:`stack`.
@@ -447,70 +511,74 @@ class Pipeline:
         Raises:
           ValueError: For a batch that does not split, or a ``layer_fn`` that changes shapes.
         """
-        if self.schedule != "1f1b":
-            loss = functools.partial(self.loss, microbatched=microbatched)
-            return jax.value_and_grad(loss)(padded, mask, inputs, targets)
-        xs, ts = self._split(inputs, microbatched), self._split(targets, microbatched)
-        self._check_layer(padded, xs)
-        param_spec, mask_spec, batch_spec = self._specs(padded)
-        run = jax.shard_map(
-            self._one_f_one_b,
-            mesh=self.mesh,
-            in_specs=(param_spec, mask_spec, batch_spec, batch_spec),
-            out_specs=(PartitionSpec(), param_spec),
-            axis_names={self.stage_axis, *self.data_axes},
+        value, (grads, _, _) = self.value_and_grad(
+            padded, mask, inputs, targets, microbatched=microbatched
         )
-        return run(padded, mask, xs, ts)
+        return value, grads
 
-    def _one_f_one_b(self, params, mask, xs, targets):
+    def _one_f_one_b(self, params, mask, xs, targets, head):
         params = self._vary(jax.tree.map(lambda a: a[0, 0], params))
+        head = self._varying(head)
         mask, stages, micro = mask[0, 0], self.num_stages, self.num_microbatches
         stage = jax.lax.axis_index(self.stage_axis)
         forward = self.strategy.get_forward_communication_pattern()
         backward = self.strategy.get_backward_communication_pattern()
         depth = 2 * stages  # microbatches in flight on a stage: at most 2 (S - 1) + 1
+        last = stage == stages - 1
 
         def run_stage(p, x):
             return self._stage(p, mask, x)
 
         def tick(carry, t):
-            received, cotangent_in, stash, grads, total = carry
+            received, cotangent_in, stash, grads, dhead, dxs, total = carry
             i = jnp.clip(t - stage, 0, micro - 1)
             forward_ok = (t - stage >= 0) & (t - stage < micro)
             x = jnp.where(stage == 0, xs[i], received)
             y = run_stage(params, x)
             stash = jnp.where(forward_ok, stash.at[i % depth].set(x), stash)
-            loss, dy = jax.value_and_grad(self.loss_fn)(y, targets[i])
-            total = total + jnp.where((stage == stages - 1) & forward_ok, loss, 0.0)
-            j = jnp.clip(t - 2 * (stages - 1) + stage, 0, micro - 1)
-            backward_ok = (t - 2 * (stages - 1) + stage >= 0) & (
-                t - 2 * (stages - 1) + stage < micro
+            loss, (dy, dh) = jax.value_and_grad(self._loss, argnums=(0, 2))(y, targets[i], head)
+            total = total + jnp.where(last & forward_ok, loss, 0.0)
+            dhead = jax.tree.map(
+                lambda g, d: g + jnp.where(last & forward_ok, d / micro, 0), dhead, dh
             )
-            cotangent = jnp.where(stage == stages - 1, dy / micro, cotangent_in)
+            back = t - 2 * (stages - 1) + stage
+            j, backward_ok = jnp.clip(back, 0, micro - 1), (back >= 0) & (back < micro)
+            cotangent = jnp.where(last, dy / micro, cotangent_in)
             _, vjp = jax.vjp(run_stage, params, stash[j % depth])
             dparams, dx = vjp(cotangent)
             grads = jax.tree.map(lambda g, d: g + jnp.where(backward_ok, d, 0), grads, dparams)
+            dxs = jnp.where((stage == 0) & backward_ok, dxs.at[j].set(dx), dxs)
             sent = jax.lax.ppermute(y, self.stage_axis, forward)
             sent_back = jax.lax.ppermute(dx, self.stage_axis, backward)
-            return (sent, sent_back, stash, grads, total), None
+            return (sent, sent_back, stash, grads, dhead, dxs, total), None
 
         zero = jnp.zeros_like(xs[0])
         stash = jnp.zeros((depth, *xs.shape[1:]), xs.dtype)
         grads = jax.tree.map(jnp.zeros_like, params)
-        carry = self._varying((zero, zero, stash, grads, jnp.zeros((), jnp.float32)))
-        (_, _, _, grads, total), _ = jax.lax.scan(tick, carry, jnp.arange(self.num_ticks))
+        dhead = jax.tree.map(jnp.zeros_like, head)
+        carry = (zero, zero, stash, grads, dhead, jnp.zeros_like(xs), jnp.zeros((), jnp.float32))
+        carry = self._varying(carry)
+        final, _ = jax.lax.scan(tick, carry, jnp.arange(self.num_ticks))
+        grads, dhead, dxs, total = final[3:]
+        data = self.data_size
         if self.data_axes:
-            grads = jax.tree.map(lambda g: jax.lax.psum(g, self.data_axes) / self.data_size, grads)
+            grads = jax.tree.map(lambda g: jax.lax.psum(g, self.data_axes) / data, grads)
+            dhead = jax.tree.map(lambda g: jax.lax.psum(g, self.data_axes), dhead)
+        dhead = jax.tree.map(lambda g: jax.lax.psum(g, self.stage_axis) / data, dhead)
+        dxs = jax.lax.psum(dxs, self.stage_axis) / data
         grads = jax.tree.map(lambda g: g[None, None], grads)
-        return self._mean(total), grads
+        return self._mean(total), grads, dhead, dxs
 
-    def reference_loss(self, params: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+    def reference_loss(
+        self, params: Any, inputs: jax.Array, targets: jax.Array, head: Any = None
+    ) -> jax.Array:
         """The same loss without a pipeline: every layer in order, the same microbatches.
 
         Args:
           params: The unpadded stack ``[L, ...]``.
           inputs: The batch ``[B, ...]``.
           targets: The targets ``[B, ...]``.
+          head: Parameters of the loss, as for :meth:`loss`.
 
         Returns:
           The mean loss over the microbatches (equal to the pipelined one up to rounding).
@@ -519,6 +587,6 @@ class Pipeline:
 
         def one(x, t):
             y = jax.lax.scan(lambda h, p: (self.layer_fn(p, h), None), x, params)[0]
-            return self.loss_fn(y, t)
+            return self._loss(y, t, head)
 
         return jnp.mean(jax.vmap(one)(xs, ts))
