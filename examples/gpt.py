@@ -97,6 +97,56 @@ class GPT(nnx.Module):
         return constrain(logits, "data", None, "vocab")
 
 
+class StackedGPT(nnx.Module):
+    """The same decoder with its blocks stacked (``nnx.vmap``, logical axis ``layers``).
+
+    Runs the stack with ``nnx.scan``, or as a pipeline through ``embed`` / ``block`` / ``head``
+    (see ``pipeline_step``).
+    """
+
+    def __init__(self, config: Config, rngs: nnx.Rngs):
+        @nnx.split_rngs(splits=config.layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make(rngs):
+            return Block(config, rngs)
+
+        self.embedding = _param(
+            rngs, (config.vocab, config.d_model), ("vocab", "embed"), nnx.initializers.normal(1.0)
+        )
+        self.blocks = make(rngs)
+        self.norm = nnx.Param(jnp.ones((config.d_model,)), out_sharding=("embed",))
+        self.head = _param(rngs, (config.d_model, config.vocab), ("embed", "vocab"))
+
+    def __call__(self, tokens):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, block):
+            return block(x)
+
+        return self.logits(run(self.embed(tokens), self.blocks))
+
+    def embed(self, tokens):
+        return jnp.take(self.embedding[...], tokens, axis=0)
+
+    def logits(self, x):
+        return _rms_norm(x, self.norm[...]) @ self.head[...]
+
+
+def pipeline_embed(model: StackedGPT, batch: jax.Array):
+    """What enters the pipelined stack, and the next-token targets."""
+    return model.embed(batch[:, :-1]), batch[:, 1:]
+
+
+def pipeline_block(block: Block, x: jax.Array) -> jax.Array:
+    """One layer of the stack."""
+    return block(x)
+
+
+def pipeline_head(model: StackedGPT, y: jax.Array, targets: jax.Array) -> jax.Array:
+    """A microbatch's loss from the stack's output."""
+    logits = model.logits(y)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
 def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
     """Next-token cross-entropy of a batch of token rows ``[batch, seq + 1]``."""
     logits = model(batch[:, :-1])

@@ -7,6 +7,8 @@ the planned output shardings, so no device ever holds a whole model.
 
 from substrax_flax._checkpoint import Checkpointer as Checkpointer
 from substrax_flax._optimizer import create_sharded_optimizer as create_sharded_optimizer
+from substrax_flax._pipeline_step import PipelineTrainStep as PipelineTrainStep
+from substrax_flax._pipeline_step import make_pipeline_train_step as make_pipeline_train_step
 from substrax_flax._plan import ModelPlan as ModelPlan
 from substrax_flax._plan import create_sharded_model as create_sharded_model
 from substrax_flax._plan import get_shardings as get_shardings
@@ -21,12 +23,14 @@ from substrax_flax._train import make_train_step as make_train_step
 __all__ = [
     "Checkpointer",
     "ModelPlan",
+    "PipelineTrainStep",
     "ShardingReport",
     "TrainStep",
     "VariableSharding",
     "create_sharded_model",
     "create_sharded_optimizer",
     "get_shardings",
+    "make_pipeline_train_step",
     "make_train_step",
     "plan_model",
     "shard_model",

@@ -1,0 +1,246 @@
+"""make_pipeline_train_step: train a Flax NNX model whose layer stack runs as a pipeline."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from substrax.mesh import PipelineParallelStrategy
+from substrax.pipeline import Pipeline
+from substrax.spmd import shard_batch
+from substrax_flax._optimizer import optimizer_rows
+from substrax_flax._plan import _plan_state
+from substrax_flax._resolve import Resolver, Rules
+from substrax_flax._state import constrain_state, map_variables
+
+__all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
+
+
+def _only_params(state: Any, what: str) -> None:
+    kinds = {type(v).__name__ for v in jax.tree.leaves(state, is_leaf=_is_variable)}
+    if kinds - {"Param"}:
+        raise ValueError(
+            f"The pipelined step trains models whose {what} holds only nnx.Param variables; "
+            f"found {sorted(kinds)}."
+        )
+
+
+def _is_variable(node: Any) -> bool:
+    return isinstance(node, nnx.Variable)
+
+
+class PipelineTrainStep:
+    """A jitted training step whose layer stack runs through a :class:`substrax.pipeline.Pipeline`.
+
+    Build it with :func:`make_pipeline_train_step`; call it like a :class:`TrainStep`.
+    """
+
+    def __init__(self, pipeline: Pipeline, resolver: Resolver, embed_fn, layer_fn, head_fn, *,
+                 stack: str, data_axes: Sequence[str]):  # fmt: skip
+        """Stores the configuration; see :func:`make_pipeline_train_step`.
+
+        Args:
+          pipeline: The pipeline runner (its ``layer_fn`` and ``loss_fn`` are set here).
+          resolver: Plans the model's shardings.
+          embed_fn: ``embed_fn(model, batch) -> (inputs, targets)``.
+          layer_fn: ``layer_fn(layer, x) -> x`` with ``layer`` one layer of the stack.
+          head_fn: ``head_fn(model, y, targets) -> loss``.
+          stack: The attribute holding the stacked layers.
+          data_axes: Mesh axes of the batch.
+        """
+        self.pipeline, self.resolver = pipeline, resolver
+        self.embed_fn, self.user_layer_fn, self.head_fn = embed_fn, layer_fn, head_fn
+        self.stack, self.data_axes = stack, tuple(data_axes)
+        self._compiled: dict[Any, Any] = {}
+
+    def _parts(self, model: nnx.Module):
+        state = nnx.state(model)
+        if self.stack not in state:
+            raise ValueError(
+                f"The model has no attribute {self.stack!r} holding the layer stack; its "
+                f"top-level attributes are {sorted(state)}."
+            )
+        stack = state[self.stack]
+        rest = nnx.State({k: v for k, v in state.items() if k != self.stack})
+        return stack, rest
+
+    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer):
+        stack, rest = self._parts(model)
+        model_def = nnx.graphdef(model)
+        layer_def = nnx.graphdef(getattr(model, self.stack))
+        _only_params(stack, f"stack {self.stack!r}")
+        _only_params(rest, "other attributes")
+        num_layers = jax.tree.leaves(stack)[0].shape[0]
+        rows, model_shardings = _plan_state(nnx.state(model), self.resolver)
+        opt_rows = {
+            r.path: r for r in optimizer_rows(nnx.state(optimizer), rows, self.pipeline.mesh)
+        }
+        opt_shardings = map_variables(
+            lambda path, _: NamedSharding(self.pipeline.mesh, opt_rows[path].spec),
+            nnx.state(optimizer),
+        )
+        opt_def = nnx.graphdef(optimizer)
+
+        def merged(stack_state, rest_state):
+            full = nnx.State({**dict(rest_state), self.stack: stack_state})
+            return nnx.merge(model_def, full)
+
+        def layer_fn(layer_state, x):
+            return self.user_layer_fn(nnx.merge(layer_def, layer_state), x)
+
+        def loss_fn(y, targets, rest_state):
+            return self.head_fn(merged(stack_template, rest_state), y, targets)
+
+        self.pipeline.layer_fn, self.pipeline.loss_fn = layer_fn, loss_fn
+        # The head sees the model with placeholders for the stack: it must not read the stack.
+        stack_template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack)
+
+        def step(model_state, opt_state, batch):
+            stack_state = model_state[self.stack]
+            rest_state = nnx.State({k: v for k, v in model_state.items() if k != self.stack})
+
+            def embed(rest_params):
+                inputs, targets = self.embed_fn(merged(stack_state, rest_params), batch)
+                return inputs, targets
+
+            inputs, embed_vjp, targets = jax.vjp(embed, rest_state, has_aux=True)
+            padded, mask = self.pipeline.stack(stack_state)
+            loss, (dpadded, dhead, dinputs) = self.pipeline.value_and_grad(
+                padded, mask, inputs, targets, rest_state
+            )
+            (dembed,) = embed_vjp(dinputs)
+            drest = jax.tree.map(lambda a, b: a + b, dhead, dembed)
+            grads = nnx.State(
+                {**dict(drest), self.stack: self.pipeline.unstack(dpadded, num_layers)}
+            )
+            model = nnx.merge(model_def, model_state)
+            optimizer = nnx.merge(opt_def, opt_state)
+            optimizer.update(model, grads)
+            return (
+                constrain_state(nnx.state(model), model_shardings),
+                constrain_state(nnx.state(optimizer), opt_shardings),
+                {"loss": loss},
+            )
+
+        replicated = NamedSharding(self.pipeline.mesh, PartitionSpec())
+        return jax.jit(
+            step,
+            in_shardings=(model_shardings, opt_shardings, None),
+            out_shardings=(model_shardings, opt_shardings, replicated),
+            donate_argnums=(0, 1),
+        )
+
+    def _jitted(self, model, optimizer):
+        key = (nnx.graphdef(model), nnx.graphdef(optimizer))
+        if key not in self._compiled:
+            self._compiled[key] = self._build(model, optimizer)
+        return self._compiled[key]
+
+    def _batch(self, batch):
+        if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(batch)):
+            return batch
+        return shard_batch(batch, self.pipeline.mesh, self.data_axes)
+
+    def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> dict:
+        """Runs one pipelined step and updates ``model`` and ``optimizer`` in place.
+
+        Args:
+          model: The model (its state is donated and replaced).
+          optimizer: Its optimizer.
+          batch: Host arrays (sharded over the data axes here) or arrays on the mesh.
+
+        Returns:
+          ``{"loss": ...}``.
+        """
+        model_state, opt_state, metrics = self._jitted(model, optimizer)(
+            nnx.state(model), nnx.state(optimizer), self._batch(batch)
+        )
+        nnx.update(model, model_state)
+        nnx.update(optimizer, opt_state)
+        return metrics
+
+    def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> jax.stages.Lowered:
+        """Lowers the step without running it.
+
+        Args:
+          model: The model.
+          optimizer: Its optimizer.
+          batch: A batch, as for a call.
+
+        Returns:
+          The lowered step.
+        """
+        jitted = self._jitted(model, optimizer)
+        return jitted.lower(nnx.state(model), nnx.state(optimizer), self._batch(batch))
+
+
+def make_pipeline_train_step(
+    embed_fn: Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]],
+    layer_fn: Callable[[nnx.Module, jax.Array], jax.Array],
+    head_fn: Callable[[nnx.Module, jax.Array, jax.Array], jax.Array],
+    mesh: jax.sharding.Mesh,
+    rules: Rules = None,
+    *,
+    stack: str,
+    stage_axis: str = "pipe",
+    num_microbatches: int,
+    schedule: str = "gpipe",
+    repeats: int = 1,
+    remat: bool = False,
+    data_axes: Sequence[str] | None = None,
+) -> PipelineTrainStep:
+    """Builds a training step that runs a model's layer stack as a pipeline.
+
+    The model keeps its layers stacked (``nnx.vmap`` with ``transform_metadata=
+    {nnx.PARTITION_NAME: "layers"}``) under attribute ``stack``; map ``layers`` to the stage
+    axis in ``rules`` so each stage holds its own layers. A step runs ``embed_fn`` on every
+    device (data parallel), the stack through the pipeline, and ``head_fn`` on the last stage
+    for each microbatch; the embedding and head are trained through the pipeline's input and
+    loss gradients. Gradients come back as an ``nnx.State`` for the optimizer, and every
+    parameter and optimizer leaf keeps its planned sharding.
+
+    Args:
+      embed_fn: ``embed_fn(model, batch) -> (inputs, targets)``: what enters the stack, and
+        the targets the head needs (both with the batch's leading dimension).
+      layer_fn: ``layer_fn(layer, x) -> x`` with ``layer`` one layer of the stack (a module).
+      head_fn: ``head_fn(model, y, targets) -> loss``: a microbatch's mean loss from the
+        stack's output.
+      mesh: The mesh, with ``stage_axis``.
+      rules: The model's rules (``layers`` on ``stage_axis``).
+      stack: The model attribute holding the stacked layers.
+      stage_axis: The mesh axis of the pipeline stages.
+      num_microbatches: Microbatches per batch.
+      schedule: ``"gpipe"``, ``"1f1b"`` or ``"circular"``.
+      repeats: Rounds of the ring for ``"circular"``.
+      remat: Recompute stages in the backward pass (GPipe, circular).
+      data_axes: Mesh axes of the batch; by default every axis but ``stage_axis`` that the
+        rules' ``data`` names.
+
+    Returns:
+      A :class:`PipelineTrainStep`.
+
+    Raises:
+      ValueError: As :class:`substrax.pipeline.Pipeline`, or when the model holds variables
+        other than ``nnx.Param`` (checked on the first call).
+    """
+    resolver = Resolver(mesh, rules)
+    if stage_axis not in mesh.axis_names:
+        raise ValueError(
+            f"stage_axis {stage_axis!r} is not a mesh axis; the mesh has {tuple(mesh.axis_names)}."
+        )
+    if data_axes is None:
+        named = resolver.rules.data
+        named = (named,) if isinstance(named, str) else tuple(named or ())
+        data_axes = tuple(a for a in named if a != stage_axis)
+    strategy = PipelineParallelStrategy(stage_axis, tuple(mesh.axis_names).index(stage_axis),
+                                        dict(mesh.shape)[stage_axis])  # fmt: skip
+    pipeline = Pipeline(
+        layer_fn, head_fn, mesh, strategy, num_microbatches=num_microbatches,
+        schedule=schedule, repeats=repeats, remat=remat, data_axes=data_axes,
+    )  # fmt: skip
+    return PipelineTrainStep(pipeline, resolver, embed_fn, layer_fn, head_fn, stack=stack,
+                             data_axes=data_axes)  # fmt: skip
