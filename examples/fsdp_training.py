@@ -76,6 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=defaults.seq)
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("runs/fsdp"))
     parser.add_argument("--quiet", action="store_true", help="no sharding report")
+    parser.add_argument("--stacked", action="store_true", help="layers stacked with nnx.vmap")
+    parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches")
+    parser.add_argument("--schedule", default="1f1b", help="pipeline: gpipe, 1f1b or circular")
+    parser.add_argument("--repeats", type=int, default=1, help="circular pipeline rounds")
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None)
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
@@ -109,11 +113,25 @@ def build(args):
             f"--batch-size {args.batch_size} does not divide the {data_devices} devices of the "
             f"data axes {_axes(rules.data)}; use a multiple of {data_devices}"
         )
+    if args.strategy == "pp":
+        check_pipeline(args, dict(mesh.shape)["pipe"], data_devices)
     config = gpt.Config(
         vocab=args.vocab, d_model=args.d_model, heads=args.heads, mlp=args.mlp,
         layers=args.layers, seq=args.seq,
     )  # fmt: skip
     return mesh, rules, compute, config
+
+
+def check_pipeline(args, stages: int, data_devices: int) -> None:
+    """One-line errors for a pipeline that cannot run."""
+    chunks = stages * (args.repeats if args.schedule == "circular" else 1)
+    if args.layers < chunks:
+        raise UsageError(f"--layers {args.layers} is fewer than the {chunks} pipeline chunks")
+    if args.batch_size % (args.microbatches * data_devices):
+        raise UsageError(
+            f"--batch-size {args.batch_size} does not split into --microbatches "
+            f"{args.microbatches} x {data_devices} data devices"
+        )
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -154,14 +172,15 @@ class Progress:
 def train(args) -> dict:
     mesh, rules, compute, config = build(args)
     primary = jax.process_index() == 0
-    factory = lambda: gpt.GPT(config, nnx.Rngs(args.seed))  # noqa: E731
+    model_class = gpt.StackedGPT if args.stacked or args.strategy == "pp" else gpt.GPT
+    factory = lambda: model_class(config, nnx.Rngs(args.seed))  # noqa: E731
     plan = sf.plan_model(factory, mesh, rules)
     if primary and not args.quiet:
         print(f"mesh {dict(mesh.shape)}, strategy {args.strategy}")
         print(plan.report())
     model = plan.create()
     optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(args.learning_rate), mesh, rules)
-    step_fn = sf.make_train_step(gpt.loss_fn, mesh, rules, compute_rules=compute)
+    step_fn = make_step(args, mesh, rules, compute)
     checkpointer = resume(args, model, optimizer, primary)
     start_step = int(optimizer.step[...])
     losses, progress = [], Progress(args.steps, start_step)
@@ -201,6 +220,20 @@ def train(args) -> dict:
             f"{metrics['tokens_per_second']:,.0f} tok/s; wrote {args.output_dir / 'metrics.json'}"
         )
     return metrics
+
+
+def make_step(args, mesh, rules, compute):
+    """The train step: pipelined for ``--strategy pp``, the plain one otherwise."""
+    if args.strategy != "pp":
+        return sf.make_train_step(gpt.loss_fn, mesh, rules, compute_rules=compute)
+    try:
+        return sf.make_pipeline_train_step(
+            gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh, rules,
+            stack="blocks", num_microbatches=args.microbatches, schedule=args.schedule,
+            repeats=args.repeats,
+        )  # fmt: skip
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def resume(args, model, optimizer, primary):

@@ -18,7 +18,7 @@ from flax import nnx
 from substrax.mesh import MeshRules
 from substrax.spmd import constrain
 
-LAYOUTS = ("dp", "fsdp", "hsdp", "tp", "fsdp+tp")
+LAYOUTS = ("dp", "fsdp", "hsdp", "tp", "fsdp+tp", "pp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +199,8 @@ def layout(name: str, axis_names: tuple[str, ...]) -> tuple[MeshRules, MeshRules
     * ``hsdp``: parameters sharded on ``embed`` over ``model``, the batch over every axis.
     * ``tp``: ``mlp``, ``heads`` and ``vocab`` over ``model``, the batch over ``data``.
     * ``fsdp+tp``: ``tp``, plus ``embed`` over ``data``.
+    * ``pp``: the stacked layers' ``layers`` axis over ``pipe`` (pipeline stages), the batch
+      over every other axis.
 
     Compute rules gather ``embed`` (parameters are used whole on the FSDP axes).
 
@@ -208,11 +210,16 @@ def layout(name: str, axis_names: tuple[str, ...]) -> tuple[MeshRules, MeshRules
     if name not in LAYOUTS:
         raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(LAYOUTS)}.")
     every = tuple(axis_names)
-    needs = {"hsdp": ("data", "model"), "tp": ("model",), "fsdp+tp": ("data", "model")}
+    needs = {
+        "hsdp": ("data", "model"),
+        "tp": ("model",),
+        "fsdp+tp": ("data", "model"),
+        "pp": ("pipe",),
+    }
     missing = [axis for axis in needs.get(name, ()) if axis not in axis_names]
     if missing:
         raise ValueError(f"Strategy {name!r} needs mesh axes {missing}; the mesh has {every}.")
-    base = dict(vocab=None, kv=None, mlp=None, heads=None, embed=None, data=every)
+    base = dict(vocab=None, kv=None, mlp=None, heads=None, embed=None, layers=None, data=every)
     tensor = dict(mlp="model", heads="model", vocab="model")
     data_only = tuple(a for a in every if a != "model") or None
     params = {
@@ -221,5 +228,6 @@ def layout(name: str, axis_names: tuple[str, ...]) -> tuple[MeshRules, MeshRules
         "hsdp": {**base, "embed": "model"},
         "tp": {**base, **tensor, "data": data_only},
         "fsdp+tp": {**base, **tensor, "data": data_only, "embed": data_only},
+        "pp": {**base, "layers": "pipe", "data": tuple(a for a in every if a != "pipe") or None},
     }[name]
     return MeshRules().extend(**params), MeshRules().extend(**{**params, "embed": None})

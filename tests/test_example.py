@@ -31,6 +31,21 @@ def test_example_trains_and_writes_metrics(tmp_path, strategy):
     assert "loss" in result.stdout and "MiB per device" in result.stdout
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule):
+    layers = [*TINY, "--layers", "4", "--steps", "4"]
+    pipelined = _run(*layers, "--strategy", "pp", "--mesh", "pipe=4,data=2", "--schedule",
+                     schedule, "--microbatches", "2", tmp_path=tmp_path / "pp")  # fmt: skip
+    assert pipelined.returncode == 0, pipelined.stderr
+    plain = _run(*layers, "--strategy", "dp", "--stacked", "--mesh", "data=8",
+                 tmp_path=tmp_path / "dp")  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    losses = [
+        json.loads((tmp_path / d / "metrics.json").read_text())["losses"] for d in ("pp", "dp")
+    ]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -38,10 +53,20 @@ def test_example_trains_and_writes_metrics(tmp_path, strategy):
         (["--strategy", "zero3"], "Unknown strategy 'zero3'; choose one of dp, fsdp"),
         (["--batch-size", "7"], "--batch-size 7 does not divide the 2 devices"),
         (["--mesh", "data"], "expected name=size pairs"),
+        (["--strategy", "pp", "--mesh", "data=8"], "Strategy 'pp' needs mesh axes ['pipe']"),
+        (
+            ["--strategy", "pp", "--mesh", "pipe=4,data=2", "--microbatches", "3"],
+            "does not split into --microbatches 3 x 2 data devices",
+        ),
+        (
+            ["--strategy", "pp", "--mesh", "pipe=4,data=2", "--layers", "3"],
+            "--layers 3 is fewer than the 4 pipeline chunks",
+        ),
     ],
 )
 def test_example_rejects_bad_input_in_one_line(tmp_path, args, message):
-    result = _run(*TINY, "--strategy", "tp", *args, tmp_path=tmp_path)
+    strategy = [] if "--strategy" in args else ["--strategy", "tp"]
+    result = _run(*TINY, *strategy, *args, tmp_path=tmp_path)
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr
