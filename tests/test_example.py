@@ -55,7 +55,7 @@ def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule):
         (["--mesh", "data"], "expected name=size pairs"),
         (["--strategy", "pp", "--mesh", "data=8"], "Strategy 'pp' needs mesh axes ['pipe']"),
         (
-            ["--strategy", "pp", "--mesh", "pipe=4,data=2", "--microbatches", "3"],
+            ["--strategy", "pp", "--mesh", "pipe=4,data=2", "--microbatches", "3", "--layers", "4"],
             "does not split into --microbatches 3 x 2 data devices",
         ),
         (
