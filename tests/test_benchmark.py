@@ -36,3 +36,17 @@ def test_theory_volumes():
     hsdp = layouts.theory_bytes("hsdp", 800, {"data": 2, "model": 4})
     assert hsdp == 3 * 800 * 3 / 4 + 2 * 200 / 2
     assert layouts.theory_bytes("tp", 800, {"data": 2, "model": 4}) is None
+
+
+def test_pipeline_benchmark_runs_at_a_tiny_size(tmp_path):
+    import pipeline as pipeline_benchmark
+
+    rows = pipeline_benchmark.main(
+        ["--size", "tiny", "--steps", "1", "--output-dir", str(tmp_path)]
+    )
+    assert (tmp_path / "pipeline.md").exists() and len(rows) == 16
+    for row in rows:
+        assert row["idle_measured"] == pytest.approx(row["idle_formula"])
+        assert row["reductions_in_loops"] == 0
+    one_f = [r["temp_bytes"] for r in rows if r["schedule"] == "1f1b"]
+    assert max(one_f) <= 1.1 * min(one_f)
