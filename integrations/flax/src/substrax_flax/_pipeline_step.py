@@ -39,8 +39,17 @@ class PipelineTrainStep:
     Build it with :func:`make_pipeline_train_step`; call it like a :class:`TrainStep`.
     """
 
-    def __init__(self, pipeline: Pipeline, resolver: Resolver, embed_fn, layer_fn, head_fn, *,
-                 stack: str, data_axes: Sequence[str]):  # fmt: skip
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        resolver: Resolver,
+        embed_fn: Callable[..., Any],
+        layer_fn: Callable[..., Any],
+        head_fn: Callable[..., Any],
+        *,
+        stack: str,
+        data_axes: Sequence[str],
+    ):
         """Stores the configuration; see :func:`make_pipeline_train_step`.
 
         Args:
