@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from substrax.hlo import collectives, while_bodies
 from substrax.mesh import DeviceMeshManager, PipelineParallelStrategy
@@ -186,3 +187,26 @@ def test_head_and_input_gradients_match_no_pipeline(mesh, schedule):
     got = jax.tree.leaves(pipe.unstack(grads, 8))
     for a, b in zip(got, jax.tree.leaves(ref_g), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_fsdp_inside_the_pipeline_gathers_before_and_scatters_after_the_loop(mesh, schedule):
+    pipe = _pipeline(mesh, schedule, micro=4, fsdp_axis="data")
+    params = _params(8)
+    padded, _ = pipe.stack(params)
+    assert padded["w"].sharding.spec == P("pipe", None, None, "data")
+    grads, _ = _check(pipe, params, rows=16)
+    assert grads["w"].sharding.spec == padded["w"].sharding.spec
+    padded, mask = pipe.stack(params)
+    x, t = _batch(16)
+    text = jax.jit(pipe.loss_and_grads).lower(padded, mask, x, t).compile().as_text()
+    bodies, ops = while_bodies(text), collectives(text)
+    outside = [op.kind for op in ops if op.computation not in bodies]
+    inside = [op.kind for op in ops if op.computation in bodies]
+    assert outside.count("all-gather") == 2 and outside.count("reduce-scatter") == 2
+    assert set(inside) == {"collective-permute"}
+
+
+def test_fsdp_axis_must_be_a_data_axis(mesh):
+    with pytest.raises(ValueError, match=r"fsdp_axis 'model' must be one of data_axes \('data',\)"):
+        _pipeline(mesh, "gpipe", micro=4, fsdp_axis="model")

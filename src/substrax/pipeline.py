@@ -85,6 +85,7 @@ class Pipeline:
         repeats: int = 1,
         remat: bool = False,
         data_axes: Sequence[str] = (),
+        fsdp_axis: str | None = None,
     ):
         """Validates the configuration.
 
@@ -101,11 +102,16 @@ class Pipeline:
           remat: Recompute each stage in the backward pass instead of keeping its activations
             (GPipe and circular; 1F1B always recomputes).
           data_axes: Mesh axes that split each microbatch (data parallelism).
+          fsdp_axis: One of ``data_axes`` over which the layer parameters are also sharded
+            (FSDP): each stage gathers its layers once before the loop and reduce-scatters
+            their gradients once after it. A parameter is sharded on its first per-layer
+            dimension that the axis size divides; one with none stays whole.
 
         Raises:
           ValueError: For an unknown schedule, a stage count that differs from the mesh's
             stage axis, ``repeats`` other than 1 outside ``"circular"``, a circular schedule
-            with fewer microbatches than stages, or data axes that are not mesh axes.
+            with fewer microbatches than stages, data axes that are not mesh axes, or an
+            ``fsdp_axis`` that is not one of them.
         """
         if schedule not in SCHEDULES:
             raise ValueError(f"Unknown schedule {schedule!r}; choose one of {SCHEDULES}.")
@@ -138,7 +144,9 @@ class Pipeline:
         self.mesh, self.strategy, self.stage_axis = mesh, strategy, strategy.axis_name
         self.num_stages, self.num_microbatches = strategy.num_stages, num_microbatches
         self.schedule, self.repeats, self.remat = schedule, repeats, remat
-        self.data_axes = data_axes
+        if fsdp_axis is not None and fsdp_axis not in data_axes:
+            raise ValueError(f"fsdp_axis {fsdp_axis!r} must be one of data_axes {data_axes}.")
+        self.data_axes, self.fsdp_axis = data_axes, fsdp_axis
         self.data_size = math.prod(dict(mesh.shape)[a] for a in data_axes)
 
     # --- layer assignment -------------------------------------------------------------------
@@ -206,8 +214,45 @@ class Pipeline:
             raise ValueError(f"Every parameter needs the same leading layer axis, got {counts}.")
         index, mask = self._slots(counts.pop())
         sharding = NamedSharding(self.mesh, PartitionSpec(self.stage_axis))
-        padded = jax.tree.map(lambda a: jax.device_put(jnp.asarray(a)[index], sharding), params)
+        padded = jax.tree.map(
+            lambda a: jax.device_put(jnp.asarray(a)[index], self._param_sharding(a.shape[1:])),
+            params,
+        )
         return padded, jax.device_put(jnp.asarray(mask), sharding)
+
+    def fsdp_dim(self, layer_shape: Sequence[int]) -> int | None:
+        """The per-layer dimension that FSDP shards for a parameter of ``layer_shape``.
+
+        Args:
+          layer_shape: One layer's shape of the parameter.
+
+        Returns:
+          The first dimension the ``fsdp_axis`` size divides, or None (kept whole, or no FSDP).
+        """
+        if self.fsdp_axis is None:
+            return None
+        size = dict(self.mesh.shape)[self.fsdp_axis]
+        return next((d for d, n in enumerate(layer_shape) if n % size == 0 and n >= size), None)
+
+    def _param_spec(self, layer_shape: Sequence[int]) -> PartitionSpec:
+        dim = self.fsdp_dim(layer_shape)
+        if dim is None:
+            return PartitionSpec(self.stage_axis)
+        return PartitionSpec(self.stage_axis, None, None, *([None] * dim), self.fsdp_axis)
+
+    def _param_sharding(self, layer_shape: Sequence[int]) -> NamedSharding:
+        return NamedSharding(self.mesh, self._param_spec(layer_shape))
+
+    def _gather(self, params: Any) -> Any:
+        """Inside the map: every parameter whole along its FSDP dimension, once, before the loop."""
+
+        def gather(a):
+            dim = self.fsdp_dim(a.shape[3:])
+            if dim is None:
+                return a
+            return jax.lax.all_gather(a, self.fsdp_axis, axis=3 + dim, tiled=True)
+
+        return jax.tree.map(gather, params)
 
     def unstack(self, padded: Any, num_layers: int) -> Any:
         """The inverse of :meth:`stack`: ``[S, R, Lc, ...]`` back to ``[L, ...]``.
@@ -327,14 +372,18 @@ class Pipeline:
 
     def _specs(self, padded: Any) -> tuple[Any, PartitionSpec, PartitionSpec]:
         data = self.data_axes if len(self.data_axes) != 1 else self.data_axes[0]
-        param_spec = jax.tree.map(lambda _: PartitionSpec(self.stage_axis), padded)
+        param_spec = jax.tree.map(lambda a: self._param_spec(a.shape[3:]), padded)
         return param_spec, PartitionSpec(self.stage_axis), PartitionSpec(None, data or None)
 
     def _vary(self, tree: Any) -> Any:
         """Marks parameters as varying over the data axes, so gradients reduce after the loop."""
-        if not self.data_axes:
-            return tree
-        return jax.tree.map(lambda a: jax.lax.pcast(a, self.data_axes, to="varying"), tree)
+
+        def cast(x):
+            have = set(jax.typeof(x).manual_axis_type.varying)
+            missing = tuple(a for a in self.data_axes if a not in have)
+            return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+        return jax.tree.map(cast, tree)
 
     def _varying(self, tree: Any) -> Any:
         """Marks a scan's initial carry as varying over every manual axis, as its output is."""
@@ -346,6 +395,15 @@ class Pipeline:
             return jax.lax.pcast(x, missing, to="varying") if missing else x
 
         return jax.tree.map(cast, tree)
+
+    def _reduce_grad(self, grad: jax.Array) -> jax.Array:
+        """Sums a ``[Lc, ...]`` gradient over the data axes, scattering it back over FSDP."""
+        dim = self.fsdp_dim(grad.shape[1:])
+        others = tuple(a for a in self.data_axes if dim is None or a != self.fsdp_axis)
+        grad = jax.lax.psum(grad, others) if others else grad
+        if dim is None:
+            return grad
+        return jax.lax.psum_scatter(grad, self.fsdp_axis, scatter_dimension=1 + dim, tiled=True)
 
     def _mean(self, value: jax.Array) -> jax.Array:
         value = jax.lax.psum(value, self.stage_axis) / self.num_microbatches
@@ -404,7 +462,7 @@ class Pipeline:
         return run(padded, mask, xs, ts, head)
 
     def _forward_loop(self, params, mask, xs, targets, head):
-        params = self._vary(jax.tree.map(lambda a: a[0], params))
+        params = self._vary(jax.tree.map(lambda a: a[0], self._gather(params)))
         mask, stages, micro, repeats = mask[0], self.num_stages, self.num_microbatches, self.repeats
         stage = jax.lax.axis_index(self.stage_axis)
         pattern = self.strategy.get_forward_communication_pattern()
@@ -517,7 +575,7 @@ class Pipeline:
         return value, grads
 
     def _one_f_one_b(self, params, mask, xs, targets, head):
-        params = self._vary(jax.tree.map(lambda a: a[0, 0], params))
+        params = self._vary(jax.tree.map(lambda a: a[0, 0], self._gather(params)))
         head = self._varying(head)
         mask, stages, micro = mask[0, 0], self.num_stages, self.num_microbatches
         stage = jax.lax.axis_index(self.stage_axis)
@@ -562,7 +620,7 @@ class Pipeline:
         grads, dhead, dxs, total = final[3:]
         data = self.data_size
         if self.data_axes:
-            grads = jax.tree.map(lambda g: jax.lax.psum(g, self.data_axes) / data, grads)
+            grads = jax.tree.map(lambda g: self._reduce_grad(g) / data, grads)
             dhead = jax.tree.map(lambda g: jax.lax.psum(g, self.data_axes), dhead)
         dhead = jax.tree.map(lambda g: jax.lax.psum(g, self.stage_axis) / data, dhead)
         dxs = jax.lax.psum(dxs, self.stage_axis) / data
