@@ -11,11 +11,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax.mesh import PipelineParallelStrategy
 from substrax.pipeline import Pipeline
-from substrax.spmd import shard_batch
 from substrax_flax._optimizer import optimizer_rows
 from substrax_flax._plan import _plan_state
 from substrax_flax._resolve import Resolver, Rules
 from substrax_flax._state import constrain_state, map_variables
+from substrax_flax._train import _JittedStep
 
 __all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
 
@@ -33,7 +33,7 @@ def _is_variable(node: Any) -> bool:
     return isinstance(node, nnx.Variable)
 
 
-class PipelineTrainStep:
+class PipelineTrainStep(_JittedStep):
     """A jitted training step whose layer stack runs through a :class:`substrax.pipeline.Pipeline`.
 
     Build it with :func:`make_pipeline_train_step`; call it like a :class:`TrainStep`.
@@ -64,6 +64,7 @@ class PipelineTrainStep:
         self.pipeline, self.resolver = pipeline, resolver
         self.embed_fn, self.user_layer_fn, self.head_fn = embed_fn, layer_fn, head_fn
         self.stack, self.data_axes = stack, tuple(data_axes)
+        self.mesh = pipeline.mesh
         self._compiled: dict[Any, Any] = {}
 
     def _parts(self, model: nnx.Module):
@@ -142,49 +143,6 @@ class PipelineTrainStep:
             out_shardings=(model_shardings, opt_shardings, replicated),
             donate_argnums=(0, 1),
         )
-
-    def _jitted(self, model, optimizer):
-        key = (nnx.graphdef(model), nnx.graphdef(optimizer))
-        if key not in self._compiled:
-            self._compiled[key] = self._build(model, optimizer)
-        return self._compiled[key]
-
-    def _batch(self, batch):
-        if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(batch)):
-            return batch
-        return shard_batch(batch, self.pipeline.mesh, self.data_axes)
-
-    def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> dict:
-        """Runs one pipelined step and updates ``model`` and ``optimizer`` in place.
-
-        Args:
-          model: The model (its state is donated and replaced).
-          optimizer: Its optimizer.
-          batch: Host arrays (sharded over the data axes here) or arrays on the mesh.
-
-        Returns:
-          ``{"loss": ...}``.
-        """
-        model_state, opt_state, metrics = self._jitted(model, optimizer)(
-            nnx.state(model), nnx.state(optimizer), self._batch(batch)
-        )
-        nnx.update(model, model_state)
-        nnx.update(optimizer, opt_state)
-        return metrics
-
-    def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> jax.stages.Lowered:
-        """Lowers the step without running it.
-
-        Args:
-          model: The model.
-          optimizer: Its optimizer.
-          batch: A batch, as for a call.
-
-        Returns:
-          The lowered step.
-        """
-        jitted = self._jitted(model, optimizer)
-        return jitted.lower(nnx.state(model), nnx.state(optimizer), self._batch(batch))
 
 
 def make_pipeline_train_step(

@@ -23,7 +23,67 @@ Gather = Literal["keep", "regather"]
 _GATHERED = "substrax_gathered_param"
 
 
-class TrainStep:
+class _JittedStep:
+    """What every substrax step shares: batch placement, the call, lowering, the jit cache.
+
+    Subclasses set ``mesh``, ``data_axes`` and ``_compiled`` and implement ``_build``.
+    """
+
+    mesh: jax.sharding.Mesh
+    data_axes: Any
+    _compiled: dict
+
+    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Any:
+        raise NotImplementedError
+
+    def _jitted(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Any:
+        key = (nnx.graphdef(model), nnx.graphdef(optimizer))
+        if key not in self._compiled:
+            self._compiled[key] = self._build(model, optimizer)
+        return self._compiled[key]
+
+    def _batch(self, batch: Any) -> Any:
+        if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(batch)):
+            return batch
+        return shard_batch(batch, self.mesh, self.data_axes)
+
+    def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> dict:
+        """Runs one step and updates ``model`` and ``optimizer`` in place.
+
+        Args:
+          model: The model (its state is donated and replaced).
+          optimizer: Its ``nnx.Optimizer`` (likewise).
+          batch: Host arrays (sharded over the data axes here; in a multi-process run each
+            process passes its local slice) or ``jax.Array``s already on the mesh.
+
+        Returns:
+          The metrics: ``{"loss": ...}`` plus ``loss_fn``'s aux (a dict's items, or ``"aux"``).
+        """
+        jitted = self._jitted(model, optimizer)
+        model_state, opt_state, metrics = jitted(
+            nnx.state(model), nnx.state(optimizer), self._batch(batch)
+        )
+        nnx.update(model, model_state)
+        nnx.update(optimizer, opt_state)
+        return metrics
+
+    def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> jax.stages.Lowered:
+        """Lowers the step without running it.
+
+        Args:
+          model: The model.
+          optimizer: Its optimizer.
+          batch: A batch, as for a call.
+
+        Returns:
+          The lowered step; ``.compile()`` gives ``memory_analysis()``, ``cost_analysis()`` and
+          ``as_text()`` (the partitioned HLO).
+        """
+        jitted = self._jitted(model, optimizer)
+        return jitted.lower(nnx.state(model), nnx.state(optimizer), self._batch(batch))
+
+
+class TrainStep(_JittedStep):
     """A jitted training step; build it with :func:`make_train_step`.
 
     Calling ``step(model, optimizer, batch)`` runs one step, updates ``model`` and
@@ -117,59 +177,16 @@ class TrainStep:
 
         return step
 
-    def _jitted(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Any:
+    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Any:
         model_def, opt_def = nnx.graphdef(model), nnx.graphdef(optimizer)
-        key = (model_def, opt_def)
-        if key not in self._compiled:
-            model_sh, opt_sh, compute_sh = self._shardings(model, optimizer)
-            replicated = NamedSharding(self.mesh, PartitionSpec())
-            self._compiled[key] = jax.jit(
-                self._step_fn(model_def, opt_def, compute_sh, model_sh, opt_sh),
-                in_shardings=(model_sh, opt_sh, None),
-                out_shardings=(model_sh, opt_sh, replicated),
-                donate_argnums=(0, 1) if self.donate else (),
-            )
-        return self._compiled[key]
-
-    def _batch(self, batch: Any) -> Any:
-        if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(batch)):
-            return batch
-        return shard_batch(batch, self.mesh, self.data_axes)
-
-    def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> dict:
-        """Runs one step and updates ``model`` and ``optimizer`` in place.
-
-        Args:
-          model: The model (its state is donated and replaced).
-          optimizer: Its ``nnx.Optimizer`` (likewise).
-          batch: Host arrays (sharded over the data axes here; in a multi-process run each
-            process passes its local slice) or ``jax.Array``s already on the mesh.
-
-        Returns:
-          The metrics: ``{"loss": ...}`` plus ``loss_fn``'s aux (a dict's items, or ``"aux"``).
-        """
-        jitted = self._jitted(model, optimizer)
-        model_state, opt_state, metrics = jitted(
-            nnx.state(model), nnx.state(optimizer), self._batch(batch)
+        model_sh, opt_sh, compute_sh = self._shardings(model, optimizer)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return jax.jit(
+            self._step_fn(model_def, opt_def, compute_sh, model_sh, opt_sh),
+            in_shardings=(model_sh, opt_sh, None),
+            out_shardings=(model_sh, opt_sh, replicated),
+            donate_argnums=(0, 1) if self.donate else (),
         )
-        nnx.update(model, model_state)
-        nnx.update(optimizer, opt_state)
-        return metrics
-
-    def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> jax.stages.Lowered:
-        """Lowers the step without running it.
-
-        Args:
-          model: The model.
-          optimizer: Its optimizer.
-          batch: A batch, as for a call.
-
-        Returns:
-          The lowered step; ``.compile()`` gives ``memory_analysis()``, ``cost_analysis()`` and
-          ``as_text()`` (the partitioned HLO).
-        """
-        jitted = self._jitted(model, optimizer)
-        return jitted.lower(nnx.state(model), nnx.state(optimizer), self._batch(batch))
 
 
 def make_train_step(
