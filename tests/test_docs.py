@@ -11,6 +11,7 @@ import substrax.hlo
 import substrax.launch
 import substrax.mesh
 import substrax.pipeline
+import substrax.planner
 import substrax.spmd
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -22,6 +23,7 @@ MODULES = [
     substrax.hlo,
     substrax.launch,
     substrax.pipeline,
+    substrax.planner,
 ]
 
 

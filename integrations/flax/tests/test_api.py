@@ -6,6 +6,7 @@ import substrax.distributed
 import substrax.hlo
 import substrax.launch
 import substrax.pipeline
+import substrax.planner
 import substrax.spmd
 import substrax_flax
 
@@ -19,6 +20,7 @@ import substrax_flax
         *public_callables(substrax.hlo),
         *public_callables(substrax.launch),
         *public_callables(substrax.pipeline),
+        *public_callables(substrax.planner),
     ],
     ids=lambda v: str(v)[:60],
 )

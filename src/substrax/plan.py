@@ -1,0 +1,127 @@
+"""``python -m substrax.plan``: rank the layouts of a model on a device count, without devices.
+
+    python -m substrax.plan --model llama3-70b --devices 512 --memory 80GB
+        --batch-tokens 4M --seq 8192 [--json plan.json]
+
+Prints the ranked candidates, the chosen layout's memory breakdown and its warnings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+from substrax.planner import ARCHITECTURES, Hardware, Workload, parse_bytes, parse_count, plan
+
+__all__ = ["main"]
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:.2f}"
+
+
+def _table(result, top: int) -> str:
+    head = f"{'#':>3}  {'layout':28} {'params/dev':>14} {'peak GiB':>9} {'fits':>5} {'time s':>8}"
+    lines = [head, "-" * len(head)]
+    for rank, c in enumerate(result.candidates[:top], 1):
+        lines.append(
+            f"{rank:>3}  {c.layout.name:28} {c.params_per_device:>14,} "
+            f"{_gib(c.bytes_per_device['peak']):>9} {'yes' if c.fits else 'no':>5} "
+            f"{c.time_s:>8.3f}"
+        )
+    return "\n".join(lines)
+
+
+def _breakdown(candidate) -> str:
+    parts = ", ".join(f"{k} {_gib(v)}" for k, v in candidate.bytes_per_device.items())
+    return (
+        f"chosen: {candidate.layout.name} (mesh {candidate.layout.mesh}); GiB per device: {parts}"
+    )
+
+
+def _optional(text: str, unit: bool = False) -> float:
+    if str(text).strip() in ("", "0"):
+        return 0.0
+    return float(parse_bytes(text) if unit else parse_count(text))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m substrax.plan", description=__doc__)
+    parser.add_argument("--model", required=True, help=f"one of {', '.join(ARCHITECTURES)}")
+    parser.add_argument("--devices", required=True)
+    parser.add_argument("--memory", required=True, help="per device, e.g. 80GB or 96GiB")
+    parser.add_argument("--batch-tokens", required=True, help="tokens per step, e.g. 4M")
+    parser.add_argument("--seq", required=True)
+    parser.add_argument("--devices-per-host", default="8")
+    parser.add_argument("--flops", default="0", help="peak FLOP/s per device, e.g. 989T")
+    parser.add_argument("--intra-host-bandwidth", default="0", help="bytes/s, e.g. 450GB")
+    parser.add_argument("--inter-host-bandwidth", default="0", help="bytes/s, e.g. 50GB")
+    parser.add_argument("--precision", default="bf16")
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--remat", default="selective")
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=0,
+        help="pipeline microbatches, or gradient-accumulation steps without a pipeline",
+    )
+    parser.add_argument("--strategies", default="dp,fsdp,tp,pp")
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--json", type=pathlib.Path, default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line.
+
+    Args:
+      argv: The arguments (``sys.argv[1:]`` when None).
+
+    Returns:
+      The exit status: 0, or 2 for bad input (one line on stderr).
+    """
+    args = _parser().parse_args(argv)
+    try:
+        hardware = Hardware(
+            memory_bytes=parse_bytes(args.memory),
+            devices_per_host=parse_count(args.devices_per_host),
+            flops=_optional(args.flops),
+            intra_host_bandwidth=_optional(args.intra_host_bandwidth, unit=True),
+            inter_host_bandwidth=_optional(args.inter_host_bandwidth, unit=True),
+        )
+        workload = Workload(
+            batch_tokens=parse_count(args.batch_tokens),
+            seq=parse_count(args.seq),
+            precision=args.precision,
+            optimizer=args.optimizer,
+            remat=args.remat,
+            microbatches=args.microbatches,
+        )
+        strategies = tuple(args.strategies.split(","))
+        result = plan(
+            args.model, parse_count(args.devices), hardware, workload, strategies=strategies
+        )
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(
+        f"{result.model}: {result.total_params:,} parameters on {result.devices} devices, "
+        f"{len(result.candidates)} candidates"
+    )
+    print(_table(result, args.top))
+    print(_breakdown(result.best))
+    message = result.no_fit_message()
+    if message:
+        print(f"warning: {message}")
+    for warning in result.best.warnings:
+        print(f"warning: {warning}")
+    if args.json:
+        args.json.write_text(json.dumps(result.as_dict(), indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Named architectures as abstract parameter trees with logical axis names (no allocation)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["ARCHITECTURES", "Leaf", "TransformerConfig", "architecture", "transformer_leaves"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One parameter of an abstract model.
+
+    Attributes:
+      path: Its path, such as ``"layers/attn/wq"``.
+      shape: Its global shape.
+      names: One logical axis name (or None) per dimension.
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    names: tuple[str | None, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """A decoder-only transformer, its layers stacked (leading ``layers`` axis).
+
+    Attributes:
+      layers: Decoder layers.
+      d_model: Model width.
+      heads: Query heads.
+      kv_heads: Key/value heads (grouped-query attention when fewer than ``heads``).
+      head_dim: Width of one head.
+      ffn: Hidden width of the MLP.
+      vocab: Vocabulary size.
+      gated: SwiGLU MLP (three matrices) rather than two.
+      tied: Output head shares the embedding.
+      biases: Linear layers have biases (GPT-2).
+      positions: Learned position embeddings of this many positions (0: none).
+    """
+
+    layers: int
+    d_model: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    gated: bool = True
+    tied: bool = False
+    biases: bool = False
+    positions: int = 0
+
+
+def transformer_leaves(c: TransformerConfig) -> list[Leaf]:
+    """The parameters of ``c``, each with its logical axis names.
+
+    The names are ``layers`` (the stacked layer axis), ``vocab``, ``embed``, ``heads``,
+    ``kv_heads``, ``kv`` (head width) and ``mlp``.
+
+    Args:
+      c: The configuration.
+
+    Returns:
+      One :class:`Leaf` per parameter.
+    """
+    n, d = c.layers, c.d_model
+    leaves = [Leaf("embedding", (c.vocab, d), ("vocab", "embed"))]
+    if c.positions:
+        leaves.append(Leaf("positions", (c.positions, d), (None, "embed")))
+    layer = [
+        ("attn_norm", (d,), ("embed",)),
+        ("wq", (d, c.heads, c.head_dim), ("embed", "heads", "kv")),
+        ("wk", (d, c.kv_heads, c.head_dim), ("embed", "kv_heads", "kv")),
+        ("wv", (d, c.kv_heads, c.head_dim), ("embed", "kv_heads", "kv")),
+        ("wo", (c.heads, c.head_dim, d), ("heads", "kv", "embed")),
+        ("mlp_norm", (d,), ("embed",)),
+        ("w_in", (d, c.ffn), ("embed", "mlp")),
+        ("w_out", (c.ffn, d), ("mlp", "embed")),
+    ]
+    if c.gated:
+        layer.append(("w_gate", (d, c.ffn), ("embed", "mlp")))
+    if c.biases:
+        layer += [
+            ("bq", (c.heads, c.head_dim), ("heads", "kv")),
+            ("bk", (c.kv_heads, c.head_dim), ("kv_heads", "kv")),
+            ("bv", (c.kv_heads, c.head_dim), ("kv_heads", "kv")),
+            ("bo", (d,), ("embed",)),
+            ("b_in", (c.ffn,), ("mlp",)),
+            ("b_out", (d,), ("embed",)),
+            ("attn_norm_bias", (d,), ("embed",)),
+            ("mlp_norm_bias", (d,), ("embed",)),
+        ]
+    leaves += [
+        Leaf(f"layers/{name}", (n, *shape), ("layers", *names)) for name, shape, names in layer
+    ]
+    leaves.append(Leaf("norm", (d,), ("embed",)))
+    if c.biases:
+        leaves.append(Leaf("norm_bias", (d,), ("embed",)))
+    if not c.tied:
+        leaves.append(Leaf("head", (d, c.vocab), ("embed", "vocab")))
+    return leaves
+
+
+ARCHITECTURES = {
+    "gpt2-small": TransformerConfig(
+        layers=12, d_model=768, heads=12, kv_heads=12, head_dim=64, ffn=3072, vocab=50257,
+        gated=False, tied=True, biases=True, positions=1024,
+    ),
+    "llama3-8b": TransformerConfig(
+        layers=32, d_model=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=128256
+    ),
+    "llama3-70b": TransformerConfig(
+        layers=80, d_model=8192, heads=64, kv_heads=8, head_dim=128, ffn=28672, vocab=128256
+    ),
+    "llama3-405b": TransformerConfig(
+        layers=126, d_model=16384, heads=128, kv_heads=8, head_dim=128, ffn=53248, vocab=128256
+    ),
+}  # fmt: skip
+"""The built-in architectures, by name."""
+
+
+def architecture(name: str) -> TransformerConfig:
+    """A built-in architecture by name.
+
+    Args:
+      name: One of :data:`ARCHITECTURES`.
+
+    Returns:
+      Its configuration.
+
+    Raises:
+      ValueError: For an unknown name; the message lists the known ones.
+    """
+    if name not in ARCHITECTURES:
+        raise ValueError(f"Unknown architecture {name!r}; known: {', '.join(ARCHITECTURES)}.")
+    return ARCHITECTURES[name]

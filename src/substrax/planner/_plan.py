@@ -1,0 +1,375 @@
+"""Plans a sharded training step before anything is compiled: memory, traffic, time, warnings.
+
+State bytes (parameters, gradients, optimizer) are exact: each leaf's shard shape follows from
+its logical names, the layout's rules and divisibility, as substrax shards it. Activations,
+gathered weights, unreduced gradients and logits use closed forms (Korthikanti et al. 2022 for
+activations); traffic uses ring volumes per mesh axis, as :mod:`substrax.hlo` counts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from substrax.planner._architectures import Leaf, TransformerConfig
+
+__all__ = ["Candidate", "Hardware", "Layout", "Workload", "evaluate", "layouts"]
+
+_OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "momentum": 4}
+_PRECISION_BYTES = {"fp32": 4, "bf16": 2}
+_REMAT = ("none", "selective", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How many devices each kind of parallelism gets; mesh axes ``pipe, data, fsdp, model``.
+
+    Attributes:
+      pp: Pipeline stages (the ``layers`` axis).
+      dp: Pure data parallelism (parameters replicated).
+      fsdp: Data parallelism with parameters sharded on ``embed``.
+      tp: Tensor parallelism (``heads``, ``kv_heads``, ``mlp``, ``vocab``).
+    """
+
+    pp: int = 1
+    dp: int = 1
+    fsdp: int = 1
+    tp: int = 1
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        """Axis sizes, outermost first, axes of size 1 left out."""
+        sizes = {"pipe": self.pp, "data": self.dp, "fsdp": self.fsdp, "model": self.tp}
+        return {axis: size for axis, size in sizes.items() if size > 1}
+
+    @property
+    def devices(self) -> int:
+        """The device count of the layout."""
+        return self.pp * self.dp * self.fsdp * self.tp
+
+    @property
+    def name(self) -> str:
+        """A short label such as ``"fsdp 512 x tp 8"``."""
+        parts = [f"{k} {v}" for k, v in zip(("pp", "dp", "fsdp", "tp"), dataclasses.astuple(self),
+                                           strict=True) if v > 1]  # fmt: skip
+        return " x ".join(parts) or "single device"
+
+    def rules(self) -> dict[str, tuple[str, ...]]:
+        """Logical name to mesh axes for this layout.
+
+        Returns:
+          ``layers`` on ``pipe``, ``embed`` on ``fsdp``, ``heads``, ``kv_heads``, ``mlp`` and
+          ``vocab`` on ``model`` (axes of size 1 left out).
+        """
+        table = {"layers": ("pipe",), "embed": ("fsdp",), "heads": ("model",),
+                 "kv_heads": ("model",), "mlp": ("model",), "vocab": ("model",)}  # fmt: skip
+        mesh = self.mesh
+        return {name: tuple(a for a in axes if a in mesh) for name, axes in table.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one training step does.
+
+    Attributes:
+      batch_tokens: Tokens per global batch (rounded to whole sequences).
+      seq: Sequence length.
+      precision: ``"fp32"`` or ``"bf16"`` parameters, gradients and activations.
+      optimizer: ``"adam"``/``"adamw"`` (two fp32 moments), ``"momentum"`` or ``"sgd"``.
+      remat: ``"none"``, ``"selective"`` (attention recomputed) or ``"full"`` (layer input
+        only).
+      microbatches: Pipeline microbatches (1F1B), or gradient-accumulation steps without a
+        pipeline: each device holds one microbatch's activations at a time (0: the pipeline
+        depth, or 1).
+    """
+
+    batch_tokens: int
+    seq: int
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    remat: str = "selective"
+    microbatches: int = 0
+
+    def __post_init__(self) -> None:
+        if self.microbatches < 0:
+            raise ValueError(f"microbatches must be >= 0, got {self.microbatches}.")
+        if self.batch_tokens < self.seq or self.seq < 1:
+            raise ValueError(
+                f"batch_tokens ({self.batch_tokens}) must hold at least one sequence of seq "
+                f"({self.seq}) tokens."
+            )
+        for value, options, what in ((self.precision, _PRECISION_BYTES, "precision"),
+                                     (self.optimizer, _OPTIMIZER_BYTES, "optimizer"),
+                                     (self.remat, _REMAT, "remat")):  # fmt: skip
+            if value not in options:
+                raise ValueError(f"Unknown {what} {value!r}; choose one of {', '.join(options)}.")
+
+    @property
+    def batch(self) -> int:
+        """Sequences per global batch: ``batch_tokens / seq``, rounded to the nearest."""
+        return max(1, round(self.batch_tokens / self.seq))
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """One device's memory and speed.
+
+    Attributes:
+      memory_bytes: Memory per device.
+      devices_per_host: Devices joined by fast links (tensor parallelism stays within them).
+      flops: Peak FLOP/s per device (0: no time estimate).
+      intra_host_bandwidth: Bytes/s per device within a host.
+      inter_host_bandwidth: Bytes/s per device across hosts.
+    """
+
+    memory_bytes: int
+    devices_per_host: int = 8
+    flops: float = 0.0
+    intra_host_bandwidth: float = 0.0
+    inter_host_bandwidth: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafPlan:
+    """One parameter under a layout.
+
+    Attributes:
+      path: The parameter's path.
+      names: Its logical names.
+      spec: Mesh axes per dimension (empty tuple: replicated).
+      params_per_device: Elements one device holds.
+      why: Why a dimension that a rule maps stays whole (not divisible), if any.
+    """
+
+    path: str
+    names: tuple[str | None, ...]
+    spec: tuple[tuple[str, ...], ...]
+    params_per_device: int
+    why: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A layout's estimated step: memory per device, traffic, time, and what to watch.
+
+    Attributes:
+      layout: The layout.
+      leaves: Per-parameter plan.
+      params_per_device: Parameter elements per device (exact).
+      bytes_per_device: ``params``, ``grads``, ``optimizer`` (exact), ``activations``,
+        ``gathered``, ``unreduced``, ``logits`` (closed forms) and their sum ``peak``.
+      traffic_bytes_per_step: Per mesh axis, bytes each device moves per step.
+      flops_per_device: FLOPs per device per step.
+      time_s: Roofline step time (0 without hardware figures).
+      bubble: Pipeline idle fraction (0 without a pipeline).
+      fits: Whether the peak fits the device memory.
+      warnings: Indivisible dimensions, uneven stages, large replicated parameters.
+    """
+
+    layout: Layout
+    leaves: tuple[LeafPlan, ...]
+    params_per_device: int
+    bytes_per_device: dict[str, float]
+    traffic_bytes_per_step: dict[str, float]
+    flops_per_device: float
+    time_s: float
+    bubble: float
+    fits: bool
+    warnings: tuple[str, ...]
+
+    def as_dict(self) -> dict:
+        """A JSON-ready summary (without the per-leaf table).
+
+        Returns:
+          ``mesh``, ``strategy``, ``bytes_per_device``, ``params_per_device``,
+          ``traffic_bytes_per_step``, ``time_s``, ``bubble``, ``fits`` and ``warnings``.
+        """
+        return {
+            "mesh": self.layout.mesh,
+            "strategy": self.layout.name,
+            "bytes_per_device": self.bytes_per_device,
+            "params_per_device": self.params_per_device,
+            "traffic_bytes_per_step": self.traffic_bytes_per_step,
+            "flops_per_device": self.flops_per_device,
+            "time_s": self.time_s,
+            "bubble": self.bubble,
+            "fits": self.fits,
+            "warnings": list(self.warnings),
+        }
+
+
+def _leaf_plan(leaf: Leaf, rules: dict, sizes: dict) -> LeafPlan:
+    used: set[str] = set()
+    spec, count, notes = [], 1, []
+    for dim, name in zip(leaf.shape, leaf.names, strict=True):
+        axes = tuple(a for a in rules.get(name, ()) if a not in used)
+        product = math.prod(sizes[a] for a in axes)
+        if axes and dim % product:
+            notes.append(f"{name} {dim} not divisible by {'x'.join(axes)} {product}")
+            axes, product = (), 1
+        used.update(axes)
+        spec.append(axes)
+        count *= dim // product
+    return LeafPlan(leaf.path, leaf.names, tuple(spec), count, "; ".join(notes))
+
+
+def _activations(c: TransformerConfig, w: Workload, layout: Layout, act: int) -> float:
+    """Korthikanti et al. 2022 activation bytes of one device's live microbatches."""
+    rows = w.batch / (layout.dp * layout.fsdp)
+    micro = w.microbatches or (layout.pp if layout.pp > 1 else 1)
+    in_flight = min(layout.pp, micro) if layout.pp > 1 else 1
+    b, s, h, a, t = rows / micro, w.seq, c.d_model, c.heads, layout.tp
+    if w.remat == "full":
+        per_layer = 2 * s * b * h
+    elif w.remat == "selective":
+        per_layer = 34 * s * b * h / t
+    else:
+        per_layer = s * b * h * (34 / t + 5 * a * s / (h * t))
+    return per_layer * act / 2 * math.ceil(c.layers / layout.pp) * in_flight
+
+
+def evaluate(
+    config: TransformerConfig,
+    leaves: Sequence[Leaf],
+    layout: Layout,
+    workload: Workload,
+    hardware: Hardware,
+) -> Candidate:
+    """Estimates one layout's training step.
+
+    Args:
+      config: The architecture (for the closed forms).
+      leaves: Its parameters with logical names.
+      layout: The layout to evaluate.
+      workload: Batch, sequence, precision, optimizer, remat.
+      hardware: Device memory (and speeds, for a time estimate).
+
+    Returns:
+      The :class:`Candidate`.
+    """
+    sizes, rules = layout.mesh, layout.rules()
+    plans = tuple(_leaf_plan(leaf, rules, sizes) for leaf in leaves)
+    per_device = sum(p.params_per_device for p in plans)
+    total = sum(math.prod(leaf.shape) for leaf in leaves)
+    width = _PRECISION_BYTES[workload.precision]
+    rows = workload.batch / (layout.dp * layout.fsdp)
+    layer_params = sum(
+        math.prod(leaf.shape[1:]) for leaf in leaves if leaf.names[:1] == ("layers",)
+    )
+    layer_shard = layer_params / (layout.tp * layout.fsdp) * width
+    memory = {
+        "params": per_device * width,
+        "grads": per_device * width,
+        "optimizer": per_device * _OPTIMIZER_BYTES[workload.optimizer],
+        "activations": _activations(config, workload, layout, width),
+        "gathered": 2 * layer_shard * layout.fsdp if layout.fsdp > 1 else 0.0,
+        "unreduced": layer_shard * layout.fsdp if layout.fsdp > 1 else 0.0,
+        "logits": rows
+        / max(workload.microbatches or 1, 1)
+        * workload.seq
+        * config.vocab
+        / layout.tp
+        * 4,
+    }
+    memory["peak"] = sum(memory.values())
+    traffic = _traffic(config, workload, layout, per_device * width, width)
+    tokens = workload.batch * workload.seq
+    flops = (6 * total + 12 * config.layers * config.d_model * workload.seq) * tokens
+    flops *= 8 / 6 if workload.remat == "full" else 1
+    flops /= layout.devices
+    micro = workload.microbatches or layout.pp
+    bubble = (layout.pp - 1) / (micro + layout.pp - 1) if layout.pp > 1 else 0.0
+    return Candidate(
+        layout=layout,
+        leaves=plans,
+        params_per_device=per_device,
+        bytes_per_device=memory,
+        traffic_bytes_per_step=traffic,
+        flops_per_device=flops,
+        time_s=_time(flops, traffic, bubble, layout, hardware),
+        bubble=bubble,
+        fits=memory["peak"] <= hardware.memory_bytes,
+        warnings=_warnings(config, plans, layout, per_device),
+    )
+
+
+def _traffic(c, w, layout, state_bytes, width) -> dict[str, float]:
+    """Ring volumes per mesh axis of one step, per device."""
+    rows = w.batch / (layout.dp * layout.fsdp)
+    activation = rows * w.seq * c.d_model * width
+    traffic = {}
+    if layout.fsdp > 1:  # two parameter all-gathers and one gradient reduce-scatter
+        f = layout.fsdp
+        traffic["fsdp"] = 3 * state_bytes * f * (f - 1) / f
+    if layout.dp > 1:  # gradient all-reduce of this device's shard
+        traffic["data"] = 2 * state_bytes * (layout.dp - 1) / layout.dp
+    if layout.tp > 1:  # two activation all-reduces per layer forward, two backward
+        layers = math.ceil(c.layers / layout.pp)
+        traffic["model"] = 4 * layers * 2 * activation * (layout.tp - 1) / layout.tp
+    if layout.pp > 1:  # activations forward and cotangents back across each stage boundary
+        traffic["pipe"] = 2 * activation
+    return traffic
+
+
+def _time(flops, traffic, bubble, layout, hw) -> float:
+    if not hw.flops:
+        return 0.0
+    compute = flops / hw.flops / (1 - bubble)
+    comm = 0.0
+    for axis, volume in traffic.items():
+        fast = axis == "model" or (
+            axis == "fsdp" and layout.tp * layout.fsdp <= hw.devices_per_host
+        )
+        bandwidth = hw.intra_host_bandwidth if fast else hw.inter_host_bandwidth
+        comm = max(comm, volume / bandwidth) if bandwidth else comm
+    return max(compute, comm)
+
+
+def _warnings(c, plans, layout, per_device) -> tuple[str, ...]:
+    found = [f"{p.path}: {p.why}" for p in plans if p.why]
+    if layout.pp > 1 and c.layers % layout.pp:
+        found.append(
+            f"{c.layers} layers do not divide {layout.pp} pipeline stages: stages get "
+            f"{c.layers // layout.pp} or {c.layers // layout.pp + 1} layers"
+        )
+    replicated = sum(p.params_per_device for p in plans if not any(p.spec))
+    if layout.devices > 1 and replicated > 0.05 * per_device:
+        found.append(f"replicated parameters hold {replicated / per_device:.0%} of each device's")
+    return tuple(found)
+
+
+def layouts(devices: int, config: TransformerConfig, *, devices_per_host: int = 8,
+            strategies: Sequence[str] = ("dp", "fsdp", "tp", "pp")) -> list[Layout]:  # fmt: skip
+    """Every layout of ``devices`` that the strategies allow.
+
+    Tensor parallelism stays within a host, pipelines have at most one stage per layer, and every
+    size divides the device count.
+
+    Args:
+      devices: The device count.
+      config: The architecture (its layer count bounds the pipeline).
+      devices_per_host: The largest tensor-parallel degree.
+      strategies: Which of ``dp``, ``fsdp``, ``tp``, ``pp`` may exceed 1.
+
+    Returns:
+      The layouts.
+
+    Raises:
+      ValueError: If ``devices`` is not positive or a strategy is unknown.
+    """
+    if devices < 1:
+        raise ValueError(f"devices must be positive, got {devices}.")
+    unknown = set(strategies) - {"dp", "fsdp", "tp", "pp"}
+    if unknown:
+        raise ValueError(f"Unknown strategies {sorted(unknown)}; choose from dp, fsdp, tp, pp.")
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    found = []
+    for tp in (d for d in divisors if d <= devices_per_host and ("tp" in strategies or d == 1)):
+        for pp in (d for d in divisors if d <= config.layers and ("pp" in strategies or d == 1)):
+            rest = devices // (tp * pp) if devices % (tp * pp) == 0 else 0
+            for fsdp in (d for d in divisors if rest and rest % d == 0):
+                dp = rest // fsdp
+                if (fsdp == 1 or "fsdp" in strategies) and (dp == 1 or "dp" in strategies):
+                    found.append(Layout(pp=pp, dp=dp, fsdp=fsdp, tp=tp))
+    return found

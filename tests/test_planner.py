@@ -1,0 +1,154 @@
+"""The planner: exact parameter counts and shards, checked against XLA, ranking and the CLI."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from substrax import plan as plan_cli
+from substrax.mesh import DeviceMeshManager
+from substrax.planner import (
+    Hardware,
+    Layout,
+    TransformerConfig,
+    Workload,
+    architecture,
+    evaluate,
+    parse_bytes,
+    parse_count,
+    plan,
+    transformer_leaves,
+)
+
+WORK = Workload(batch_tokens=4 * 2**20, seq=8192)
+H100 = Hardware(memory_bytes=80 * 10**9)
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [("gpt2-small", 124_439_808), ("llama3-8b", 8_030_261_248),
+     ("llama3-70b", 70_553_706_496), ("llama3-405b", 405_853_388_800)],
+)  # fmt: skip
+def test_named_architectures_have_their_published_sizes(name, params):
+    leaves = transformer_leaves(architecture(name))
+    assert sum(math.prod(leaf.shape) for leaf in leaves) == params
+
+
+def test_405b_on_fsdp_512_by_tp_8_is_exact():
+    config = architecture("llama3-405b")
+    candidate = evaluate(config, transformer_leaves(config), Layout(fsdp=512, tp=8), WORK, H100)
+    # by hand: embedding and head 16032 x 32 each; per layer (x126) norms 32 + 32, wq and wo
+    # 32 x 16 x 128 each, wk and wv 32 x 1 x 128 each, three MLP matrices 32 x 6656; final norm 32
+    per_layer = 64 + 2 * 65_536 + 2 * 4_096 + 3 * 212_992
+    assert candidate.params_per_device == 2 * 513_024 + 126 * per_layer + 32 == 99_092_384
+    assert candidate.bytes_per_device["params"] == 99_092_384 * 2  # bf16
+    assert candidate.bytes_per_device["optimizer"] == 99_092_384 * 8  # adam's two fp32 moments
+    assert candidate.warnings == ()
+
+
+TWINS = [
+    TransformerConfig(layers=4, d_model=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256),
+    TransformerConfig(layers=2, d_model=32, heads=8, kv_heads=8, head_dim=4, ffn=96, vocab=100,
+                      gated=False, tied=True, biases=True, positions=16),
+    TransformerConfig(layers=6, d_model=48, heads=6, kv_heads=3, head_dim=8, ffn=64, vocab=64),
+]  # fmt: skip
+LAYOUTS = [Layout(fsdp=8), Layout(dp=2, fsdp=2, tp=2), Layout(pp=2, fsdp=4),
+           Layout(pp=2, dp=2, tp=2)]  # fmt: skip
+
+
+@pytest.mark.parametrize("config", TWINS, ids=["gqa", "gpt2-like", "odd"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+def test_state_bytes_equal_the_compiled_argument_bytes(config, layout):
+    leaves = transformer_leaves(config)
+    candidate = evaluate(config, leaves, layout, Workload(batch_tokens=64, seq=16), H100)
+    mesh = DeviceMeshManager.create_device_mesh(layout.mesh or {"data": 8})
+    params = [
+        jax.ShapeDtypeStruct(leaf.shape, np.float32,
+                             sharding=NamedSharding(mesh, P(*(a or None for a in plan.spec))))
+        for leaf, plan in zip(leaves, candidate.leaves, strict=True)
+    ]  # fmt: skip
+    compiled = jax.jit(lambda ps: sum(p.sum() for p in ps)).lower(params).compile()
+    assert compiled.memory_analysis().argument_size_in_bytes == candidate.params_per_device * 4
+
+
+def test_warnings_name_indivisible_heads_and_uneven_stages():
+    config = architecture("llama3-405b")
+    leaves = transformer_leaves(config)
+    wide_tp = evaluate(config, leaves, Layout(fsdp=256, tp=16), WORK, H100)
+    assert any("kv_heads 8 not divisible by model 16" in w for w in wide_tp.warnings)
+    staged = evaluate(config, leaves, Layout(pp=4, fsdp=128, tp=8), WORK, H100)
+    assert any("126 layers do not divide 4 pipeline stages" in w for w in staged.warnings)
+
+
+def test_ranking_puts_layouts_that_fit_first():
+    result = plan("llama3-8b", 64, H100, Workload(batch_tokens=2**20, seq=4096, microbatches=8))
+    fits = [c.fits for c in result.candidates]
+    assert fits[0] and fits == sorted(fits, reverse=True)
+    assert all(c.layout.devices == 64 for c in result.candidates)
+    peaks = [c.bytes_per_device["peak"] for c in result.candidates if c.fits]
+    assert peaks == sorted(peaks)
+
+
+def test_a_model_that_fits_nowhere_says_what_dominates():
+    result = plan("llama3-405b", 8, Hardware(memory_bytes=16 * 10**9), WORK)
+    message = result.no_fit_message()
+    assert message.startswith("No layout of llama3-405b fits on 8 devices: the smallest peak is")
+    assert "dominated by" in message
+
+
+def test_time_estimates_rank_when_hardware_speeds_are_given():
+    hardware = Hardware(memory_bytes=80 * 10**9, flops=989e12, intra_host_bandwidth=450e9,
+                        inter_host_bandwidth=50e9)  # fmt: skip
+    result = plan("llama3-8b", 64, hardware, Workload(batch_tokens=2**20, seq=4096, microbatches=8))
+    times = [c.time_s for c in result.candidates if c.fits]
+    assert all(t > 0 for t in times) and times == sorted(times)
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: architecture("llama9"), "Unknown architecture 'llama9'; known: gpt2-small"),
+        (lambda: parse_bytes("80XB"), "Cannot read memory '80XB'"),
+        (lambda: parse_bytes("0GB"), "memory must be positive"),
+        (lambda: parse_count("-4"), "count must be positive, got '-4'"),
+        (lambda: plan("llama3-8b", 0, H100, WORK), "devices must be positive, got 0"),
+        (lambda: Workload(batch_tokens=10, seq=4096), "must hold at least one sequence"),
+        (lambda: Workload(batch_tokens=8192, seq=4096, optimizer="lion"), "Unknown optimizer"),
+    ],
+)
+def test_bad_input(call, message):
+    with pytest.raises(ValueError, match=None) as info:
+        call()
+    assert message in str(info.value)
+
+
+def test_units():
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("96GiB") == 96 * 2**30
+    assert parse_count("4M") == 4_000_000 and parse_count("4Mi") == 4 * 2**20
+
+
+def test_command_line_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    status = plan_cli.main(["--model", "llama3-70b", "--devices", "512", "--memory", "80GB",
+                            "--batch-tokens", "4M", "--seq", "8192", "--microbatches", "16",
+                            "--json", str(out)])  # fmt: skip
+    assert status == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == "llama3-70b" and report["devices"] == 512
+    best = report["candidates"][0]
+    assert set(best["bytes_per_device"]) >= {"params", "grads", "optimizer", "activations", "peak"}
+    assert {"mesh", "strategy", "params_per_device", "traffic_bytes_per_step", "fits",
+            "warnings"} <= set(best)  # fmt: skip
+    assert best["fits"] is True
+    assert "chosen: " in capsys.readouterr().out
+
+
+def test_command_line_rejects_nonsense_in_one_line(capsys):
+    status = plan_cli.main(["--model", "llama3-70b", "--devices", "0", "--memory", "80GB",
+                            "--batch-tokens", "4M", "--seq", "8192"])  # fmt: skip
+    assert status == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
