@@ -17,6 +17,8 @@ from substrax.planner._architectures import Leaf, TransformerConfig
 __all__ = ["Candidate", "Hardware", "Layout", "Workload", "evaluate", "layouts"]
 
 _OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "momentum": 4}
+_UPDATE_FLOPS = {"adam": 12, "adamw": 14, "sgd": 2, "momentum": 4}
+_ELEMENTWISE = 10  # FLOPs per element, forward and backward: softmax, norms, activations, loss
 _PRECISION_BYTES = {"fp32": 4, "bf16": 2}
 _REMAT = ("none", "selective", "full")
 
@@ -251,7 +253,6 @@ def evaluate(
     sizes, rules = layout.mesh, layout.rules()
     plans = tuple(_leaf_plan(leaf, rules, sizes) for leaf in leaves)
     per_device = sum(p.params_per_device for p in plans)
-    total = sum(math.prod(leaf.shape) for leaf in leaves)
     width = _PRECISION_BYTES[workload.precision]
     rows = workload.batch / (layout.dp * layout.fsdp)
     layer_params = sum(
@@ -275,9 +276,10 @@ def evaluate(
     memory["peak"] = sum(memory.values())
     traffic = _traffic(config, workload, layout, per_device * width, width)
     tokens = workload.batch * workload.seq
-    flops = (6 * total + 12 * config.layers * config.d_model * workload.seq) * tokens
+    flops = _flops_per_token(config, leaves, workload.seq) * tokens
     flops *= 8 / 6 if workload.remat == "full" else 1
     flops /= layout.devices
+    flops += per_device * _UPDATE_FLOPS[workload.optimizer]
     micro = workload.microbatches or layout.pp
     bubble = (layout.pp - 1) / (micro + layout.pp - 1) if layout.pp > 1 else 0.0
     return Candidate(
@@ -292,6 +294,27 @@ def evaluate(
         fits=memory["peak"] <= hardware.memory_bytes,
         warnings=_warnings(config, plans, layout, per_device),
     )
+
+
+def _flops_per_token(c: TransformerConfig, leaves: Sequence[Leaf], seq: int) -> float:
+    """Training FLOPs per token, forward and backward.
+
+    Matmuls: 6 per weight (forward 2, backward 4), the output head included even when tied,
+    lookups (embeddings) excluded; attention's score and value products, 12 x layers x heads x
+    head_dim x seq. Elementwise work, ``_ELEMENTWISE`` per element: attention softmax (heads x
+    seq per layer), two norms per layer and a final one, the MLP activation (twice when gated)
+    and the cross-entropy over the vocabulary.
+    """
+    lookups = sum(
+        math.prod(leaf.shape) for leaf in leaves if leaf.path in ("embedding", "positions")
+    )
+    matmul = sum(math.prod(leaf.shape) for leaf in leaves) - lookups
+    if c.tied:
+        matmul += c.vocab * c.d_model
+    attention = 12 * c.layers * c.heads * c.head_dim * seq
+    per_layer = c.heads * seq + 2 * c.d_model + c.ffn * (2 if c.gated else 1)
+    elementwise = _ELEMENTWISE * (c.layers * per_layer + c.d_model + c.vocab)
+    return 6 * matmul + attention + elementwise
 
 
 def _traffic(c, w, layout, state_bytes, width) -> dict[str, float]:

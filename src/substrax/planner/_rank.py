@@ -7,6 +7,7 @@ import math
 from collections.abc import Sequence
 
 from substrax.planner._architectures import (
+    ARCHITECTURES,
     Leaf,
     TransformerConfig,
     architecture,
@@ -106,6 +107,29 @@ class Plan:
             "total_params": self.total_params,
             "candidates": [c.as_dict() for c in self.candidates],
         }
+
+    def validate(self, rank: int = 0, *, devices: int | None = None) -> dict:
+        """Compiles a scaled-down twin of a candidate and compares the estimate with XLA.
+
+        Needs ``substrax-flax`` (the twin trains through its train step); see
+        :func:`substrax_flax.validate_candidate` for what is compared.
+
+        Args:
+          rank: Which candidate (0: the best).
+          devices: Devices for the twin; all available when None.
+
+        Returns:
+          The comparison, ``{figure: (estimate, compiled)}``.
+
+        Raises:
+          ValueError: For a pipeline candidate, or a plan of a custom model.
+        """
+        from substrax_flax import validate_candidate
+
+        if self.model not in ARCHITECTURES:
+            raise ValueError(f"Only built-in architectures can be twinned, not {self.model!r}.")
+        layout = self.candidates[rank].layout
+        return validate_candidate(architecture(self.model), layout, devices=devices)
 
     def no_fit_message(self) -> str | None:
         """Why nothing fits, or None when something does.

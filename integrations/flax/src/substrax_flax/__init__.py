@@ -19,6 +19,8 @@ from substrax_flax._report import sharding_report as sharding_report
 from substrax_flax._resolve import VariableSharding as VariableSharding
 from substrax_flax._train import TrainStep as TrainStep
 from substrax_flax._train import make_train_step as make_train_step
+from substrax_flax._validate import twin_layout as twin_layout
+from substrax_flax._validate import validate_candidate as validate_candidate
 
 __all__ = [
     "Checkpointer",
@@ -35,4 +37,6 @@ __all__ = [
     "plan_model",
     "shard_model",
     "sharding_report",
+    "twin_layout",
+    "validate_candidate",
 ]

@@ -1,0 +1,183 @@
+"""validate_candidate: a planner estimate next to XLA's figures for a compiled twin."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from substrax.hlo import traffic_by_kind
+from substrax.mesh import DeviceMeshManager, MeshRules
+from substrax.planner import Hardware, Layout, TransformerConfig, Workload, evaluate
+from substrax.planner import transformer_leaves as leaves_of
+from substrax_flax._optimizer import create_sharded_optimizer
+from substrax_flax._plan import create_sharded_model
+from substrax_flax._report import sharding_report
+from substrax_flax._train import make_train_step
+
+__all__ = ["twin_layout", "validate_candidate"]
+
+
+def twin_layout(layout: Layout, devices: int) -> Layout:
+    """The layout scaled down to at most ``devices`` devices, keeping each kind of parallelism.
+
+    Args:
+      layout: A planned layout (without a pipeline).
+      devices: Devices available for the twin.
+
+    Returns:
+      A layout with tp, fsdp and dp of at most 2, 4 and 2 (while they fit), each above 1
+      where the original's is.
+
+    Raises:
+      ValueError: For a pipeline layout (``benchmarks/pipeline.py`` measures those).
+    """
+    if layout.pp > 1:
+        raise ValueError(f"validate_candidate does not twin pipeline layouts ({layout.name}).")
+    tp = min(layout.tp, 2)
+    fsdp = min(layout.fsdp, max(devices // (tp * 2 if layout.dp > 1 else tp), 1), 4)
+    dp = min(layout.dp, max(devices // (tp * fsdp), 1), 2)
+    return Layout(dp=dp, fsdp=fsdp, tp=tp)
+
+
+def _twin_config(config: TransformerConfig) -> TransformerConfig:
+    grouped = config.kv_heads < config.heads
+    return dataclasses.replace(
+        config, layers=2, d_model=64, heads=4, kv_heads=2 if grouped else 4, head_dim=16,
+        ffn=128, vocab=256, positions=16 if config.positions else 0,
+    )  # fmt: skip
+
+
+class _Twin(nnx.Module):
+    """A decoder built from the planner's leaves, with their logical names as annotations."""
+
+    def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+        self.config = config
+        self.params = nnx.Dict({
+            leaf.path.replace("/", "__"): nnx.Param(
+                jax.random.normal(rngs.params(), leaf.shape) * 0.05, out_sharding=leaf.names
+            )
+            for leaf in leaves_of(config)
+        })  # fmt: skip
+
+    def _p(self, name: str) -> jax.Array:
+        return self.params[name.replace("/", "__")][...]
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.config
+        x = jnp.take(self._p("embedding"), tokens, axis=0)
+        if c.positions:
+            x = x + self._p("positions")[: tokens.shape[1]]
+        names = [n for n in self.params if n.startswith("layers__")]
+        stacked = {n.removeprefix("layers__"): self.params[n][...] for n in names}
+        for i in range(c.layers):  # unrolled: XLA's cost analysis counts a loop body once
+            x = self._layer({k: v[i] for k, v in stacked.items()}, x)
+        logits_in = _norm(x, self._p("norm"))
+        head = self._p("embedding").T if c.tied else self._p("head")
+        return logits_in @ head
+
+    def _layer(self, p: dict, x: jax.Array) -> jax.Array:
+        c = self.config
+        h = _norm(x, p["attn_norm"])
+        q = jnp.einsum("bte,ehk->bthk", h, p["wq"])
+        k = jnp.einsum("bte,ehk->bthk", h, p["wk"])
+        v = jnp.einsum("bte,ehk->bthk", h, p["wv"])
+        if c.biases:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        k, v = (jnp.repeat(a, c.heads // c.kv_heads, axis=2) for a in (k, v))
+        scores = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(c.head_dim)
+        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+        x = x + jnp.einsum("bhts,bshk,hke->bte", weights, v, p["wo"])
+        h = _norm(x, p["mlp_norm"]) @ p["w_in"]
+        h = jax.nn.silu(_norm(x, p["mlp_norm"]) @ p["w_gate"]) * h if c.gated else jax.nn.gelu(h)
+        return x + h @ p["w_out"]
+
+
+def _norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def _rules(layout: Layout) -> tuple[MeshRules, MeshRules]:
+    mesh = layout.mesh
+    table = {name: (axes or None) for name, axes in layout.rules().items()}
+    data = tuple(a for a in ("data", "fsdp") if a in mesh) or None
+    params = MeshRules().extend(**{**table, "kv": None, "data": data})
+    return params, params.extend(embed=None)
+
+
+def _loss(model: _Twin, batch: jax.Array) -> jax.Array:
+    logits = model(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def validate_candidate(
+    config: TransformerConfig, layout: Layout, *, devices: int | None = None
+) -> dict[str, Any]:
+    """Compiles a scaled-down twin of a planned layout and compares estimate and XLA.
+
+    The twin keeps the architecture's kinds of layer (grouped-query attention, gating, tied
+    head, biases) at a small size and the layout's kinds of parallelism on the available
+    devices; it trains with adamw in fp32 through :func:`make_train_step` (parameters gathered
+    once per step, as the compute rules say).
+
+    Args:
+      config: The planned architecture.
+      layout: The planned layout (without a pipeline).
+      devices: Devices for the twin; all available when None.
+
+    Returns:
+      ``{"twin": ..., "state_bytes": (estimate, compiled), "flops": (estimate, compiled),
+      "traffic_bytes": (estimate, compiled), "peak_bytes": (estimate, compiled)}``, per device.
+
+    Raises:
+      ValueError: For a pipeline layout.
+    """
+    devices = devices or jax.device_count()
+    twin, small = twin_layout(layout, devices), _twin_config(config)
+    mesh = DeviceMeshManager.create_device_mesh(twin.mesh or {"data": 1},
+                                                jax.devices()[: twin.devices])  # fmt: skip
+    rules, compute = _rules(twin)
+    batch_rows = 2 * twin.dp * twin.fsdp
+    workload = Workload(batch_tokens=batch_rows * 16, seq=16, precision="fp32",
+                        optimizer="adamw", remat="none")  # fmt: skip
+    estimate = evaluate(small, leaves_of(small), twin, workload, Hardware(memory_bytes=2**40))
+    model = create_sharded_model(lambda: _Twin(small, nnx.Rngs(0)), mesh, rules)
+    optimizer = create_sharded_optimizer(model, optax.adamw(1e-3), mesh, rules)
+    step = make_train_step(_loss, mesh, rules, compute_rules=compute, donate=False)
+    batch = np.zeros((batch_rows, 17), np.int32)
+    compiled = step.lower(model, optimizer, batch).compile()
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    state = sharding_report(model).bytes_per_device + sharding_report(optimizer).bytes_per_device
+    planned = estimate.bytes_per_device
+    scalars = 8  # adam's count and the optimizer's step: two 4-byte scalars
+    traffic = traffic_by_kind(compiled.as_text())
+    batch_per_device = batch.nbytes // (twin.dp * twin.fsdp)
+    return {
+        "twin": {
+            "layout": twin.name,
+            "mesh": twin.mesh,
+            "params": sum(math.prod(leaf.shape) for leaf in leaves_of(small)),
+        },
+        "state_bytes": (planned["params"] + planned["optimizer"], state - scalars),
+        "arguments_bytes": (
+            planned["params"] + planned["optimizer"] + scalars + batch_per_device,
+            memory.argument_size_in_bytes,
+        ),
+        "flops": (estimate.flops_per_device, float(cost.get("flops", 0.0))),
+        "traffic_bytes": (
+            sum(estimate.traffic_bytes_per_step.values()),
+            sum(kind["bytes"] for kind in traffic.values()),
+        ),
+        "peak_bytes": (
+            planned["peak"],
+            memory.argument_size_in_bytes + memory.temp_size_in_bytes + memory.output_size_in_bytes,
+        ),
+    }
