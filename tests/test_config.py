@@ -66,3 +66,20 @@ def test_is_valid_rejects_mismatches(shape, names):
 def test_is_valid_accepts_other_axis_names_with_the_right_product():
     assert ParallelismConfig((8,), ("devices",), ShardingConfig(2, 4)).is_valid()
     assert math.prod(ParallelismConfig((2, 4), ("data", "model"), ShardingConfig(2, 4)).mesh_shape)
+
+
+def test_from_device_count_with_a_budget_uses_the_planner():
+    from substrax.planner import Workload
+
+    work = Workload(batch_tokens=2**20, seq=4096, microbatches=8)
+    config = ShardingConfig.from_device_count(
+        64, model="llama3-8b", memory_bytes=80 * 10**9, workload=work
+    )
+    assert config.get_total_device_count() == 64
+    assert config.fsdp_enabled and config.tensor_parallel_size > 1
+    small = ShardingConfig.from_device_count(
+        64, model="llama3-8b", memory_bytes=8 * 10**9, workload=work
+    )
+    assert small.get_total_device_count() == 64
+    with pytest.raises(ValueError, match="Give both model and memory_bytes"):
+        ShardingConfig.from_device_count(8, model="llama3-8b")
