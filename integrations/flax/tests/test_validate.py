@@ -21,6 +21,12 @@ def test_state_is_exact_and_flops_are_close_on_twins(name, layout):
     assert abs(compiled / estimate - 1) < 0.05  # measured 2.2% to 4.4% over the estimate
 
 
+@pytest.mark.parametrize("layout", [Layout(dp=64), Layout(dp=8, fsdp=64)], ids=str)
+def test_fsdp_and_data_parallel_traffic_match_the_hlo(layout):
+    estimate, compiled = sf.validate_candidate(architecture("llama3-8b"), layout)["traffic_bytes"]
+    assert abs(compiled / estimate - 1) < 0.01
+
+
 def test_twins_keep_the_kinds_of_parallelism():
     assert sf.twin_layout(Layout(fsdp=512, tp=8), 8) == Layout(fsdp=4, tp=2)
     assert sf.twin_layout(Layout(dp=8, fsdp=64), 8) == Layout(dp=2, fsdp=4)

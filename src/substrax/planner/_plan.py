@@ -81,6 +81,8 @@ class Workload:
       optimizer: ``"adam"``/``"adamw"`` (two fp32 moments), ``"momentum"`` or ``"sgd"``.
       remat: ``"none"``, ``"selective"`` (attention recomputed) or ``"full"`` (layer input
         only).
+      gather: FSDP parameters gathered once per step and kept for the backward pass
+        (``"keep"``, substrax's default) or gathered again there (``"regather"``).
       microbatches: Pipeline microbatches (1F1B), or gradient-accumulation steps without a
         pipeline: each device holds one microbatch's activations at a time (0: the pipeline
         depth, or 1).
@@ -92,6 +94,7 @@ class Workload:
     optimizer: str = "adamw"
     remat: str = "selective"
     microbatches: int = 0
+    gather: str = "keep"
 
     def __post_init__(self) -> None:
         if self.microbatches < 0:
@@ -103,7 +106,8 @@ class Workload:
             )
         for value, options, what in ((self.precision, _PRECISION_BYTES, "precision"),
                                      (self.optimizer, _OPTIMIZER_BYTES, "optimizer"),
-                                     (self.remat, _REMAT, "remat")):  # fmt: skip
+                                     (self.remat, _REMAT, "remat"),
+                                     (self.gather, ("keep", "regather"), "gather")):  # fmt: skip
             if value not in options:
                 raise ValueError(f"Unknown {what} {value!r}; choose one of {', '.join(options)}.")
 
@@ -322,9 +326,9 @@ def _traffic(c, w, layout, state_bytes, width) -> dict[str, float]:
     rows = w.batch / (layout.dp * layout.fsdp)
     activation = rows * w.seq * c.d_model * width
     traffic = {}
-    if layout.fsdp > 1:  # two parameter all-gathers and one gradient reduce-scatter
-        f = layout.fsdp
-        traffic["fsdp"] = 3 * state_bytes * f * (f - 1) / f
+    if layout.fsdp > 1:  # parameter all-gathers (one, or two when re-gathered), one reduce-scatter
+        f, gathers = layout.fsdp, 1 if w.gather == "keep" else 2
+        traffic["fsdp"] = (gathers + 1) * state_bytes * f * (f - 1) / f
     if layout.dp > 1:  # gradient all-reduce of this device's shard
         traffic["data"] = 2 * state_bytes * (layout.dp - 1) / layout.dp
     if layout.tp > 1:  # two activation all-reduces per layer forward, two backward
