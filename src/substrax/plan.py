@@ -9,11 +9,20 @@ Prints the ranked candidates, the chosen layout's memory breakdown and its warni
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import pathlib
 import sys
 
-from substrax.planner import ARCHITECTURES, Hardware, Workload, parse_bytes, parse_count, plan
+from substrax.planner import (
+    ARCHITECTURES,
+    Hardware,
+    Workload,
+    config_from_leaves,
+    parse_bytes,
+    parse_count,
+    plan,
+)
 
 __all__ = ["main"]
 
@@ -49,7 +58,11 @@ def _optional(text: str, unit: bool = False) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m substrax.plan", description=__doc__)
-    parser.add_argument("--model", required=True, help=f"one of {', '.join(ARCHITECTURES)}")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help=f"one of {', '.join(ARCHITECTURES)}")
+    source.add_argument(
+        "--factory", help="module:function building your Flax NNX model (needs substrax-flax)"
+    )
     parser.add_argument("--devices", required=True)
     parser.add_argument("--memory", required=True, help="per device, e.g. 80GB or 96GiB")
     parser.add_argument("--batch-tokens", required=True, help="tokens per step, e.g. 4M")
@@ -71,6 +84,24 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--json", type=pathlib.Path, default=None)
     return parser
+
+
+def _model(args) -> tuple:
+    """The architecture name (and no leaves), or a factory's config and leaves."""
+    if args.model:
+        return args.model, None
+    module_name, sep, function = args.factory.partition(":")
+    if not sep or not module_name or not function:
+        raise ValueError(f"--factory {args.factory!r}: expected module:function.")
+    sys.path.insert(0, str(pathlib.Path.cwd()))
+    try:
+        factory = getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"--factory {args.factory!r}: {error}") from None
+    from substrax_flax import planner_leaves
+
+    leaves = planner_leaves(factory)
+    return config_from_leaves(leaves), leaves
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,9 +131,9 @@ def main(argv: list[str] | None = None) -> int:
             microbatches=args.microbatches,
         )
         strategies = tuple(args.strategies.split(","))
-        result = plan(
-            args.model, parse_count(args.devices), hardware, workload, strategies=strategies
-        )
+        model, leaves = _model(args)
+        devices = parse_count(args.devices)
+        result = plan(model, devices, hardware, workload, strategies=strategies, leaves=leaves)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ from substrax.planner._architectures import ARCHITECTURES as ARCHITECTURES
 from substrax.planner._architectures import Leaf as Leaf
 from substrax.planner._architectures import TransformerConfig as TransformerConfig
 from substrax.planner._architectures import architecture as architecture
+from substrax.planner._architectures import config_from_leaves as config_from_leaves
 from substrax.planner._architectures import transformer_leaves as transformer_leaves
 from substrax.planner._plan import Candidate as Candidate
 from substrax.planner._plan import Hardware as Hardware
@@ -30,6 +31,7 @@ __all__ = [
     "TransformerConfig",
     "Workload",
     "architecture",
+    "config_from_leaves",
     "evaluate",
     "layouts",
     "parse_bytes",

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["ARCHITECTURES", "Leaf", "TransformerConfig", "architecture", "transformer_leaves"]
+__all__ = [
+    "ARCHITECTURES",
+    "Leaf",
+    "TransformerConfig",
+    "architecture",
+    "config_from_leaves",
+    "transformer_leaves",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,3 +143,38 @@ def architecture(name: str) -> TransformerConfig:
     if name not in ARCHITECTURES:
         raise ValueError(f"Unknown architecture {name!r}; known: {', '.join(ARCHITECTURES)}.")
     return ARCHITECTURES[name]
+
+
+def config_from_leaves(leaves: list[Leaf]) -> TransformerConfig:
+    """A transformer configuration read off a model's logical dimension sizes.
+
+    For the planner's closed forms (activations, FLOPs) on a model that is not built in: the
+    sizes of the dimensions named ``layers``, ``embed``, ``heads``, ``kv_heads``, ``kv``,
+    ``mlp`` and ``vocab``; a missing name falls back to 1 layer, one head, ``kv`` =
+    ``embed / heads``, ``mlp`` = 4 x ``embed``, and ``vocab`` = 0.
+
+    Args:
+      leaves: The model's parameters with their logical names.
+
+    Returns:
+      The configuration (an approximation: state bytes always come from the leaves).
+
+    Raises:
+      ValueError: If no dimension is named ``embed``.
+    """
+    sizes: dict[str, int] = {}
+    for leaf in leaves:
+        for name, size in zip(leaf.names, leaf.shape, strict=True):
+            if name is not None:
+                sizes.setdefault(name, size)
+    if "embed" not in sizes:
+        raise ValueError(
+            "The model names no dimension 'embed'; the planner needs it for activations and "
+            f"FLOPs. Names found: {sorted(sizes)}."
+        )
+    d, heads = sizes["embed"], sizes.get("heads", 1)
+    return TransformerConfig(
+        layers=sizes.get("layers", 1), d_model=d, heads=heads,
+        kv_heads=sizes.get("kv_heads", heads), head_dim=sizes.get("kv", max(d // heads, 1)),
+        ffn=sizes.get("mlp", 4 * d), vocab=sizes.get("vocab", 0), gated=False,
+    )  # fmt: skip

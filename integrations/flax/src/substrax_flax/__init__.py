@@ -6,6 +6,7 @@ the planned output shardings, so no device ever holds a whole model.
 """
 
 from substrax_flax._checkpoint import Checkpointer as Checkpointer
+from substrax_flax._leaves import planner_leaves as planner_leaves
 from substrax_flax._optimizer import create_sharded_optimizer as create_sharded_optimizer
 from substrax_flax._pipeline_step import PipelineTrainStep as PipelineTrainStep
 from substrax_flax._pipeline_step import make_pipeline_train_step as make_pipeline_train_step
@@ -35,6 +36,7 @@ __all__ = [
     "make_pipeline_train_step",
     "make_train_step",
     "plan_model",
+    "planner_leaves",
     "shard_model",
     "sharding_report",
     "twin_layout",
