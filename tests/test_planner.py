@@ -48,6 +48,9 @@ def test_405b_on_fsdp_512_by_tp_8_is_exact():
     assert candidate.bytes_per_device["params"] == 99_092_384 * 2  # bf16
     assert candidate.bytes_per_device["optimizer"] == 99_092_384 * 8  # adam's two fp32 moments
     assert candidate.warnings == ()
+    assert candidate.headroom_bytes == 80 * 10**9 - candidate.bytes_per_device["peak"]
+    assert set(candidate.traffic_bytes_per_step) == {"fsdp/all-gather", "fsdp/reduce-scatter",
+                                                     "model/all-reduce"}  # fmt: skip
 
 
 TWINS = [

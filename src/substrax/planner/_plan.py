@@ -165,10 +165,12 @@ class Candidate:
       params_per_device: Parameter elements per device (exact).
       bytes_per_device: ``params``, ``grads``, ``optimizer`` (exact), ``activations``,
         ``gathered``, ``unreduced``, ``logits`` (closed forms) and their sum ``peak``.
-      traffic_bytes_per_step: Per mesh axis, bytes each device moves per step.
+      traffic_bytes_per_step: Bytes each device moves per step, keyed ``"axis/kind"`` (such
+        as ``"fsdp/all-gather"``).
       flops_per_device: FLOPs per device per step.
       time_s: Roofline step time (0 without hardware figures).
       bubble: Pipeline idle fraction (0 without a pipeline).
+      headroom_bytes: Device memory left at the peak (negative when it does not fit).
       fits: Whether the peak fits the device memory.
       warnings: Indivisible dimensions, uneven stages, large replicated parameters.
     """
@@ -181,6 +183,7 @@ class Candidate:
     flops_per_device: float
     time_s: float
     bubble: float
+    headroom_bytes: float
     fits: bool
     warnings: tuple[str, ...]
 
@@ -189,7 +192,8 @@ class Candidate:
 
         Returns:
           ``mesh``, ``strategy``, ``bytes_per_device``, ``params_per_device``,
-          ``traffic_bytes_per_step``, ``time_s``, ``bubble``, ``fits`` and ``warnings``.
+          ``traffic_bytes_per_step``, ``flops_per_device``, ``time_s``, ``bubble``,
+          ``headroom_bytes``, ``fits`` and ``warnings``.
         """
         return {
             "mesh": self.layout.mesh,
@@ -200,6 +204,7 @@ class Candidate:
             "flops_per_device": self.flops_per_device,
             "time_s": self.time_s,
             "bubble": self.bubble,
+            "headroom_bytes": self.headroom_bytes,
             "fits": self.fits,
             "warnings": list(self.warnings),
         }
@@ -295,6 +300,7 @@ def evaluate(
         flops_per_device=flops,
         time_s=_time(flops, traffic, bubble, layout, hardware),
         bubble=bubble,
+        headroom_bytes=hardware.memory_bytes - memory["peak"],
         fits=memory["peak"] <= hardware.memory_bytes,
         warnings=_warnings(config, plans, layout, per_device),
     )
@@ -322,20 +328,21 @@ def _flops_per_token(c: TransformerConfig, leaves: Sequence[Leaf], seq: int) -> 
 
 
 def _traffic(c, w, layout, state_bytes, width) -> dict[str, float]:
-    """Ring volumes per mesh axis of one step, per device."""
+    """Ring volumes of one step, per device, keyed ``"axis/kind"``."""
     rows = w.batch / (layout.dp * layout.fsdp)
     activation = rows * w.seq * c.d_model * width
     traffic = {}
     if layout.fsdp > 1:  # parameter all-gathers (one, or two when re-gathered), one reduce-scatter
         f, gathers = layout.fsdp, 1 if w.gather == "keep" else 2
-        traffic["fsdp"] = (gathers + 1) * state_bytes * f * (f - 1) / f
+        traffic["fsdp/all-gather"] = gathers * state_bytes * f * (f - 1) / f
+        traffic["fsdp/reduce-scatter"] = state_bytes * f * (f - 1) / f
     if layout.dp > 1:  # gradient all-reduce of this device's shard
-        traffic["data"] = 2 * state_bytes * (layout.dp - 1) / layout.dp
+        traffic["data/all-reduce"] = 2 * state_bytes * (layout.dp - 1) / layout.dp
     if layout.tp > 1:  # two activation all-reduces per layer forward, two backward
         layers = math.ceil(c.layers / layout.pp)
-        traffic["model"] = 4 * layers * 2 * activation * (layout.tp - 1) / layout.tp
+        traffic["model/all-reduce"] = 4 * layers * 2 * activation * (layout.tp - 1) / layout.tp
     if layout.pp > 1:  # activations forward and cotangents back across each stage boundary
-        traffic["pipe"] = 2 * activation
+        traffic["pipe/collective-permute"] = 2 * activation
     return traffic
 
 
@@ -343,8 +350,12 @@ def _time(flops, traffic, bubble, layout, hw) -> float:
     if not hw.flops:
         return 0.0
     compute = flops / hw.flops / (1 - bubble)
+    per_axis: dict[str, float] = {}
+    for key, volume in traffic.items():
+        axis = key.split("/")[0]
+        per_axis[axis] = per_axis.get(axis, 0.0) + volume
     comm = 0.0
-    for axis, volume in traffic.items():
+    for axis, volume in per_axis.items():
         fast = axis == "model" or (
             axis == "fsdp" and layout.tp * layout.fsdp <= hw.devices_per_host
         )
