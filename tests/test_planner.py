@@ -148,6 +148,23 @@ def test_command_line_writes_json(tmp_path, capsys):
             "warnings"} <= set(best)  # fmt: skip
     assert best["fits"] is True
     assert "chosen: " in capsys.readouterr().out
+    assert plan_cli.main(["--model", "llama3-405b", "--devices", "4096", "--memory", "80GB",
+                          "--batch-tokens", "16Mi", "--seq", "8192", "--strategies", "fsdp,tp",
+                          "--leaves", "--top", "1"]) == 0  # fmt: skip
+    table = capsys.readouterr().out
+    assert "layers/wk" in table and "('layers', 'embed', 'kv_heads', 'kv')" in table
+
+
+def test_planner_benchmark_runs(tmp_path):
+    import pathlib
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+    import planner as planner_benchmark
+
+    rows = planner_benchmark.main(["--repeats", "1", "--output-dir", str(tmp_path)])
+    assert rows["llama3-405b on 4096"]["candidates"] > 200
+    assert (tmp_path / "planner.json").exists()
 
 
 def test_command_line_rejects_nonsense_in_one_line(capsys):

@@ -43,6 +43,18 @@ def _table(result, top: int) -> str:
     return "\n".join(lines)
 
 
+def _leaf_table(candidate, workload) -> str:
+    width = {"fp32": 4, "bf16": 2}[workload.precision]
+    lines = [f"{'path':24} {'logical names':36} {'spec':30} {'MiB/device':>11}  why"]
+    for leaf in candidate.leaves:
+        spec = str(tuple("x".join(axes) or None for axes in leaf.spec))
+        lines.append(
+            f"{leaf.path:24} {leaf.names!s:36} {spec:30} "
+            f"{leaf.params_per_device * width / 2**20:>11.2f}  {leaf.why}"
+        )
+    return "\n".join(lines)
+
+
 def _breakdown(candidate) -> str:
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in candidate.bytes_per_device.items())
     return (
@@ -82,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--strategies", default="dp,fsdp,tp,pp")
     parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--leaves", action="store_true", help="per-parameter table of the best")
     parser.add_argument("--json", type=pathlib.Path, default=None)
     return parser
 
@@ -148,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {message}")
     for warning in result.best.warnings:
         print(f"warning: {warning}")
+    if args.leaves:
+        print(_leaf_table(result.best, workload))
     if args.json:
         args.json.write_text(json.dumps(result.as_dict(), indent=2))
         print(f"wrote {args.json}")

@@ -1,0 +1,46 @@
+"""How fast the planner is: a Llama-3-405B sweep on 4096 devices, and per-candidate time.
+
+Run: ``python benchmarks/planner.py [--repeats N] [--output-dir DIR]``; writes ``planner.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import time
+
+from substrax.planner import Hardware, Workload, plan
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks"))
+    args = parser.parse_args(argv)
+    hardware = Hardware(memory_bytes=80 * 10**9, flops=989e12, intra_host_bandwidth=450e9,
+                        inter_host_bandwidth=50e9)  # fmt: skip
+    workload = Workload(batch_tokens=16 * 2**20, seq=8192, microbatches=16)
+    rows = {}
+    for model, devices in (("llama3-405b", 4096), ("llama3-70b", 512), ("llama3-8b", 64)):
+        times, count = [], 0
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            count = len(plan(model, devices, hardware, workload).candidates)
+            times.append(time.perf_counter() - start)
+        sweep = statistics.median(times)
+        rows[f"{model} on {devices}"] = {
+            "candidates": count,
+            "sweep_s": sweep,
+            "per_candidate_ms": 1000 * sweep / count,
+        }
+        print(f"{model} on {devices}: {count} candidates in {sweep * 1000:.1f} ms "
+              f"({1000 * sweep / count:.3f} ms each)")  # fmt: skip
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "planner.json").write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
