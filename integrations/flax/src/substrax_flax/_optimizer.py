@@ -7,11 +7,11 @@ from typing import Any
 import jax
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from substrax_flax._plan import _plan_state, remember
+from substrax_flax._plan import _plan_state, remember, shardings_of
 from substrax_flax._resolve import Resolver, Rules, Strategy, VariableSharding, make_row
-from substrax_flax._state import constrain_state, map_variables, shape_and_dtype, variables
+from substrax_flax._state import constrain_state, shape_and_dtype, variables
 
 __all__ = ["create_sharded_optimizer", "optimizer_rows"]
 
@@ -113,10 +113,7 @@ def create_sharded_optimizer(
 
     opt_graphdef, abstract_opt_state = nnx.split(nnx.eval_shape(make, model_state))
     rows = optimizer_rows(abstract_opt_state, param_rows, mesh)
-    by_path = {row.path: row for row in rows}
-    shardings = map_variables(
-        lambda path, _: NamedSharding(mesh, by_path[path].spec), abstract_opt_state
-    )
+    shardings = shardings_of(rows, abstract_opt_state, mesh)
 
     def init(state):
         opt_state = nnx.state(make(state))

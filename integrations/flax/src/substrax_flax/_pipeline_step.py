@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax.mesh import PipelineParallelStrategy
 from substrax.pipeline import Pipeline
 from substrax_flax._optimizer import optimizer_rows
-from substrax_flax._plan import _plan_state
+from substrax_flax._plan import _plan_state, shardings_of
 from substrax_flax._resolve import Resolver, Rules
-from substrax_flax._state import constrain_state, map_variables
+from substrax_flax._state import constrain_state
 from substrax_flax._train import _JittedStep
 
 __all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
@@ -75,8 +75,11 @@ class PipelineTrainStep(_JittedStep):
                 f"top-level attributes are {sorted(state)}."
             )
         stack = state[self.stack]
-        rest = nnx.State({k: v for k, v in state.items() if k != self.stack})
-        return stack, rest
+        return stack, self._rest(state)
+
+    def _rest(self, state: nnx.State) -> nnx.State:
+        """Every top-level attribute of the model's state but the stack."""
+        return nnx.State({k: v for k, v in state.items() if k != self.stack})
 
     def _build(self, model: nnx.Module, optimizer: nnx.Optimizer):
         stack, rest = self._parts(model)
@@ -86,13 +89,9 @@ class PipelineTrainStep(_JittedStep):
         _only_params(rest, "other attributes")
         num_layers = jax.tree.leaves(stack)[0].shape[0]
         rows, model_shardings = _plan_state(nnx.state(model), self.resolver)
-        opt_rows = {
-            r.path: r for r in optimizer_rows(nnx.state(optimizer), rows, self.pipeline.mesh)
-        }
-        opt_shardings = map_variables(
-            lambda path, _: NamedSharding(self.pipeline.mesh, opt_rows[path].spec),
-            nnx.state(optimizer),
-        )
+        opt_state = nnx.state(optimizer)
+        opt_rows = optimizer_rows(opt_state, rows, self.pipeline.mesh)
+        opt_shardings = shardings_of(opt_rows, opt_state, self.pipeline.mesh)
         opt_def = nnx.graphdef(optimizer)
 
         def merged(stack_state, rest_state):
@@ -111,7 +110,7 @@ class PipelineTrainStep(_JittedStep):
 
         def step(model_state, opt_state, batch):
             stack_state = model_state[self.stack]
-            rest_state = nnx.State({k: v for k, v in model_state.items() if k != self.stack})
+            rest_state = self._rest(model_state)
 
             def embed(rest_params):
                 inputs, targets = self.embed_fn(merged(stack_state, rest_params), batch)

@@ -20,6 +20,7 @@ __all__ = [
     "plan_model",
     "plans_of",
     "shard_model",
+    "shardings_of",
 ]
 
 # Rows of the plan that placed each live model or optimizer, for sharding_report's reasons.
@@ -210,14 +211,16 @@ def create_sharded_model(
     return plan.create()
 
 
+def shardings_of(rows: tuple[VariableSharding, ...], state: Any, mesh: Any) -> Any:
+    """A state like ``state`` holding each row's ``NamedSharding`` on ``mesh``, by path."""
+    by_path = {row.path: row for row in rows}
+    return map_variables(lambda path, _: NamedSharding(mesh, by_path[path].spec), state)
+
+
 def _plan_state(state: Any, resolver: Resolver) -> tuple[tuple[VariableSharding, ...], Any]:
     """The rows of ``state`` and a state of their ``NamedSharding``s."""
     rows = resolver.plan(state)
-    by_path = {row.path: row for row in rows}
-    shardings = map_variables(
-        lambda path, _: NamedSharding(resolver.mesh, by_path[path].spec), state
-    )
-    return rows, shardings
+    return rows, shardings_of(rows, state, resolver.mesh)
 
 
 def _state_of(model_or_state: Any) -> Any:

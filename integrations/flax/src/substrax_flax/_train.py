@@ -13,9 +13,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax.mesh import MeshRules
 from substrax.spmd import shard_batch, use_rules
 from substrax_flax._optimizer import optimizer_rows
-from substrax_flax._plan import _plan_state
+from substrax_flax._plan import _plan_state, shardings_of
 from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules
-from substrax_flax._state import constrain_state, map_variables
+from substrax_flax._state import constrain_state
 
 __all__ = ["TrainStep", "make_train_step"]
 
@@ -133,10 +133,8 @@ class TrainStep(_JittedStep):
         model_state = nnx.state(model)
         rows, model_shardings = _plan_state(model_state, self.resolver)
         opt_state = nnx.state(optimizer)
-        opt_rows = {row.path: row for row in optimizer_rows(opt_state, rows, self.mesh)}
-        opt_shardings = map_variables(
-            lambda path, _: NamedSharding(self.mesh, opt_rows[path].spec), opt_state
-        )
+        opt_rows = optimizer_rows(opt_state, rows, self.mesh)
+        opt_shardings = shardings_of(opt_rows, opt_state, self.mesh)
         params = nnx.state(model, self.wrt)
         if self.compute_rules is None:
             return model_shardings, opt_shardings, None
