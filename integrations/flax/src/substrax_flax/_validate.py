@@ -133,21 +133,23 @@ def validate_candidate(
       devices: Devices for the twin; all available when None.
 
     Returns:
-      ``{"twin": ..., "state_bytes": (estimate, compiled), "flops": (estimate, compiled),
-      "traffic_bytes": (estimate, compiled), "peak_bytes": (estimate, compiled)}``, per device.
+      ``{"twin": ..., "state_bytes": ..., "arguments_bytes": ..., "flops": ...,
+      "traffic_bytes": ..., "peak_bytes": ...}``, each figure an ``(estimate, compiled)`` pair
+      per device; the compiled step is donated, as substrax runs it.
 
     Raises:
       ValueError: For a pipeline layout.
     """
     devices = devices or jax.device_count()
     twin, small = twin_layout(layout, devices), _twin_config(config)
+    leaves = leaves_of(small)
     mesh = DeviceMeshManager.create_device_mesh(twin.mesh or {"data": 1},
                                                 jax.devices()[: twin.devices])  # fmt: skip
     rules, compute = _rules(twin)
     batch_rows = 2 * twin.dp * twin.fsdp
     workload = Workload(batch_tokens=batch_rows * 16, seq=16, precision="fp32",
                         optimizer="adamw", remat="none")  # fmt: skip
-    estimate = evaluate(small, leaves_of(small), twin, workload, Hardware(memory_bytes=2**40))
+    estimate = evaluate(small, leaves, twin, workload, Hardware(memory_bytes=2**40))
     model = create_sharded_model(lambda: _Twin(small, nnx.Rngs(0)), mesh, rules)
     optimizer = create_sharded_optimizer(model, optax.adamw(1e-3), mesh, rules)
     step = make_train_step(_loss, mesh, rules, compute_rules=compute)
@@ -164,7 +166,7 @@ def validate_candidate(
         "twin": {
             "layout": twin.name,
             "mesh": twin.mesh,
-            "params": sum(math.prod(leaf.shape) for leaf in leaves_of(small)),
+            "params": sum(math.prod(leaf.shape) for leaf in leaves),
         },
         "state_bytes": (planned["params"] + planned["optimizer"], state - scalars),
         "arguments_bytes": (
