@@ -49,13 +49,14 @@ import gpt
 
 import substrax_flax as sf
 from substrax.hlo import KINDS, traffic_by_kind
+from substrax.layout import Layout
 from substrax.mesh import DeviceMeshManager
 
 SIZES = {
     "full": gpt.Config(),
     "tiny": gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=2, seq=16),
 }
-#: Layout label -> (example layout name, mesh shape).
+#: Layout label -> (named layout, mesh shape).
 CASES = {
     "DP 8": ("dp", {"data": 8}),
     "FSDP 8": ("fsdp", {"data": 8}),
@@ -143,19 +144,22 @@ def _state_bytes(model, optimizer) -> dict:
 
 
 class Substrax:
-    """The layout through substrax: plan, sharded create, sharded optimizer, train step."""
+    """The layout through substrax's default path: the named layout, nothing else.
+
+    ``plan_model(factory, mesh, layout=name)``, ``create_sharded_optimizer(model, tx)`` and
+    ``make_train_step(loss_fn)``: no rules, no compute rules written by hand.
+    """
 
     name = "substrax"
 
     def __init__(self, config, mesh, layout):
         start = time.perf_counter()
-        rules, compute = gpt.layout(layout, mesh.axis_names)
-        self.plan = sf.plan_model(lambda: gpt.GPT(config, nnx.Rngs(0)), mesh, rules)
+        self.plan = sf.plan_model(lambda: gpt.GPT(config, nnx.Rngs(0)), mesh, layout=layout)
         self.init_compiled = self.plan.compile_init()
         self.model = self.plan.create()
-        self.optimizer = sf.create_sharded_optimizer(self.model, gpt.optimizer(), mesh, rules)
-        self.step_fn = sf.make_train_step(gpt.loss_fn, mesh, rules, compute_rules=compute)
-        self.data_sharding = NamedSharding(mesh, P(rules.data))
+        self.optimizer = sf.create_sharded_optimizer(self.model, gpt.optimizer())
+        self.step_fn = sf.make_train_step(gpt.loss_fn)
+        self.data_sharding = NamedSharding(mesh, P(self.plan.batch_axes))
         self.start = start
 
     def lower_step(self, batch):
@@ -172,8 +176,8 @@ class FlaxRecipe:
 
     def __init__(self, config, mesh, layout):
         start = time.perf_counter()
-        rules, _ = gpt.layout(layout, mesh.axis_names)
-        self.mesh, self.pairs = mesh, rules.to_pairs()
+        named = Layout.named(layout, mesh)
+        self.mesh, self.pairs = mesh, named.param_rules.to_pairs()
         with self._context():
             self.init_compiled = (
                 jax.jit(lambda: nnx.state(gpt.GPT(config, nnx.Rngs(0)))).lower().compile()
@@ -188,7 +192,7 @@ class FlaxRecipe:
             return loss
 
         self.train_step = train_step
-        self.data_sharding = NamedSharding(mesh, P(rules.data))
+        self.data_sharding = NamedSharding(mesh, P(named.batch_axes))
         self.start = start
 
     def _context(self):

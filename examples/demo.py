@@ -64,9 +64,11 @@ def main():
     for label, strategy in strategies.items():
         print(f"\nstrategy: {label}")
         for path, (shape, _) in MODEL.items():
-            spec, notes = strategy.spec_for_shape(shape, mesh, name=path)
-            note = f"  ({'; '.join(notes)})" if notes else ""
-            print(f"  {path:20s} {shape!s:15s} -> {spec}{note}")
+            resolution = strategy.resolve(shape, mesh, name=path)
+            notes = "; ".join(map(str, resolution.reasons))
+            print(
+                f"  {path:20s} {shape!s:15s} -> {resolution.spec}{f'  ({notes})' if notes else ''}"
+            )
     for count in (8, 64, 512, 4096):
         print(
             f"ShardingConfig.from_device_count({count}) = {ShardingConfig.from_device_count(count)}"

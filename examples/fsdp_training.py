@@ -41,6 +41,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpt
 
 import substrax_flax as sf
+from substrax.layout import LAYOUTS, Layout
 from substrax.mesh import DeviceMeshManager
 
 
@@ -62,7 +63,7 @@ def parse_mesh(text: str) -> dict[str, int]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mesh", default="data=2,model=4", help="axis sizes, e.g. data=2,model=4")
-    parser.add_argument("--strategy", default="fsdp", help=f"one of {', '.join(gpt.LAYOUTS)}")
+    parser.add_argument("--strategy", default="fsdp", help=f"one of {', '.join(LAYOUTS)}")
     parser.add_argument("--steps", type=int, default=150, help="total training steps")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch (rows)")
     parser.add_argument("--seed", type=int, default=0)
@@ -92,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build(args):
-    """Mesh, layout rules and config from the arguments, with one-line errors."""
+    """Mesh, layout and config from the arguments, with one-line errors."""
     if args.vocab < 128:
         raise UsageError(f"--vocab {args.vocab}: the byte-level data needs at least 128")
     if args.d_model % args.heads:
@@ -104,22 +105,22 @@ def build(args):
     shape = parse_mesh(args.mesh)
     try:
         mesh = DeviceMeshManager.create_device_mesh(shape)
-        rules, compute = gpt.layout(args.strategy, mesh.axis_names)
+        layout = Layout.named(args.strategy, mesh)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    data_devices = math.prod(dict(mesh.shape)[a] for a in _axes(rules.data))
+    data_devices = math.prod(dict(mesh.shape)[a] for a in layout.batch_axes)
     if args.batch_size % data_devices:
         raise UsageError(
             f"--batch-size {args.batch_size} does not divide the {data_devices} devices of the "
-            f"data axes {_axes(rules.data)}; use a multiple of {data_devices}"
+            f"data axes {layout.batch_axes}; use a multiple of {data_devices}"
         )
     if args.strategy == "pp":
-        check_pipeline(args, dict(mesh.shape)["pipe"], data_devices)
+        check_pipeline(args, layout.pp, data_devices)
     config = gpt.Config(
         vocab=args.vocab, d_model=args.d_model, heads=args.heads, mlp=args.mlp,
         layers=args.layers, seq=args.seq,
     )  # fmt: skip
-    return mesh, rules, compute, config
+    return mesh, layout, config
 
 
 def check_pipeline(args, stages: int, data_devices: int) -> None:
@@ -132,10 +133,6 @@ def check_pipeline(args, stages: int, data_devices: int) -> None:
             f"--batch-size {args.batch_size} does not split into --microbatches "
             f"{args.microbatches} x {data_devices} data devices"
         )
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def local_rows(batch):
@@ -170,17 +167,17 @@ class Progress:
 
 
 def train(args) -> dict:
-    mesh, rules, compute, config = build(args)
+    mesh, layout, config = build(args)
     primary = jax.process_index() == 0
     model_class = gpt.StackedGPT if args.stacked or args.strategy == "pp" else gpt.GPT
     factory = lambda: model_class(config, nnx.Rngs(args.seed))  # noqa: E731
-    plan = sf.plan_model(factory, mesh, rules)
+    plan = sf.plan_model(factory, mesh, layout=layout)
     if primary and not args.quiet:
         print(f"mesh {dict(mesh.shape)}, strategy {args.strategy}")
         print(plan.report())
     model = plan.create()
-    optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(args.learning_rate), mesh, rules)
-    step_fn = make_step(args, mesh, rules, compute)
+    optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(args.learning_rate))
+    step_fn = make_step(args, mesh)
     checkpointer = resume(args, model, optimizer, primary)
     start_step = int(optimizer.step[...])
     losses, progress = [], Progress(args.steps, start_step)
@@ -194,7 +191,7 @@ def train(args) -> dict:
         if primary:
             progress.update(step + 1, loss, tokens / (time.perf_counter() - tick))
         if checkpointer and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            checkpointer.save(step + 1, model, optimizer, {"step": step + 1, "seed": args.seed})
+            checkpointer.save(model, optimizer, step + 1, {"step": step + 1, "seed": args.seed})
     elapsed = time.perf_counter() - started
     if not losses:
         raise UsageError(f"nothing to do: the checkpoint is at step {start_step} >= --steps")
@@ -222,15 +219,18 @@ def train(args) -> dict:
     return metrics
 
 
-def make_step(args, mesh, rules, compute):
-    """The train step: pipelined for ``--strategy pp``, the plain one otherwise."""
+def make_step(args, mesh):
+    """The train step: pipelined for ``--strategy pp``, the plain one otherwise.
+
+    Both take the layout from the model's plan (each parameter gathered once per step).
+    """
     if args.strategy != "pp":
-        return sf.make_train_step(gpt.loss_fn, mesh, rules, compute_rules=compute)
+        return sf.make_train_step(gpt.loss_fn)
     try:
         return sf.make_pipeline_train_step(
-            gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh, rules,
-            stack="blocks", num_microbatches=args.microbatches, schedule=args.schedule,
-            repeats=args.repeats,
+            gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh,
+            layout=Layout.named("pp", mesh), stack="blocks", num_microbatches=args.microbatches,
+            schedule=args.schedule, repeats=args.repeats,
         )  # fmt: skip
     except ValueError as error:
         raise UsageError(str(error)) from None

@@ -1,8 +1,8 @@
 """A GPT-style decoder in plain Flax NNX with logical-axis annotations, its data, and layouts.
 
 Shared by ``fsdp_training.py`` (the main job) and ``benchmarks/``. The model code knows only
-logical names (``vocab``, ``embed``, ``heads``, ``kv``, ``mlp``, ``data``); a layout maps them
-to mesh axes.
+logical names (``vocab``, ``embed``, ``heads``, ``kv``, ``mlp``, ``data``); a layout
+(:class:`substrax.layout.Layout`) maps them to mesh axes.
 """
 
 from __future__ import annotations
@@ -15,10 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from substrax.mesh import MeshRules
 from substrax.spmd import constrain
-
-LAYOUTS = ("dp", "fsdp", "hsdp", "tp", "fsdp+tp", "pp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,48 +183,3 @@ def batch_at(step: int, batch_size: int, seq: int, seed: int = 0) -> np.ndarray:
         start = rng.integers(40)
         rows.append(np.frombuffer(text[start : start + seq + 1].encode(), np.uint8))
     return np.stack(rows).astype(np.int32)
-
-
-# --- layouts --------------------------------------------------------------------------------------
-
-
-def layout(name: str, axis_names: tuple[str, ...]) -> tuple[MeshRules, MeshRules]:
-    """Parameter rules and compute rules of a named layout on a mesh with ``axis_names``.
-
-    * ``dp``: parameters replicated, the batch over every axis.
-    * ``fsdp``: parameters sharded on ``embed`` over every axis, the batch too.
-    * ``hsdp``: parameters sharded on ``embed`` over ``model``, the batch over every axis.
-    * ``tp``: ``mlp``, ``heads`` and ``vocab`` over ``model``, the batch over ``data``.
-    * ``fsdp+tp``: ``tp``, plus ``embed`` over ``data``.
-    * ``pp``: the stacked layers' ``layers`` axis over ``pipe`` (pipeline stages), the batch
-      over every other axis.
-
-    Compute rules gather ``embed`` (parameters are used whole on the FSDP axes).
-
-    Raises:
-      ValueError: For an unknown layout, or one that needs an axis the mesh lacks.
-    """
-    if name not in LAYOUTS:
-        raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(LAYOUTS)}.")
-    every = tuple(axis_names)
-    needs = {
-        "hsdp": ("data", "model"),
-        "tp": ("model",),
-        "fsdp+tp": ("data", "model"),
-        "pp": ("pipe",),
-    }
-    missing = [axis for axis in needs.get(name, ()) if axis not in axis_names]
-    if missing:
-        raise ValueError(f"Strategy {name!r} needs mesh axes {missing}; the mesh has {every}.")
-    base = dict(vocab=None, kv=None, mlp=None, heads=None, embed=None, layers=None, data=every)
-    tensor = dict(mlp="model", heads="model", vocab="model")
-    data_only = tuple(a for a in every if a != "model") or None
-    params = {
-        "dp": base,
-        "fsdp": {**base, "embed": every},
-        "hsdp": {**base, "embed": "model"},
-        "tp": {**base, **tensor, "data": data_only},
-        "fsdp+tp": {**base, **tensor, "data": data_only, "embed": data_only},
-        "pp": {**base, "layers": "pipe", "data": tuple(a for a in every if a != "pipe") or None},
-    }[name]
-    return MeshRules().extend(**params), MeshRules().extend(**{**params, "embed": None})

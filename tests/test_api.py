@@ -56,7 +56,7 @@ REFERENCE = {
             "fsdp_enabled=False, fsdp_min_weight_size=1024)"
         ),
         "get_total_device_count": "(self)",
-        "from_device_count": "(device_count, *, model=None, memory_bytes=None, workload=None)",
+        "from_device_count": "(device_count)",
     },
     "ShardingStrategy": {
         "__init__": "(self, axis_name, mesh_axis)",

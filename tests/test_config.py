@@ -68,18 +68,18 @@ def test_is_valid_accepts_other_axis_names_with_the_right_product():
     assert math.prod(ParallelismConfig((2, 4), ("data", "model"), ShardingConfig(2, 4)).mesh_shape)
 
 
-def test_from_device_count_with_a_budget_uses_the_planner():
-    from substrax.planner import Workload
+def test_a_planned_config_comes_from_the_planners_best_layout():
+    from substrax.planner import Hardware, Workload, plan
 
     work = Workload(batch_tokens=2**20, seq=4096, microbatches=8)
-    config = ShardingConfig.from_device_count(
-        64, model="llama3-8b", memory_bytes=80 * 10**9, workload=work
-    )
+    best = plan("llama3-8b", 64, Hardware(memory_bytes=80 * 10**9), work).best.layout
+    config = best.sharding_config()
     assert config.get_total_device_count() == 64
     assert config.fsdp_enabled and config.tensor_parallel_size > 1
-    small = ShardingConfig.from_device_count(
-        64, model="llama3-8b", memory_bytes=8 * 10**9, workload=work
-    )
-    assert small.get_total_device_count() == 64
-    with pytest.raises(ValueError, match="Give both model and memory_bytes"):
-        ShardingConfig.from_device_count(8, model="llama3-8b")
+    assert config.data_parallel_size == best.dp * best.fsdp
+
+
+def test_the_mesh_layer_does_not_reach_up_to_the_planner():
+    import inspect
+
+    assert list(inspect.signature(ShardingConfig.from_device_count).parameters) == ["device_count"]

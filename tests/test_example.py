@@ -50,10 +50,10 @@ def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule):
     ("args", "message"),
     [
         (["--mesh", "data=3,model=4"], "needs 12 devices, but 8 were given"),
-        (["--strategy", "zero3"], "Unknown strategy 'zero3'; choose one of dp, fsdp"),
+        (["--strategy", "zero3"], "Unknown layout 'zero3'; choose one of dp, fsdp"),
         (["--batch-size", "7"], "--batch-size 7 does not divide the 2 devices"),
         (["--mesh", "data"], "expected name=size pairs"),
-        (["--strategy", "pp", "--mesh", "data=8"], "Strategy 'pp' needs mesh axes ['pipe']"),
+        (["--strategy", "pp", "--mesh", "data=8"], "Layout 'pp' needs a mesh of at least two axes"),
         (
             ["--strategy", "pp", "--mesh", "pipe=4,data=2", "--microbatches", "3", "--layers", "4"],
             "does not split into --microbatches 3 x 2 data devices",

@@ -9,20 +9,18 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from substrax import plan as plan_cli
-from substrax.mesh import DeviceMeshManager
+from substrax import planner as plan_cli
+from substrax.layout import Layout
 from substrax.planner import (
     Hardware,
-    Layout,
     TransformerConfig,
     Workload,
     architecture,
     evaluate,
-    parse_bytes,
-    parse_count,
     plan,
     transformer_leaves,
 )
+from substrax.planner._cli import parse_bytes, parse_count
 
 WORK = Workload(batch_tokens=4 * 2**20, seq=8192)
 H100 = Hardware(memory_bytes=80 * 10**9)
@@ -40,7 +38,9 @@ def test_named_architectures_have_their_published_sizes(name, params):
 
 def test_405b_on_fsdp_512_by_tp_8_is_exact():
     config = architecture("llama3-405b")
-    candidate = evaluate(config, transformer_leaves(config), Layout(fsdp=512, tp=8), WORK, H100)
+    candidate = evaluate(
+        config, transformer_leaves(config), Layout.from_degrees(fsdp=512, tp=8), WORK, H100
+    )
     # by hand: embedding and head 16032 x 32 each; per layer (x126) norms 32 + 32, wq and wo
     # 32 x 16 x 128 each, wk and wv 32 x 1 x 128 each, three MLP matrices 32 x 6656; final norm 32
     per_layer = 64 + 2 * 65_536 + 2 * 4_096 + 3 * 212_992
@@ -59,16 +59,16 @@ TWINS = [
                       gated=False, tied=True, biases=True, positions=16),
     TransformerConfig(layers=6, d_model=48, heads=6, kv_heads=3, head_dim=8, ffn=64, vocab=64),
 ]  # fmt: skip
-LAYOUTS = [Layout(fsdp=8), Layout(dp=2, fsdp=2, tp=2), Layout(pp=2, fsdp=4),
-           Layout(pp=2, dp=2, tp=2)]  # fmt: skip
+DEGREES = [dict(fsdp=8), dict(dp=2, fsdp=2, tp=2), dict(pp=2, fsdp=4), dict(pp=2, dp=2, tp=2)]
+LAYOUTS = [Layout.from_degrees(**degrees) for degrees in DEGREES]
 
 
 @pytest.mark.parametrize("config", TWINS, ids=["gqa", "gpt2-like", "odd"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.label)
 def test_state_bytes_equal_the_compiled_argument_bytes(config, layout):
     leaves = transformer_leaves(config)
     candidate = evaluate(config, leaves, layout, Workload(batch_tokens=64, seq=16), H100)
-    mesh = DeviceMeshManager.create_device_mesh(layout.mesh or {"data": 8})
+    mesh = layout.make_mesh()
     params = [
         jax.ShapeDtypeStruct(leaf.shape, np.float32,
                              sharding=NamedSharding(mesh, P(*(a or None for a in plan.spec))))
@@ -81,9 +81,12 @@ def test_state_bytes_equal_the_compiled_argument_bytes(config, layout):
 def test_warnings_name_indivisible_heads_and_uneven_stages():
     config = architecture("llama3-405b")
     leaves = transformer_leaves(config)
-    wide_tp = evaluate(config, leaves, Layout(fsdp=256, tp=16), WORK, H100)
-    assert any("kv_heads 8 not divisible by model 16" in w for w in wide_tp.warnings)
-    staged = evaluate(config, leaves, Layout(pp=4, fsdp=128, tp=8), WORK, H100)
+    wide_tp = evaluate(config, leaves, Layout.from_degrees(fsdp=256, tp=16), WORK, H100)
+    assert any(
+        w.startswith("layers/wk: dim 2 (kv_heads): 8 is not divisible by mesh axes ('model',) "
+                     "of size 16") for w in wide_tp.warnings
+    )  # fmt: skip
+    staged = evaluate(config, leaves, Layout.from_degrees(pp=4, fsdp=128, tp=8), WORK, H100)
     assert any("126 layers do not divide 4 pipeline stages" in w for w in staged.warnings)
 
 

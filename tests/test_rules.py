@@ -6,7 +6,7 @@ from jax.sharding import PartitionSpec as P
 
 from substrax.mesh import (
     MeshRules,
-    ResolvedAxis,
+    Reason,
     create_named_sharding,
     data_parallel_rules,
     fsdp_rules,
@@ -74,7 +74,36 @@ def test_first_dimension_keeps_a_shared_mesh_axis():
     assert partition_spec_for_names(rules, "embed", "mlp") == P("model", None)
     assert partition_spec_for_names(rules, "mlp", "embed") == P("model", None)
     resolved = rules.resolve("embed", "mlp")
-    assert resolved[1] == ResolvedAxis("mlp", ("model",), (), ("model",))
+    assert resolved.requested == (("model",), ("model",))
+    assert resolved.reasons == (
+        Reason("axis_used", 1, "mlp", ("model",), "mesh axes ('model',) already shard an "
+               "earlier dimension"),
+    )  # fmt: skip
+
+
+def test_resolve_keeps_the_longest_divisible_prefix_and_frees_the_rest(mesh_2x4):
+    rules = MeshRules(embed=("model", "data"), mlp="data")
+    # dim 0 (12) divides model (4) but not model x data (8): data is left out, and stays free
+    resolved = rules.resolve("embed", "mlp", shape=(12, 6), mesh=mesh_2x4)
+    assert resolved.spec == P("model", "data")
+    assert [(r.kind, r.dim, r.axes) for r in resolved.reasons] == [("indivisible", 0, ("data",))]
+    assert str(resolved.reasons[0]).startswith("dim 0 (embed): 12 is not divisible by mesh axes")
+
+
+def test_resolve_replicates_unknown_names_only_when_asked():
+    rules = fsdp_rules()
+    with pytest.raises(ValueError, match="Unknown logical axis name 'vocab'"):
+        rules.resolve("vocab", "embed")
+    resolved = rules.resolve("vocab", "embed", unknown_names="replicate")
+    assert resolved.spec == P(None, "model")
+    assert resolved.of_kind("unknown_name")[0].logical_name == "vocab"
+
+
+def test_gathered_rules_drop_the_fsdp_axes_but_keep_the_batchs():
+    rules = MeshRules(data=("data", "model"), embed=("data", "model"), mlp="tensor")
+    gathered = rules.gathered_over(("data", "model"))
+    assert gathered.data == ("data", "model") and gathered.embed is None
+    assert gathered.mlp == "tensor"
 
 
 def test_tuple_rule_loses_only_the_used_axes():

@@ -34,10 +34,11 @@ def test_data_parallel_specs_and_batch_placement(mesh_2x4):
     placed = dp.apply_sharding(batch, mesh_2x4)
     assert _spec_of(placed) == P("data")
     np.testing.assert_array_equal(placed, batch)
-    assert dp.spec_for_shape((1024, 1024), mesh_2x4) == (
-        P(None, None),
-        ("data parallelism replicates parameters",),
-    )
+    resolution = dp.resolve((1024, 1024), mesh_2x4)
+    assert resolution.spec == P(None, None)
+    assert [(r.kind, str(r)) for r in resolution.reasons] == [
+        ("by_design", "DataParallelStrategy: data parallelism replicates parameters")
+    ]
 
 
 def test_fsdp_shards_large_first_dimensions_only(mesh_2x4):
@@ -61,12 +62,13 @@ def test_fsdp_shards_large_first_dimensions_only(mesh_2x4):
 def test_fsdp_replicates_an_indivisible_weight_with_a_warning(mesh_2x4):
     fsdp = FSDPStrategy("model", 1, min_weight_size=4)
     with pytest.warns(
-        ShardingWarning, match=r"\(18\) is not divisible by mesh axis 'model' of size 4"
+        ShardingWarning, match=r"18 is not divisible by mesh axes \('model',\) of size 4"
     ):
         placed = fsdp.apply_sharding(np.ones((18, 2)), mesh_2x4)
     assert _spec_of(placed) == P(None, None)
-    spec, notes = fsdp.spec_for_shape((2, 2), mesh_2x4)
-    assert spec == P(None, None) and "below min_weight_size 4" in notes[0]
+    resolution = fsdp.resolve((2, 2), mesh_2x4)
+    assert resolution.spec == P(None, None)
+    assert resolution.of_kind("below_threshold")[0].detail.endswith("below min_weight_size 4")
 
 
 @pytest.mark.parametrize(
@@ -80,8 +82,8 @@ def test_fsdp_replicates_an_indivisible_weight_with_a_warning(mesh_2x4):
 def test_tensor_parallel_linear_layouts(mesh_2x4, shard_dimension, linear, bias):
     tp = TensorParallelStrategy("model", 1, shard_dimension)
     assert tp.get_linear_weight_spec() == linear
-    assert tp.spec_for_shape((8, 16), mesh_2x4)[0] == linear
-    assert tp.spec_for_shape((16,), mesh_2x4)[0] == bias
+    assert tp.resolve((8, 16), mesh_2x4).spec == linear
+    assert tp.resolve((16,), mesh_2x4).spec == bias
     placed = tp.apply_sharding(np.arange(128.0).reshape(8, 16), mesh_2x4)
     assert _spec_of(placed) == linear
     np.testing.assert_array_equal(placed, np.arange(128.0).reshape(8, 16))
@@ -92,13 +94,9 @@ def test_tensor_parallel_attention_layouts(mesh_2x4):
     assert tp.get_attention_qkv_spec() == P(None, "model", None)
     assert tp.get_attention_output_spec() == P("model", None, None)
     assert tp.get_partition_spec(("in_features", "heads", "head_dim")) == P(None, "model", None)
-    assert tp.spec_for_shape((32, 4, 8), mesh_2x4, name="attn/query/kernel")[0] == P(
-        None, "model", None
-    )
-    assert tp.spec_for_shape((4, 8, 32), mesh_2x4, name="attn/out/kernel")[0] == P(
-        "model", None, None
-    )
-    assert tp.spec_for_shape((4, 8), mesh_2x4, name="attn/key/bias")[0] == P("model", None)
+    assert tp.resolve((32, 4, 8), mesh_2x4, name="attn/query/kernel").spec == P(None, "model", None)
+    assert tp.resolve((4, 8, 32), mesh_2x4, name="attn/out/kernel").spec == P("model", None, None)
+    assert tp.resolve((4, 8), mesh_2x4, name="attn/key/bias").spec == P("model", None)
 
 
 def test_pipeline_stage_assignment_and_patterns(mesh_2x4):
@@ -157,16 +155,16 @@ def test_multi_dimensional_spec_for_shape_checks_the_combined_product(mesh_2x4):
         },
         ParallelismConfig((2, 4), ("data", "model"), ShardingConfig(2, 4)),
     )
-    assert multi.spec_for_shape((16, 3), mesh_2x4)[0] == P(("data", "model"), None)
-    spec, notes = multi.spec_for_shape((4, 3), mesh_2x4)
-    assert spec == P("data", None)
-    assert any("'model' dropped" in note for note in notes)
+    assert multi.resolve((16, 3), mesh_2x4).spec == P(("data", "model"), None)
+    resolution = multi.resolve((4, 3), mesh_2x4)
+    assert resolution.spec == P("data", None)
+    assert [(r.kind, r.dim, r.axes) for r in resolution.reasons] == [("indivisible", 0, ("model",))]
 
 
 def test_multi_dimensional_places_arrays_that_match_the_originals(mesh_2x4):
     multi = _fsdp_tp()
     w = np.arange(64.0).reshape(8, 8)
-    spec, _ = multi.spec_for_shape(w.shape, mesh_2x4)
+    spec = multi.resolve(w.shape, mesh_2x4).spec
     placed = jax.device_put(w, jax.sharding.NamedSharding(mesh_2x4, spec))
     assert placed.addressable_shards[0].data.shape == (4, 2)
     np.testing.assert_array_equal(placed, w)
@@ -179,4 +177,4 @@ def test_strategy_on_a_three_axis_config_mesh():
         {"tp": TensorParallelStrategy("model", 2), "pp": PipelineParallelStrategy("pipe", 0, 2)},
         config,
     )
-    assert multi.spec_for_shape((4, 4), mesh)[0] == P(None, "model")
+    assert multi.resolve((4, 4), mesh).spec == P(None, "model")

@@ -52,7 +52,7 @@ def saved(tmp_path_factory):
     step = sf.make_train_step(token_loss, mesh, rules)
     for i in range(2):
         step(model, optimizer, tokens(seed=i))
-    sf.Checkpointer(directory).save(2, model, optimizer, {"step": 2, "data_position": 2})
+    sf.Checkpointer(directory).save(model, optimizer, 2, {"step": 2, "data_position": 2})
     return directory, _values(model, optimizer)
 
 
@@ -97,7 +97,7 @@ def test_only_the_last_k_are_kept(tmp_path):
     _, _, model, optimizer = _create("dp 8x1", seed=0)
     checkpointer = sf.Checkpointer(tmp_path, keep=2)
     for step in (1, 2, 3):
-        checkpointer.save(step, model, optimizer, {"step": step})
+        checkpointer.save(model, optimizer, step, {"step": step})
     assert checkpointer.all_steps() == [2, 3] and checkpointer.latest_step() == 3
     with pytest.raises(ValueError, match="keep must be at least 1"):
         sf.Checkpointer(tmp_path, keep=0)

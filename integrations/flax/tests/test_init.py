@@ -76,9 +76,13 @@ def test_the_full_buffer_detector_fires_on_a_naive_init():
     assert "blocks/0/wq" in _full_shape_buffers(hlo, plan.rows)
 
 
-def test_init_is_compiled_before_anything_is_allocated():
+def test_planning_and_compiling_the_init_allocate_nothing():
     mesh = DeviceMeshManager.create_device_mesh({"data": 2, "model": 4})
+    before = {id(a) for a in jax.live_arrays()}
     plan = sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, FSDP_TP)
     stats = plan.compile_init().memory_analysis()
-    assert stats.argument_size_in_bytes == 0
-    assert stats.output_size_in_bytes > 0
+    assert [a.shape for a in jax.live_arrays() if id(a) not in before] == []
+    assert stats.output_size_in_bytes == plan.report().bytes_per_device + 8 * len(plan.rows)
+    model = plan.create()
+    created = {id(a) for a in jax.live_arrays()} - before
+    assert {id(a) for a in jax.tree.leaves(nnx.state(model))} <= created

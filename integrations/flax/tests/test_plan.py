@@ -40,7 +40,7 @@ def test_plan_resolves_flax_annotations(mesh):
     assert row.logical_names == ("embed", "mlp")
     assert row.rule == "embed->model, mlp->model"
     assert row.bytes_total == EMBED * MLP * 4 and row.bytes_per_device == EMBED * MLP
-    assert "already used" in row.reasons[0]
+    assert [(r.kind, r.dim, r.axes) for r in row.reasons] == [("axis_used", 1, ("model",))]
 
 
 def test_plan_state_trees_match_the_model(mesh):
@@ -95,14 +95,17 @@ def test_unannotated_model_follows_the_strategy(mesh):
     assert specs["attn/query/kernel"] == P("model", None, None)
     assert specs["up/bias"] == P("model")
     assert specs["down/bias"] == P("model")  # (32,): 32 >= min_weight_size
-    assert "below min_weight_size" in plan.report().row("attn/out/kernel").reasons[0]
+    reason = plan.report().row("attn/out/kernel").reasons[0]
+    assert reason.kind == "below_threshold" and "below min_weight_size" in str(reason)
 
 
 def test_unannotated_without_strategy_is_replicated_and_says_so(mesh):
     report = sf.plan_model(lambda: Plain(nnx.Rngs(0)), mesh).report()
     row = report.row("up/kernel")
     assert row.spec == P(None, None) and row.rule == "none"
-    assert row.reasons == ("no annotation and no strategy: replicated",)
+    assert [(r.kind, str(r)) for r in row.reasons] == [
+        ("no_annotation", "no annotation and no strategy: replicated")
+    ]
     assert report.ratio_to_ideal == 1.0 and report.devices_sharded_over == 1
 
 

@@ -10,11 +10,10 @@ from flax import nnx
 from flax_test_models import StackedTransformer, Transformer
 
 import substrax_flax as sf
-import substrax_flax._leaves as leaves_module
 from substrax import ShardingWarning
-from substrax import plan as plan_cli
-from substrax.mesh import DeviceMeshManager, MeshRules
-from substrax.planner import Hardware, Layout, Workload, config_from_leaves, evaluate
+from substrax.layout import LAYOUTS, Layout
+from substrax.planner import Hardware, Workload, config_from_leaves, evaluate
+from substrax_flax import planner as plan_cli
 
 
 def _factory():
@@ -22,15 +21,13 @@ def _factory():
 
 
 def test_planner_and_adapter_agree_on_a_users_model():
-    leaves = sf.planner_leaves(_factory)
+    leaves = plan_cli.model_leaves(_factory)
     config = config_from_leaves(leaves)
     assert (config.layers, config.d_model, config.heads, config.vocab) == (4, 32, 4, 64)
-    layout = Layout(fsdp=4, tp=2)
+    layout = Layout.from_degrees(fsdp=4, tp=2)
     candidate = evaluate(config, leaves, layout, Workload(batch_tokens=64, seq=8),
                          Hardware(memory_bytes=2**30))  # fmt: skip
-    mesh = DeviceMeshManager.create_device_mesh(layout.mesh)
-    rules = MeshRules().extend(kv=None, **{k: v or None for k, v in layout.rules().items()})
-    model = sf.create_sharded_model(_factory, mesh, rules)
+    model = sf.create_sharded_model(_factory, layout=layout)
     report = sf.sharding_report(nnx.state(model, nnx.Param))
     assert candidate.params_per_device * 4 == report.bytes_per_device
     total = sum(np.prod(a.shape) for a in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -55,9 +52,28 @@ def test_command_line_plans_a_factory(tmp_path, monkeypatch, capsys):
 
 
 def test_slow_unstacked_models_get_a_warning(monkeypatch):
-    monkeypatch.setattr(leaves_module, "SLOW_EVAL_SHAPE_SECONDS", 0.0)
+    monkeypatch.setattr(plan_cli, "SLOW_EVAL_SHAPE_SECONDS", 0.0)
     with pytest.warns(ShardingWarning, match="Stack the layers with nnx.vmap"):
-        sf.planner_leaves(lambda: Transformer(nnx.Rngs(0)))
+        plan_cli.model_leaves(lambda: Transformer(nnx.Rngs(0)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sf.planner_leaves(_factory)  # stacked: no warning
+        plan_cli.model_leaves(_factory)  # stacked: no warning
+
+
+MESHES = {"pp": {"pipe": 2, "data": 4}}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_planner_and_adapter_agree_on_every_leaf_of_every_named_layout(name):
+    """The planner's per-leaf specs are the adapter's, through the one resolver."""
+    layout = Layout.named(name, MESHES.get(name, {"data": 2, "model": 4}))
+    leaves = plan_cli.model_leaves(_factory)
+    workload, hardware = Workload(batch_tokens=64, seq=8), Hardware(memory_bytes=2**30)
+    candidate = evaluate(config_from_leaves(leaves), leaves, layout, workload, hardware)
+    plan = sf.plan_model(_factory, layout=layout)
+    adapter = {row.path: tuple(row.spec) for row in plan.rows}
+    assert candidate.leaves, "the planner saw no leaves"
+    for leaf in candidate.leaves:
+        planned = tuple(axes[0] if len(axes) == 1 else (axes or None) for axes in leaf.spec)
+        assert planned == adapter[leaf.path], leaf.path
+    assert any(any(axes) for leaf in candidate.leaves for axes in leaf.spec) or name == "dp"

@@ -1,18 +1,25 @@
-"""Planner estimates against XLA on compiled twins trained through substrax's train step."""
+"""Planner estimates against XLA on compiled twins trained through substrax's default step."""
 
 import pytest
 from flax_test_models import tokens  # noqa: F401  (imports the conftest device setup first)
 
-import substrax_flax as sf
-from substrax.planner import Hardware, Layout, Workload, architecture, plan
+from substrax.layout import Layout
+from substrax.planner import Hardware, Workload, architecture, plan
+from substrax_flax import planner
+from substrax_flax.planner import _twin_layout, _validate_layout
 
-LAYOUTS = [Layout(fsdp=512, tp=8), Layout(dp=64), Layout(dp=8, fsdp=64), Layout(dp=64, tp=8)]
+LAYOUTS = [
+    Layout.from_degrees(fsdp=512, tp=8),
+    Layout.from_degrees(dp=64),
+    Layout.from_degrees(dp=8, fsdp=64),
+    Layout.from_degrees(dp=64, tp=8),
+]
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "gpt2-small"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.name)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.label)
 def test_state_is_exact_and_flops_are_close_on_twins(name, layout):
-    result = sf.validate_candidate(architecture(name), layout)
+    result = _validate_layout(architecture(name), layout)
     estimate, compiled = result["state_bytes"]
     assert estimate == compiled
     estimate, compiled = result["arguments_bytes"]
@@ -23,22 +30,36 @@ def test_state_is_exact_and_flops_are_close_on_twins(name, layout):
     assert abs(compiled / estimate - 1) < 0.25  # measured -3.5% to +7.5%
 
 
-@pytest.mark.parametrize("layout", [Layout(dp=64), Layout(dp=8, fsdp=64)], ids=str)
+@pytest.mark.parametrize(
+    "layout", [Layout.from_degrees(dp=64), Layout.from_degrees(dp=8, fsdp=64)], ids=str
+)
 def test_fsdp_and_data_parallel_traffic_match_the_hlo(layout):
-    estimate, compiled = sf.validate_candidate(architecture("llama3-8b"), layout)["traffic_bytes"]
+    estimate, compiled = _validate_layout(architecture("llama3-8b"), layout)["traffic_bytes"]
     assert abs(compiled / estimate - 1) < 0.01
 
 
 def test_twins_keep_the_kinds_of_parallelism():
-    assert sf.twin_layout(Layout(fsdp=512, tp=8), 8) == Layout(fsdp=4, tp=2)
-    assert sf.twin_layout(Layout(dp=8, fsdp=64), 8) == Layout(dp=2, fsdp=4)
+    assert _twin_layout(Layout.from_degrees(fsdp=512, tp=8), 8) == Layout.from_degrees(fsdp=4, tp=2)
+    twin = _twin_layout(Layout.from_degrees(dp=8, fsdp=64), 8)
+    assert twin == Layout.from_degrees(dp=2, fsdp=4)
     with pytest.raises(ValueError, match="does not twin pipeline layouts"):
-        sf.twin_layout(Layout(pp=4, fsdp=128), 8)
+        _twin_layout(Layout.from_degrees(pp=4, fsdp=128), 8)
 
 
-def test_plan_validate_uses_the_ranked_candidate():
+@pytest.mark.parametrize("rank", [0, 3])
+def test_validate_twins_the_candidate_at_the_rank_asked_for(rank):
     workload = Workload(batch_tokens=2**20, seq=4096, microbatches=8)
     hardware = Hardware(memory_bytes=80 * 10**9)
     result = plan("llama3-8b", 64, hardware, workload, strategies=("dp", "fsdp", "tp"))
-    comparison = result.validate(0)
+    chosen = result.candidates[rank].layout
+    comparison = planner.validate(result, rank)
+    assert comparison["candidate"] == chosen.label
+    assert comparison["twin"]["layout"] == _twin_layout(chosen, 8).label
     assert comparison["state_bytes"][0] == comparison["state_bytes"][1]
+
+
+def test_validate_refuses_custom_models_and_ranks_out_of_range():
+    workload, hardware = Workload(batch_tokens=2**16, seq=256), Hardware(memory_bytes=10**10)
+    result = plan("gpt2-small", 8, hardware, workload)
+    with pytest.raises(ValueError, match="rank 99 is out of range"):
+        planner.validate(result, 99)

@@ -3,7 +3,10 @@
 Three layers, from low to high:
 
 * Meshes: :class:`DeviceMeshManager` (``jax.make_mesh`` over the visible devices, Auto axes).
-* Rules: :class:`MeshRules` and helpers map logical axis names to mesh axes.
+* Rules: :class:`MeshRules` and helpers map logical axis names to mesh axes. Every name-to-spec
+  decision in substrax goes through one resolver (:meth:`MeshRules.resolve` for names, each
+  strategy's ``resolve`` for shapes), which returns a :class:`Resolution`: the spec and a
+  :class:`Reason` for every dimension left out.
 * Strategies: :class:`ShardingConfig`, :class:`ParallelismConfig` and the
   :class:`ShardingStrategy` implementations decide the partition spec of every parameter.
 """
@@ -12,8 +15,10 @@ from substrax.mesh._config import ParallelismConfig as ParallelismConfig
 from substrax.mesh._config import ShardingConfig as ShardingConfig
 from substrax.mesh._devices import DeviceMeshManager as DeviceMeshManager
 from substrax.mesh._multi import MultiDimensionalStrategy as MultiDimensionalStrategy
+from substrax.mesh._resolve import REASON_KINDS as REASON_KINDS
+from substrax.mesh._resolve import Reason as Reason
+from substrax.mesh._resolve import Resolution as Resolution
 from substrax.mesh._rules import MeshRules as MeshRules
-from substrax.mesh._rules import ResolvedAxis as ResolvedAxis
 from substrax.mesh._rules import create_named_sharding as create_named_sharding
 from substrax.mesh._rules import data_parallel_rules as data_parallel_rules
 from substrax.mesh._rules import fsdp_rules as fsdp_rules
@@ -32,7 +37,9 @@ __all__ = [
     "MultiDimensionalStrategy",
     "ParallelismConfig",
     "PipelineParallelStrategy",
-    "ResolvedAxis",
+    "REASON_KINDS",
+    "Reason",
+    "Resolution",
     "ShardingConfig",
     "ShardingStrategy",
     "TensorParallelStrategy",

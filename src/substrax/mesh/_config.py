@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any
 
 __all__ = ["ParallelismConfig", "ShardingConfig"]
 
@@ -59,20 +58,14 @@ class ShardingConfig:
         return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
 
     @classmethod
-    def from_device_count(
-        cls,
-        device_count: int,
-        *,
-        model: Any = None,
-        memory_bytes: int | None = None,
-        workload: Any = None,
-    ) -> ShardingConfig:
+    def from_device_count(cls, device_count: int) -> ShardingConfig:
         """Create optimal sharding config for given device count.
 
-        Given a ``model`` and ``memory_bytes``, the :mod:`substrax.planner` picks the layout:
-        its best candidate (one that fits, the smallest peak otherwise) becomes the config,
-        FSDP and pure data parallelism together forming ``data_parallel_size``. Otherwise it
-        uses heuristics to balance different parallelism dimensions. Tensor parallelism gets
+        Uses heuristics to balance different parallelism dimensions. For a config chosen by
+        model size and device memory, ask the planner instead:
+        ``substrax.planner.plan(model, n, hardware, workload).best.layout.sharding_config()``
+        (the planner sits above :mod:`substrax.mesh`, so this method does not call it).
+        Tensor parallelism gets
         the largest divisor ``t`` of ``device_count`` with ``t <= 8`` and ``t * t <=
         device_count`` (tensor parallelism wants the fast links within a host, and should not
         outgrow data parallelism); data parallelism gets the rest; FSDP is enabled whenever
@@ -82,41 +75,19 @@ class ShardingConfig:
 
         Args:
           device_count: The number of devices, at least 1.
-          model: A planner architecture name or ``TransformerConfig``; with ``memory_bytes``
-            the planner decides.
-          memory_bytes: Memory per device.
-          workload: A ``substrax.planner.Workload``; by default 2**20 tokens of 2048.
 
         Returns:
           A :class:`ShardingConfig` whose total device count is ``device_count``.
 
         Raises:
-          ValueError: If ``device_count`` is not a positive integer, or only one of ``model``
-            and ``memory_bytes`` is given.
+          ValueError: If ``device_count`` is not a positive integer.
         """
         count = _check_int(device_count, "device_count", 1)
-        if (model is None) != (memory_bytes is None):
-            raise ValueError("Give both model and memory_bytes for a planned config, or neither.")
-        if model is not None:
-            return cls._planned(count, model, memory_bytes, workload)
         tensor = max(
             t for t in range(1, _MAX_TENSOR_PARALLEL + 1) if count % t == 0 and t * t <= count
         )
         data = count // tensor
         return cls(data_parallel_size=data, tensor_parallel_size=tensor, fsdp_enabled=data > 1)
-
-    @classmethod
-    def _planned(cls, count: int, model: Any, memory_bytes: int, workload: Any) -> ShardingConfig:
-        from substrax.planner import Hardware, Workload, plan
-
-        workload = workload or Workload(batch_tokens=2**20, seq=2048)
-        best = plan(model, count, Hardware(memory_bytes=int(memory_bytes)), workload).best.layout
-        return cls(
-            data_parallel_size=best.dp * best.fsdp,
-            tensor_parallel_size=best.tp,
-            pipeline_parallel_size=best.pp,
-            fsdp_enabled=best.fsdp > 1,
-        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jax.sharding import PartitionSpec
 
 from substrax.mesh._config import ParallelismConfig
-from substrax.mesh._strategy import INDIVISIBLE, ShardingStrategy, SpecAndNotes, axis_size
+from substrax.mesh._resolve import Resolution, as_axes, resolve_axes, spec_entry
+from substrax.mesh._strategy import ShardingStrategy
 
 __all__ = ["MultiDimensionalStrategy"]
-
-
-def _entry_axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _entry(axes: list[str]) -> Any:
-    if not axes:
-        return None
-    return axes[0] if len(axes) == 1 else tuple(axes)
 
 
 class MultiDimensionalStrategy:
@@ -128,20 +116,19 @@ class MultiDimensionalStrategy:
         used: set[str] = set()
         for spec in proposed_specs.values():
             for dim, entry in enumerate(spec):
-                for axis in _entry_axes(entry):
+                for axis in as_axes(entry):
                     if axis not in used:
                         merged[dim].append(axis)
                         used.add(axis)
-        return PartitionSpec(*(_entry(axes) for axes in merged))
+        return PartitionSpec(*(spec_entry(axes) for axes in merged))
 
-    def spec_for_shape(
-        self, shape: Sequence[int], mesh: Any, *, name: str | None = None
-    ) -> SpecAndNotes:
-        """The spec of a parameter of ``shape``: every strategy's, merged.
+    def resolve(self, shape: Sequence[int], mesh: Any, *, name: str | None = None) -> Resolution:
+        """The spec of a parameter of ``shape``: every strategy's proposal, merged.
 
-        Each strategy's :meth:`ShardingStrategy.spec_for_shape` is merged by
-        :meth:`resolve_sharding_conflicts`. Where a dimension collects several axes whose
-        product does not divide it, the later axes are dropped and a note says so.
+        Each strategy's :meth:`ShardingStrategy.resolve` proposal is merged by
+        :meth:`resolve_sharding_conflicts`, and the merged proposal goes through substrax's one
+        resolver: where a dimension collects several axes whose product does not divide it,
+        it keeps the longest prefix that does (an ``indivisible`` reason names the rest).
 
         Args:
           shape: The parameter's shape.
@@ -149,25 +136,14 @@ class MultiDimensionalStrategy:
           name: The parameter's path, passed on to each strategy.
 
         Returns:
-          ``(spec, notes)`` as :meth:`ShardingStrategy.spec_for_shape` returns them.
+          A :class:`~substrax.mesh.Resolution`, with every strategy's reasons.
         """
         shape = tuple(int(d) for d in shape)
-        proposals, notes = {}, []
+        proposals, reasons = {}, []
         for key, strategy in self.strategies.items():
-            proposals[key], strategy_notes = strategy.spec_for_shape(shape, mesh, name=name)
-            notes.extend(f"{key}: {note}" for note in strategy_notes)
-        merged = self.resolve_sharding_conflicts(name or "<tensor>", proposals)
-        entries = []
-        for dim, entry in enumerate(merged):
-            kept: list[str] = []
-            for axis in _entry_axes(entry):
-                product = math.prod(axis_size(mesh, a) for a in [*kept, axis])
-                if shape[dim] % product:
-                    notes.append(
-                        f"dimension {dim} ({shape[dim]}) {INDIVISIBLE} the product "
-                        f"{product} of mesh axes {(*kept, axis)}: {axis!r} dropped"
-                    )
-                else:
-                    kept.append(axis)
-            entries.append(_entry(kept))
-        return PartitionSpec(*entries), tuple(notes)
+            resolution = strategy.resolve(shape, mesh, name=name)
+            proposals[key] = resolution.spec
+            reasons.extend(resolution.reasons)
+        merged = tuple(self.resolve_sharding_conflicts(name or "<tensor>", proposals))
+        merged += (None,) * (len(shape) - len(merged))
+        return resolve_axes([as_axes(e) for e in merged], shape, mesh, reasons=reasons)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
-from typing import NamedTuple
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from substrax.mesh._resolve import Resolution, UnknownNames, as_axes, resolve_names
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -15,7 +16,6 @@ _FIELDS = ("data", "embed", "mlp", "heads")
 __all__ = [
     "MeshAxes",
     "MeshRules",
-    "ResolvedAxis",
     "create_named_sharding",
     "data_parallel_rules",
     "fsdp_rules",
@@ -38,29 +38,6 @@ def _check_mesh_axes(logical: str, value: object) -> MeshAxes:
         f"Rule for logical axis {logical!r} must be a mesh axis name, a tuple of distinct mesh "
         f"axis names, or None; got {value!r}."
     )
-
-
-def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
-    if axes is None:
-        return ()
-    return (axes,) if isinstance(axes, str) else tuple(axes)
-
-
-class ResolvedAxis(NamedTuple):
-    """How one tensor dimension resolved through a :class:`MeshRules`.
-
-    Attributes:
-      logical_name: The logical name of the dimension (None for an unnamed dimension).
-      requested: The mesh axes that the rule maps the name to.
-      mesh_axes: The mesh axes the dimension is sharded over, after removing axes that an
-        earlier dimension of the same tensor already uses.
-      dropped: The requested mesh axes that were dropped because an earlier dimension uses them.
-    """
-
-    logical_name: str | None
-    requested: tuple[str, ...]
-    mesh_axes: tuple[str, ...]
-    dropped: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,7 +177,29 @@ class MeshRules:
         Returns:
           The set of mesh axis names used by any rule.
         """
-        return frozenset(axis for axes in self.as_dict().values() for axis in _as_tuple(axes))
+        return frozenset(axis for axes in self.as_dict().values() for axis in as_axes(axes))
+
+    def gathered_over(self, axes: Iterable[str]) -> MeshRules:
+        """The rules where parameters are used: ``axes`` removed from every name but the batch's.
+
+        A parameter stored sharded over an axis that also splits the batch (FSDP) is gathered
+        before use; these are the rules of that gathered layout, for parameters at the point
+        of use and for activations. ``data`` and ``batch`` keep every axis.
+
+        Args:
+          axes: The mesh axes to gather over (the FSDP axes).
+
+        Returns:
+          New rules; these are unchanged.
+        """
+        drop = set(axes)
+
+        def gathered(name: str, value: MeshAxes) -> MeshAxes:
+            if name in ("data", "batch") or not drop & set(as_axes(value)):
+                return value
+            return tuple(a for a in as_axes(value) if a not in drop) or None
+
+        return MeshRules().extend(**{n: gathered(n, v) for n, v in self.as_dict().items()})
 
     def validate(self, mesh: Mesh) -> MeshRules:
         """Checks that every mesh axis the rules name exists in ``mesh``.
@@ -215,7 +214,7 @@ class MeshRules:
           ValueError: If a rule names a mesh axis that ``mesh`` lacks.
         """
         for name, axes in self.as_dict().items():
-            missing = [axis for axis in _as_tuple(axes) if axis not in mesh.axis_names]
+            missing = [axis for axis in as_axes(axes) if axis not in mesh.axis_names]
             if missing:
                 raise ValueError(
                     f"Rule {name!r} -> {axes!r} names mesh axis {missing[0]!r}, which the mesh "
@@ -223,44 +222,37 @@ class MeshRules:
                 )
         return self
 
-    def resolve(self, *logical_names: str | None) -> tuple[ResolvedAxis, ...]:
-        """Resolves the logical names of one tensor's dimensions, explaining each.
+    def resolve(
+        self,
+        *logical_names: str | None,
+        shape: tuple[int, ...] | None = None,
+        mesh: Mesh | None = None,
+        unknown_names: UnknownNames = "error",
+    ) -> Resolution:
+        """Resolves the logical names of one array's dimensions, explaining what is left out.
 
-        A mesh axis appears at most once per tensor: when two dimensions resolve to the same mesh
-        axis, the first keeps it and the later ones drop it (first wins, as in Flax Linen's
-        ``logical_to_mesh_axes``). A tuple rule loses only the axes already used.
+        This is substrax's one resolver (see :mod:`substrax.mesh`): a mesh axis shards at most
+        one dimension, the first that asks for it (as Flax Linen's ``logical_to_mesh_axes``),
+        a tuple rule loses only the axes already used, and with ``shape`` and ``mesh`` each
+        dimension keeps the longest prefix of its axes whose product divides it.
 
         Args:
-          *logical_names: One logical name (or None) per tensor dimension.
+          *logical_names: One logical name (or None) per array dimension.
+          shape: The array's shape, for the rank and divisibility checks.
+          mesh: The mesh (``Mesh``, ``AbstractMesh`` or ``{axis: size}``), with ``shape``.
+          unknown_names: ``"error"`` raises on a name these rules do not know;
+            ``"replicate"`` replicates that dimension and says so in the reasons.
 
         Returns:
-          One :class:`ResolvedAxis` per dimension.
+          A :class:`Resolution`: the spec, and a :class:`Reason` per dimension left out.
 
         Raises:
-          ValueError: If a name is repeated in ``logical_names`` or unknown to these rules.
+          ValueError: If a name is repeated or (``unknown_names="error"``) unknown, or the
+            names do not match ``shape``'s rank.
         """
-        named = [name for name in logical_names if name is not None]
-        repeated = sorted({name for name in named if named.count(name) > 1})
-        if repeated:
-            raise ValueError(
-                f"Logical axis name {repeated[0]!r} appears more than once in "
-                f"{logical_names}; each dimension of a tensor needs its own name."
-            )
-        used: set[str] = set()
-        resolved = []
-        for name, axes in zip(logical_names, self(*logical_names), strict=True):
-            requested = _as_tuple(axes)
-            kept = tuple(axis for axis in requested if axis not in used)
-            used.update(kept)
-            dropped = tuple(axis for axis in requested if axis not in kept)
-            resolved.append(ResolvedAxis(name, requested, kept, dropped))
-        return tuple(resolved)
-
-
-def _spec_entry(axes: tuple[str, ...]) -> MeshAxes:
-    if not axes:
-        return None
-    return axes[0] if len(axes) == 1 else axes
+        return resolve_names(
+            self.as_dict(), logical_names, shape, mesh, unknown_names=unknown_names
+        )
 
 
 def partition_spec_for_names(rules: MeshRules, *logical_names: str | None) -> PartitionSpec:
@@ -269,7 +261,7 @@ def partition_spec_for_names(rules: MeshRules, *logical_names: str | None) -> Pa
     Maps logical dimension names through the rules to produce physical mesh axis assignments.
     None as a logical name means a replicated dimension. A mesh axis appears at most once: when
     two dimensions resolve to the same mesh axis, the first keeps it and the later ones are
-    replicated (see :meth:`MeshRules.resolve` to see what was dropped).
+    replicated (:meth:`MeshRules.resolve` says what was left out, and why).
 
     Args:
       rules: The MeshRules mapping to apply.
@@ -283,7 +275,7 @@ def partition_spec_for_names(rules: MeshRules, *logical_names: str | None) -> Pa
     """
     if not isinstance(rules, MeshRules):
         raise TypeError(f"rules must be a MeshRules, got {type(rules).__name__}.")
-    return PartitionSpec(*(_spec_entry(axis.mesh_axes) for axis in rules.resolve(*logical_names)))
+    return rules.resolve(*logical_names).spec
 
 
 def create_named_sharding(mesh: Mesh, *axis_names: MeshAxes) -> NamedSharding:
@@ -303,7 +295,7 @@ def create_named_sharding(mesh: Mesh, *axis_names: MeshAxes) -> NamedSharding:
     """
     used: list[str] = []
     for entry in axis_names:
-        for axis in _as_tuple(_check_mesh_axes("dimension", entry)):
+        for axis in as_axes(_check_mesh_axes("dimension", entry)):
             if axis not in mesh.axis_names:
                 raise ValueError(
                     f"Mesh axis {axis!r} is not in the mesh; its axes are {tuple(mesh.axis_names)}."

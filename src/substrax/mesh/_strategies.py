@@ -16,7 +16,7 @@ import numbers
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
-from substrax.mesh._strategy import ShardingStrategy
+from substrax.mesh._strategy import ShardDims, ShardingStrategy
 
 __all__ = [
     "DataParallelStrategy",
@@ -42,7 +42,7 @@ class DataParallelStrategy(ShardingStrategy):
     """Data parallel sharding strategy.
 
     Shards the batch dimension across devices while replicating model parameters and
-    computation. Parameters (:meth:`spec_for_shape`) are replicated; :meth:`apply_sharding`
+    computation. Parameters (:meth:`resolve`) are replicated; :meth:`apply_sharding`
     treats its array as a batch and shards its leading dimension.
     """
 
@@ -60,8 +60,9 @@ class DataParallelStrategy(ShardingStrategy):
         names = tuple(tensor_shape)
         return _spec_on(names, names.index("batch") if "batch" in names else None, self.axis_name)
 
-    def _shard_dims(self, shape: tuple[int, ...], name: str | None) -> tuple[tuple[int, ...], str]:
-        return (), "data parallelism replicates parameters" if shape else ""
+    def _shard_dims(self, shape: tuple[int, ...], name: str | None) -> ShardDims:
+        reason = self._reason("by_design", "data parallelism replicates parameters")
+        return (), reason if shape else None
 
     def apply_sharding(self, array: jax.Array, mesh: Mesh) -> jax.Array:
         """Apply data parallel sharding to array.
@@ -164,12 +165,13 @@ class FSDPStrategy(ShardingStrategy):
         """
         return self.get_partition_spec(tensor_shape)
 
-    def _shard_dims(self, shape: tuple[int, ...], name: str | None) -> tuple[tuple[int, ...], str]:
+    def _shard_dims(self, shape: tuple[int, ...], name: str | None) -> ShardDims:
         if not shape:
-            return (), ""
+            return (), None
         if shape[0] < self.min_weight_size:
-            return (), f"first dimension {shape[0]} is below min_weight_size {self.min_weight_size}"
-        return (0,), ""
+            detail = f"first dimension {shape[0]} is below min_weight_size {self.min_weight_size}"
+            return (), self._reason("below_threshold", detail)
+        return (0,), None
 
     def apply_sharding(self, array: jax.Array, mesh: Mesh) -> jax.Array:
         """Apply FSDP sharding to array.
@@ -194,7 +196,7 @@ class TensorParallelStrategy(ShardingStrategy):
     ``(in_features, out_features)``; ``nnx.MultiHeadAttention`` query/key/value kernels are
     ``(in_features, heads, head_dim)`` and its output kernel ``(heads, head_dim, out_features)``.
 
-    By shape (:meth:`spec_for_shape`, :meth:`apply_sharding`): a 2-D array is a Linear kernel,
+    By shape (:meth:`resolve`, :meth:`apply_sharding`): a 2-D array is a Linear kernel,
     a 1-D array its bias (sharded when column-parallel), a 3-D array an attention kernel,
     query/key/value unless its path's layer is named ``out``; a 2-D ``bias`` is an attention
     bias ``(heads, head_dim)``. Other ranks are replicated.
@@ -262,20 +264,23 @@ class TensorParallelStrategy(ShardingStrategy):
         """
         return self.get_partition_spec(("heads", "head_dim", "out_features"))
 
-    def _shard_dims(self, shape: tuple[int, ...], name: str | None) -> tuple[tuple[int, ...], str]:
+    def _shard_dims(self, shape: tuple[int, ...], name: str | None) -> ShardDims:
         parts = name.split("/") if name else []
         column = self.shard_dimension == "out_features"
         if len(shape) == 3:
-            return ((0,) if "out" in parts[-2:-1] else (1,)), ""
+            return ((0,) if "out" in parts[-2:-1] else (1,)), None
         if len(shape) == 2:
             if parts[-1:] == ["bias"]:
-                return (0,), ""
-            return ((1,) if column else (0,)), ""
+                return (0,), None
+            return ((1,) if column else (0,)), None
         if len(shape) == 1:
-            return ((0,), "") if column else ((), "row-parallel bias is replicated")
+            if column:
+                return (0,), None
+            return (), self._reason("by_design", "row-parallel bias is replicated")
         if not shape:
-            return (), ""
-        return (), f"tensor parallelism shards only 1-3 dimensional weights, not shape {shape}"
+            return (), None
+        detail = f"tensor parallelism shards only 1-3 dimensional weights, not shape {shape}"
+        return (), self._reason("by_design", detail)
 
     def apply_sharding(self, array: jax.Array, mesh: Mesh) -> jax.Array:
         """Apply tensor parallel sharding to array.

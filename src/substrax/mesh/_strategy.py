@@ -12,14 +12,12 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax._warnings import ShardingWarning
+from substrax.mesh._resolve import Reason, Resolution, resolve_axes
 
-__all__ = ["INDIVISIBLE", "ShardingStrategy", "axis_size"]
+__all__ = ["ShardingStrategy", "axis_size"]
 
-#: The phrase every note about a dimension left replicated for divisibility contains.
-INDIVISIBLE = "is not divisible by"
-
-#: A spec and, for every dimension left replicated that a strategy would shard, why.
-SpecAndNotes = tuple[PartitionSpec, tuple[str, ...]]
+#: The dimensions a strategy shards, and why it shards none (None when it shards some).
+ShardDims = tuple[tuple[int, ...], Reason | None]
 
 
 def axis_size(mesh: Any, axis_name: str) -> int:
@@ -43,8 +41,8 @@ class ShardingStrategy(abc.ABC):
     is axis number ``mesh_axis`` of the meshes it is used with.
 
     Subclasses implement :meth:`get_partition_spec` (from dimension names) and
-    :meth:`_shard_dims` (from a concrete shape); :meth:`spec_for_shape` adds the divisibility
-    check and :meth:`apply_sharding` places an array.
+    :meth:`_shard_dims` (from a concrete shape); :meth:`resolve` passes that proposal through
+    substrax's one resolver (divisibility, reasons) and :meth:`apply_sharding` places an array.
     """
 
     def __init__(self, axis_name: str, mesh_axis: int):
@@ -91,23 +89,25 @@ class ShardingStrategy(abc.ABC):
           Sharded array.
         """
 
-    def _shard_dims(self, shape: tuple[int, ...], name: str | None) -> tuple[tuple[int, ...], str]:
+    def _shard_dims(self, shape: tuple[int, ...], name: str | None) -> ShardDims:
         """Dimensions of a parameter of ``shape`` that this strategy shards, or why none.
 
         Returns:
-          The dimension indices to shard over ``axis_name`` (empty when none), and the reason
-          when none is sharded (empty string otherwise).
+          The dimension indices to shard over ``axis_name`` (empty when none), and a
+          :class:`Reason` when none is sharded (None otherwise).
         """
         del shape, name
-        return (), ""
+        return (), None
 
-    def spec_for_shape(
-        self, shape: Sequence[int], mesh: Any, *, name: str | None = None
-    ) -> SpecAndNotes:
+    def _reason(self, kind: str, detail: str) -> Reason:
+        return Reason(kind, None, None, (self.axis_name,), f"{type(self).__name__}: {detail}")
+
+    def resolve(self, shape: Sequence[int], mesh: Any, *, name: str | None = None) -> Resolution:
         """The spec of a parameter of ``shape`` under this strategy on ``mesh``.
 
-        A dimension that the strategy would shard but that does not divide the axis size is left
-        replicated, and a note says so.
+        The strategy proposes its axis for some dimensions; substrax's one resolver
+        (:meth:`substrax.mesh.MeshRules.resolve` documents the policy) leaves out a proposal
+        that does not divide its dimension, with an ``indivisible`` reason.
 
         Args:
           shape: The parameter's shape.
@@ -116,35 +116,18 @@ class ShardingStrategy(abc.ABC):
             tell layers apart by name use it.
 
         Returns:
-          ``(spec, notes)``: a PartitionSpec and a tuple of strings, one for each dimension
-          that was left replicated although the strategy would shard it, or why nothing is
-          sharded.
+          A :class:`~substrax.mesh.Resolution`: the spec, and why any dimension the strategy
+          would shard is replicated (or why it shards nothing).
 
         Raises:
           ValueError: If the mesh lacks ``axis_name`` or has it at another index than
             ``mesh_axis``.
         """
-        spec, reason, indivisible = self._spec_parts(shape, mesh, name)
-        return spec, ((reason,) if reason else ()) + indivisible
-
-    def _spec_parts(
-        self, shape: Sequence[int], mesh: Any, name: str | None
-    ) -> tuple[PartitionSpec, str, tuple[str, ...]]:
-        """The spec, why nothing is sharded by design, and which dimensions did not divide."""
-        size = self._check_mesh(mesh)
+        self._check_mesh(mesh)
         shape = tuple(int(d) for d in shape)
         dims, reason = self._shard_dims(shape, name)
-        entries: list[str | None] = [None] * len(shape)
-        indivisible = []
-        for dim in dims:
-            if shape[dim] % size:
-                indivisible.append(
-                    f"dimension {dim} of shape {shape} ({shape[dim]}) {INDIVISIBLE} mesh "
-                    f"axis {self.axis_name!r} of size {size}: replicated"
-                )
-            else:
-                entries[dim] = self.axis_name
-        return PartitionSpec(*entries), reason, tuple(indivisible)
+        requested = [(self.axis_name,) if d in dims else () for d in range(len(shape))]
+        return resolve_axes(requested, shape, mesh, reasons=(reason,) if reason else ())
 
     def _check_mesh(self, mesh: Any) -> int:
         size = axis_size(mesh, self.axis_name)
@@ -160,8 +143,8 @@ class ShardingStrategy(abc.ABC):
         return jax.device_put(array, NamedSharding(mesh, spec))
 
     def _place_param(self, array: jax.Array, mesh: Mesh) -> jax.Array:
-        """Places a parameter by :meth:`spec_for_shape`, warning where it replicates."""
-        spec, _, indivisible = self._spec_parts(array.shape, mesh, None)
-        for note in indivisible:
-            warnings.warn(f"{type(self).__name__}: {note}.", ShardingWarning, stacklevel=3)
-        return self._place(array, mesh, spec)
+        """Places a parameter by :meth:`resolve`, warning where it replicates."""
+        resolution = self.resolve(array.shape, mesh)
+        for reason in resolution.of_kind("indivisible"):
+            warnings.warn(f"{type(self).__name__}: {reason}.", ShardingWarning, stacklevel=3)
+        return self._place(array, mesh, resolution.spec)

@@ -1,7 +1,9 @@
 """Plan a sharded training step before anything is compiled: memory, traffic, time, layout.
 
 ``plan("llama3-70b", 512, Hardware(memory_bytes=80e9), Workload(batch_tokens=4_000_000,
-seq=8192))`` ranks every layout; ``python -m substrax.plan`` prints the table.
+seq=8192))`` ranks every layout; ``python -m substrax.planner`` prints the table. Candidates
+are :class:`substrax.layout.Layout` objects: ``candidate.layout.make_mesh()`` and the layout
+are what the Flax adapter applies.
 """
 
 from substrax.planner._architectures import ARCHITECTURES as ARCHITECTURES
@@ -10,23 +12,22 @@ from substrax.planner._architectures import TransformerConfig as TransformerConf
 from substrax.planner._architectures import architecture as architecture
 from substrax.planner._architectures import config_from_leaves as config_from_leaves
 from substrax.planner._architectures import transformer_leaves as transformer_leaves
-from substrax.planner._plan import Candidate as Candidate
-from substrax.planner._plan import Hardware as Hardware
-from substrax.planner._plan import Layout as Layout
-from substrax.planner._plan import Workload as Workload
-from substrax.planner._plan import evaluate as evaluate
-from substrax.planner._plan import layouts as layouts
+from substrax.planner._cli import main as main
+from substrax.planner._estimate import Candidate as Candidate
+from substrax.planner._estimate import Hardware as Hardware
+from substrax.planner._estimate import LeafPlan as LeafPlan
+from substrax.planner._estimate import Workload as Workload
+from substrax.planner._estimate import evaluate as evaluate
+from substrax.planner._estimate import layouts as layouts
 from substrax.planner._rank import Plan as Plan
-from substrax.planner._rank import parse_bytes as parse_bytes
-from substrax.planner._rank import parse_count as parse_count
 from substrax.planner._rank import plan as plan
 
 __all__ = [
     "ARCHITECTURES",
     "Candidate",
     "Hardware",
-    "Layout",
     "Leaf",
+    "LeafPlan",
     "Plan",
     "TransformerConfig",
     "Workload",
@@ -34,8 +35,7 @@ __all__ = [
     "config_from_leaves",
     "evaluate",
     "layouts",
-    "parse_bytes",
-    "parse_count",
+    "main",
     "plan",
     "transformer_leaves",
 ]

@@ -1,12 +1,13 @@
 """The Flax NNX adapter of substrax: models and optax state created already sharded.
 
-Every variable's logical axis names (``nnx.with_partitioning``) resolve through substrax rules;
-unannotated variables follow a substrax strategy. Models are created inside ``jax.jit`` with
-the planned output shardings, so no device ever holds a whole model.
+Every variable's logical axis names (``nnx.with_partitioning``) resolve through substrax rules
+(or a named :class:`substrax.layout.Layout`); unannotated variables follow a substrax strategy.
+Models are created inside ``jax.jit`` with the planned output shardings, so no device ever
+holds a whole model. The model remembers its plan: the optimizer, the train steps and the
+report take it from there. ``substrax_flax.planner`` plans your own models for the planner.
 """
 
 from substrax_flax._checkpoint import Checkpointer as Checkpointer
-from substrax_flax._leaves import planner_leaves as planner_leaves
 from substrax_flax._optimizer import create_sharded_optimizer as create_sharded_optimizer
 from substrax_flax._pipeline_step import PipelineTrainStep as PipelineTrainStep
 from substrax_flax._pipeline_step import make_pipeline_train_step as make_pipeline_train_step
@@ -20,8 +21,6 @@ from substrax_flax._report import sharding_report as sharding_report
 from substrax_flax._resolve import VariableSharding as VariableSharding
 from substrax_flax._train import TrainStep as TrainStep
 from substrax_flax._train import make_train_step as make_train_step
-from substrax_flax._validate import twin_layout as twin_layout
-from substrax_flax._validate import validate_candidate as validate_candidate
 
 __all__ = [
     "Checkpointer",
@@ -36,9 +35,6 @@ __all__ = [
     "make_pipeline_train_step",
     "make_train_step",
     "plan_model",
-    "planner_leaves",
     "shard_model",
     "sharding_report",
-    "twin_layout",
-    "validate_candidate",
 ]

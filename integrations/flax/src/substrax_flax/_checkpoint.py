@@ -74,14 +74,16 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(
-        self, step: int, model: nnx.Module, optimizer: nnx.Optimizer, metadata: dict | None = None
+        self, model: nnx.Module, optimizer: nnx.Optimizer, step: int, metadata: dict | None = None
     ) -> None:
         """Saves the model's and optimizer's state and ``metadata`` as checkpoint ``step``.
 
+        Takes its arguments in :meth:`restore`'s order: model, optimizer, step.
+
         Args:
-          step: The step number (the checkpoint's name).
           model: The model.
           optimizer: Its optimizer.
+          step: The step number (the checkpoint's name).
           metadata: JSON-serialisable run information (data position, configuration, ...).
         """
         state = {

@@ -9,8 +9,9 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from substrax_flax._plan import _plan_state, remember, shardings_of
-from substrax_flax._resolve import Resolver, Rules, Strategy, VariableSharding, make_row
+from substrax.mesh import Reason
+from substrax_flax._plan import model_plan, remember, shardings_of
+from substrax_flax._resolve import Rules, Strategy, VariableSharding, make_row
 from substrax_flax._state import constrain_state, shape_and_dtype, variables
 
 __all__ = ["create_sharded_optimizer", "optimizer_rows"]
@@ -59,6 +60,7 @@ def optimizer_rows(
             )
         else:
             shape = shape_and_dtype(variable)[0]
+            why = Reason("by_design", None, None, (), "not parameter-shaped: replicated")
             row = make_row(
                 path,
                 variable,
@@ -66,7 +68,7 @@ def optimizer_rows(
                 mesh,
                 names=None,
                 rule="not parameter-shaped",
-                reasons=("replicated",) if shape else (),
+                reasons=(why,) if shape else (),
             )
         rows.append(row)
     return tuple(rows)
@@ -75,7 +77,7 @@ def optimizer_rows(
 def create_sharded_optimizer(
     model: nnx.Module,
     tx: optax.GradientTransformation,
-    mesh: jax.sharding.Mesh | None,
+    mesh: jax.sharding.Mesh | None = None,
     rules: Rules = None,
     *,
     wrt: Any = nnx.Param,
@@ -88,24 +90,28 @@ def create_sharded_optimizer(
     other leaves are replicated. Flax's eager sharding is off while the state is created, so
     the ``optimizer_sharding`` metadata and flax issue 5112 (stacked layers) play no part.
 
+    A model from :func:`create_sharded_model` (or :func:`shard_model`) remembers its plan, and
+    the optimizer follows it: leave ``mesh``, ``rules`` and ``strategy`` out. They are for a
+    model that substrax did not place.
+
     Args:
       model: The model, usually from :func:`create_sharded_model`.
       tx: The optax transformation, such as ``optax.adamw(1e-3)``.
-      mesh: The device mesh; None means one device (see :func:`plan_model`).
-      rules: The rules the model was planned with (see :func:`plan_model`).
+      mesh: For a model substrax did not place: the device mesh (None: one device).
+      rules: For a model substrax did not place: its rules (see :func:`plan_model`).
       wrt: The variables the optimizer updates, as for ``nnx.Optimizer``.
-      strategy: The strategy the model was planned with (see :func:`plan_model`).
+      strategy: For a model substrax did not place: its strategy.
 
     Returns:
       The optimizer, its state sharded like the parameters it mirrors.
 
     Raises:
-      ValueError: As :func:`plan_model`, when the model's variables cannot be planned.
+      ValueError: As :func:`plan_model`, or when ``mesh``, ``rules`` or ``strategy`` differ
+        from the plan the model remembers.
     """
     graphdef, model_state = nnx.split(model)
-    resolver = Resolver(mesh, rules, strategy)
-    mesh = resolver.mesh
-    param_rows, _ = _plan_state(model_state, resolver)
+    plan = model_plan(model, mesh, rules, strategy, what="create_sharded_optimizer")
+    mesh, param_rows = plan.mesh, plan.rows
 
     def make(state):
         with nnx.use_eager_sharding(False):

@@ -11,11 +11,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax.mesh import PipelineParallelStrategy
 from substrax.pipeline import Pipeline
-from substrax_flax._optimizer import optimizer_rows
-from substrax_flax._plan import _plan_state, shardings_of
-from substrax_flax._resolve import Resolver, Rules
+from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
+from substrax_flax._resolve import Rules, as_rules
 from substrax_flax._state import constrain_state
-from substrax_flax._train import _JittedStep
+from substrax_flax._train import Built, JittedStep, optimizer_shardings
 
 __all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
 
@@ -33,39 +32,45 @@ def _is_variable(node: Any) -> bool:
     return isinstance(node, nnx.Variable)
 
 
-class PipelineTrainStep(_JittedStep):
+class PipelineTrainStep(JittedStep):
     """A jitted training step whose layer stack runs through a :class:`substrax.pipeline.Pipeline`.
 
-    Build it with :func:`make_pipeline_train_step`; call it like a :class:`TrainStep`.
+    Build it with :func:`make_pipeline_train_step`; call it like a :class:`TrainStep`. Each
+    model (graph definition) gets its own immutable :class:`~substrax.pipeline.Pipeline`, built
+    with that model's layer and head functions.
     """
 
     def __init__(
         self,
-        pipeline: Pipeline,
-        resolver: Resolver,
+        make_pipeline: Callable[[Callable, Callable], Pipeline],
         embed_fn: Callable[..., Any],
         layer_fn: Callable[..., Any],
         head_fn: Callable[..., Any],
         *,
+        mesh: jax.sharding.Mesh,
+        rules: Rules,
+        layout: LayoutLike,
         stack: str,
         data_axes: Sequence[str],
     ):
         """Stores the configuration; see :func:`make_pipeline_train_step`.
 
         Args:
-          pipeline: The pipeline runner (its ``layer_fn`` and ``loss_fn`` are set here).
-          resolver: Plans the model's shardings.
+          make_pipeline: ``make_pipeline(layer_fn, loss_fn)`` builds the pipeline runner.
           embed_fn: ``embed_fn(model, batch) -> (inputs, targets)``.
           layer_fn: ``layer_fn(layer, x) -> x`` with ``layer`` one layer of the stack.
           head_fn: ``head_fn(model, y, targets) -> loss``.
+          mesh: The mesh.
+          rules: The rules, for a model substrax did not place.
+          layout: The layout, for a model substrax did not place.
           stack: The attribute holding the stacked layers.
           data_axes: Mesh axes of the batch.
         """
-        self.pipeline, self.resolver = pipeline, resolver
+        super().__init__()
+        self.make_pipeline = make_pipeline
         self.embed_fn, self.user_layer_fn, self.head_fn = embed_fn, layer_fn, head_fn
+        self.mesh, self.rules, self.layout = mesh, rules, layout
         self.stack, self.data_axes = stack, tuple(data_axes)
-        self.mesh = pipeline.mesh
-        self._compiled: dict[Any, Any] = {}
 
     def _parts(self, model: nnx.Module):
         state = nnx.state(model)
@@ -88,10 +93,11 @@ class PipelineTrainStep(_JittedStep):
         _only_params(stack, f"stack {self.stack!r}")
         _only_params(rest, "other attributes")
         num_layers = jax.tree.leaves(stack)[0].shape[0]
-        rows, model_shardings = _plan_state(nnx.state(model), self.resolver)
-        opt_state = nnx.state(optimizer)
-        opt_rows = optimizer_rows(opt_state, rows, self.pipeline.mesh)
-        opt_shardings = shardings_of(opt_rows, opt_state, self.pipeline.mesh)
+        plan = model_plan(
+            model, self.mesh, self.rules, None, self.layout, what="make_pipeline_train_step"
+        )
+        model_shardings = shardings_of(plan.rows, nnx.state(model), plan.mesh)
+        opt_shardings = optimizer_shardings(optimizer, plan)
         opt_def = nnx.graphdef(optimizer)
 
         def merged(stack_state, rest_state):
@@ -104,7 +110,7 @@ class PipelineTrainStep(_JittedStep):
         def loss_fn(y, targets, rest_state):
             return self.head_fn(merged(stack_template, rest_state), y, targets)
 
-        self.pipeline.layer_fn, self.pipeline.loss_fn = layer_fn, loss_fn
+        pipeline = self.make_pipeline(layer_fn, loss_fn)
         # The head sees the model with placeholders for the stack: it must not read the stack.
         stack_template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack)
 
@@ -117,15 +123,13 @@ class PipelineTrainStep(_JittedStep):
                 return inputs, targets
 
             inputs, embed_vjp, targets = jax.vjp(embed, rest_state, has_aux=True)
-            padded, mask = self.pipeline.stack(stack_state)
-            loss, (dpadded, dhead, dinputs) = self.pipeline.value_and_grad(
+            padded, mask = pipeline.stack(stack_state)
+            loss, (dpadded, dhead, dinputs) = pipeline.value_and_grad(
                 padded, mask, inputs, targets, rest_state
             )
             (dembed,) = embed_vjp(dinputs)
             drest = jax.tree.map(lambda a, b: a + b, dhead, dembed)
-            grads = nnx.State(
-                {**dict(drest), self.stack: self.pipeline.unstack(dpadded, num_layers)}
-            )
+            grads = nnx.State({**dict(drest), self.stack: pipeline.unstack(dpadded, num_layers)})
             model = nnx.merge(model_def, model_state)
             optimizer = nnx.merge(opt_def, opt_state)
             optimizer.update(model, grads)
@@ -135,13 +139,14 @@ class PipelineTrainStep(_JittedStep):
                 {"loss": loss},
             )
 
-        replicated = NamedSharding(self.pipeline.mesh, PartitionSpec())
-        return jax.jit(
+        replicated = NamedSharding(plan.mesh, PartitionSpec())
+        jitted = jax.jit(
             step,
             in_shardings=(model_shardings, opt_shardings, None),
             out_shardings=(model_shardings, opt_shardings, replicated),
             donate_argnums=(0, 1),
         )
+        return Built(jitted, plan.mesh, self.data_axes)
 
 
 def make_pipeline_train_step(
@@ -151,6 +156,7 @@ def make_pipeline_train_step(
     mesh: jax.sharding.Mesh,
     rules: Rules = None,
     *,
+    layout: LayoutLike = None,
     stack: str,
     stage_axis: str = "pipe",
     num_microbatches: int,
@@ -176,15 +182,17 @@ def make_pipeline_train_step(
       head_fn: ``head_fn(model, y, targets) -> loss``: a microbatch's mean loss from the
         stack's output.
       mesh: The mesh, with ``stage_axis``.
-      rules: The model's rules (``layers`` on ``stage_axis``).
+      rules: For a model substrax did not place: its rules (``layers`` on ``stage_axis``).
+        A model from :func:`create_sharded_model` brings its own plan.
+      layout: For a model substrax did not place: its layout (``pp``).
       stack: The model attribute holding the stacked layers.
       stage_axis: The mesh axis of the pipeline stages.
       num_microbatches: Microbatches per batch.
       schedule: ``"gpipe"``, ``"1f1b"`` or ``"circular"``.
       repeats: Rounds of the ring for ``"circular"``.
       remat: Recompute stages in the backward pass (GPipe, circular).
-      data_axes: Mesh axes of the batch; by default every axis but ``stage_axis`` that the
-        rules' ``data`` names.
+      data_axes: Mesh axes of the batch; by default the layout's batch axes, or every axis
+        but ``stage_axis`` that the rules' ``data`` names.
 
     Returns:
       A :class:`PipelineTrainStep`.
@@ -193,20 +201,29 @@ def make_pipeline_train_step(
       ValueError: As :class:`substrax.pipeline.Pipeline`, or when the model holds variables
         other than ``nnx.Param`` (checked on the first call).
     """
-    resolver = Resolver(mesh, rules)
     if stage_axis not in mesh.axis_names:
         raise ValueError(
             f"stage_axis {stage_axis!r} is not a mesh axis; the mesh has {tuple(mesh.axis_names)}."
         )
     if data_axes is None:
-        named = resolver.rules.data
-        named = (named,) if isinstance(named, str) else tuple(named or ())
-        data_axes = tuple(a for a in named if a != stage_axis)
+        data_axes = _data_axes(mesh, rules, layout, stage_axis)
     strategy = PipelineParallelStrategy(stage_axis, tuple(mesh.axis_names).index(stage_axis),
                                         dict(mesh.shape)[stage_axis])  # fmt: skip
-    pipeline = Pipeline(
-        layer_fn, head_fn, mesh, strategy, num_microbatches=num_microbatches,
-        schedule=schedule, repeats=repeats, remat=remat, data_axes=data_axes,
-    )  # fmt: skip
-    return PipelineTrainStep(pipeline, resolver, embed_fn, layer_fn, head_fn, stack=stack,
-                             data_axes=data_axes)  # fmt: skip
+    options = dict(num_microbatches=num_microbatches, schedule=schedule, repeats=repeats,
+                   remat=remat, data_axes=data_axes)  # fmt: skip
+    Pipeline(lambda p, x: x, lambda y, t: 0.0, mesh, strategy, **options)  # validate now
+
+    def make_pipeline(layer_fn, loss_fn):
+        return Pipeline(layer_fn, loss_fn, mesh, strategy, **options)
+
+    return PipelineTrainStep(make_pipeline, embed_fn, layer_fn, head_fn, mesh=mesh, rules=rules,
+                             layout=layout, stack=stack, data_axes=data_axes)  # fmt: skip
+
+
+def _data_axes(mesh: Any, rules: Rules, layout: LayoutLike, stage_axis: str) -> tuple[str, ...]:
+    if layout is not None:
+        named = as_layout(layout, mesh).batch_axes
+    else:
+        named = as_rules(rules, mesh).data
+        named = (named,) if isinstance(named, str) else tuple(named or ())
+    return tuple(a for a in named if a != stage_axis)

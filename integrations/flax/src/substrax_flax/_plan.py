@@ -8,9 +8,18 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax_flax._resolve import Resolver, Rules, Strategy, UnknownNames, VariableSharding
+from substrax.layout import Layout
+from substrax.mesh import MeshRules
+from substrax_flax._resolve import (
+    Resolver,
+    Rules,
+    Strategy,
+    UnknownNames,
+    VariableSharding,
+    as_rules,
+)
 from substrax_flax._state import constrain_state, map_variables
 
 __all__ = [
@@ -18,38 +27,88 @@ __all__ = [
     "create_sharded_model",
     "get_shardings",
     "plan_model",
-    "plans_of",
+    "model_plan",
+    "plan_of",
+    "remember",
     "shard_model",
     "shardings_of",
 ]
 
-# Rows of the plan that placed each live model or optimizer, for sharding_report's reasons.
+# The plan that placed each live model or optimizer (and, for an optimizer, its rows).
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+LayoutLike = Layout | str | None
 
-def plans_of(obj: Any) -> tuple[VariableSharding, ...] | None:
-    """The plan rows recorded for a model or optimizer that substrax placed, if any."""
+
+def plan_of(obj: Any) -> Any:
+    """The :class:`ModelPlan` (model) or rows (optimizer) recorded for an object, if any."""
     try:
         return _PLANS.get(obj)
     except TypeError:
         return None
 
 
-def remember(obj: Any, rows: tuple[VariableSharding, ...]) -> None:
-    """Records the plan rows of a model or optimizer that substrax placed."""
-    _PLANS[obj] = rows
+def remember(obj: Any, plan: Any) -> None:
+    """Records the plan of a model (or the rows of an optimizer) that substrax placed."""
+    _PLANS[obj] = plan
+
+
+def as_layout(layout: LayoutLike, mesh: Any) -> Layout | None:
+    """A :class:`~substrax.layout.Layout` from a layout, a layout name (on ``mesh``) or None.
+
+    Raises:
+      ValueError: For a name without a mesh, or a layout whose mesh differs from ``mesh``.
+      TypeError: For anything else.
+    """
+    if layout is None:
+        return None
+    if isinstance(layout, str):
+        if mesh is None:
+            raise ValueError(
+                f"layout={layout!r} names a layout; it needs a mesh to be built on. Pass "
+                "mesh=..., or a substrax.layout.Layout (which makes its own mesh)."
+            )
+        return Layout.named(layout, mesh)
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be a Layout, a layout name or None, got {layout!r}.")
+    if mesh is not None:
+        layout.check_mesh(mesh)
+    return layout
+
+
+def make_resolver(
+    mesh: Any,
+    rules: Rules,
+    strategy: Strategy,
+    layout: LayoutLike,
+    *,
+    strict: bool = False,
+    unknown_names: UnknownNames = "error",
+) -> tuple[Resolver, Layout | None]:
+    """The resolver of a plan: the layout's mesh, rules and strategy unless given explicitly."""
+    layout = as_layout(layout, mesh)
+    if layout is not None:
+        mesh = mesh if mesh is not None else layout.make_mesh()
+        rules = rules if rules is not None else layout.param_rules
+        strategy = strategy if strategy is not None else layout.strategy()
+    resolver = Resolver(mesh, rules, strategy, strict=strict, unknown_names=unknown_names)
+    return resolver, layout
 
 
 class ModelPlan:
-    """The sharding of every variable of a model, decided before anything is allocated.
+    """The sharding of every variable of a model, decided once, before anything is allocated.
 
-    Built by :func:`plan_model`. The model's state is never materialised here: its shapes come
-    from ``nnx.eval_shape`` and its values are only created by :attr:`init`, inside
-    ``jax.jit``, directly in the planned shardings.
+    Built by :func:`plan_model` (or by :func:`create_sharded_model`, which remembers it on the
+    model it returns). Everything after creation takes this plan from the model: the
+    optimizer, the train steps, the report; none of them re-resolves the model's names, so the
+    plan's options (``strict``, ``unknown_names``, the layout) hold throughout, and each
+    warning is emitted once, when the plan is made.
 
     Attributes:
       mesh: The mesh.
       rules: The resolved ``MeshRules``.
+      strategy: The strategy for unannotated variables, or None.
+      layout: The :class:`~substrax.layout.Layout` the plan realises, or None.
       graphdef: The model's ``nnx.GraphDef``.
       specs: An ``nnx.State`` matching ``nnx.state(model)`` whose variables hold the
         ``PartitionSpec`` of each variable.
@@ -57,24 +116,33 @@ class ModelPlan:
       abstract_state: The same with ``jax.ShapeDtypeStruct`` values carrying their shardings
         (an Orbax restore target).
       rows: One :class:`VariableSharding` per variable, in state order.
-      init: The jitted init: ``init()`` returns the model's state, created on device already
-        sharded.
+      init: The jitted init (plans made from a factory): ``init()`` returns the model's state,
+        created on device already sharded.
     """
 
-    def __init__(self, factory: Callable[[], nnx.Module], resolver: Resolver):
-        """Plans the model; use :func:`plan_model` rather than calling this directly.
+    def __init__(
+        self,
+        state: nnx.State,
+        resolver: Resolver,
+        *,
+        layout: Layout | None = None,
+        graphdef: Any = None,
+        factory: Callable[[], nnx.Module] | None = None,
+    ):
+        """Plans ``state``; use :func:`plan_model` rather than calling this directly.
 
         Args:
-          factory: A function of no arguments that builds the model.
+          state: The model's state (abstract or live).
           resolver: Decides each variable's spec (mesh, rules, strategy, strictness).
+          layout: The layout the resolver was built from, if any.
+          graphdef: The model's graph definition.
+          factory: A function of no arguments that builds the model (for :attr:`init`).
         """
-        self.mesh = resolver.mesh
-        self.rules = resolver.rules
-        self._factory = factory
-        with nnx.use_eager_sharding(False):
-            abstract_model = nnx.eval_shape(factory)
-        self.graphdef, state = nnx.split(abstract_model)
-        self.rows, self.shardings = _plan_state(state, resolver)
+        self.mesh, self.rules, self.strategy = resolver.mesh, resolver.rules, resolver.strategy
+        self.layout, self.graphdef, self._factory = layout, graphdef, factory
+        self.strict, self.unknown_names = resolver.strict, resolver.unknown_names
+        self.rows = resolver.rows(state)
+        self.shardings = shardings_of(self.rows, state, self.mesh)
         self.specs = jax.tree.map(lambda sharding: sharding.spec, self.shardings)
         self.abstract_state = jax.tree.map(
             lambda value, sharding: jax.ShapeDtypeStruct(
@@ -83,7 +151,69 @@ class ModelPlan:
             state,
             self.shardings,
         )
-        self.init = jax.jit(self._create_state, out_shardings=self.shardings)
+        self.init = None
+        if factory is not None:
+            self.init = jax.jit(self._create_state, out_shardings=self.shardings)
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes of the batch: the layout's, or those the rules give ``batch``/``data``."""
+        if self.layout is not None:
+            return self.layout.batch_axes
+        table = self.rules.as_dict()
+        axes = table.get("batch") or table.get("data")
+        return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+    @property
+    def compute_rules(self) -> MeshRules:
+        """Rules where parameters are used: the parameter rules gathered over the batch axes."""
+        return self.rules.gathered_over(self.batch_axes)
+
+    def compute_shardings(self, state: Any) -> Any:
+        """Each parameter of ``state`` where it is used: its planned spec without batch axes.
+
+        A parameter stored sharded over an axis that also splits the batch (FSDP) is gathered
+        there once per step; every other axis (tensor, stage) is kept.
+
+        Args:
+          state: The differentiated part of the model's state (by default its ``nnx.Param``s).
+
+        Returns:
+          A state of ``NamedSharding``s.
+        """
+        drop = set(self.batch_axes)
+        by_path = {row.path: row for row in self.rows}
+
+        def gathered(path, _):
+            entries = (tuple(a for a in _axes(e) if a not in drop) for e in by_path[path].spec)
+            return NamedSharding(self.mesh, PartitionSpec(*(_entry(e) for e in entries)))
+
+        return map_variables(gathered, state)
+
+    def check_arguments(self, mesh: Any, rules: Rules, strategy: Strategy, what: str) -> None:
+        """Checks that arguments passed again agree with the plan (None always agrees).
+
+        Args:
+          mesh: A mesh given to a later call, or None.
+          rules: Rules given to a later call, or None.
+          strategy: A strategy given to a later call, or None.
+          what: The call, for the message.
+
+        Raises:
+          ValueError: If ``mesh``, ``rules`` or ``strategy`` differ from the plan's.
+        """
+        differs = []
+        if mesh is not None and mesh != self.mesh:
+            differs.append(f"mesh {dict(mesh.shape)} (the model's: {dict(self.mesh.shape)})")
+        if rules is not None and as_rules(rules, None) != self.rules:
+            differs.append(f"rules {as_rules(rules, None)} (the model's: {self.rules})")
+        if strategy is not None and repr(strategy) != repr(self.strategy):
+            differs.append(f"strategy {strategy!r} (the model's: {self.strategy!r})")
+        if differs:
+            raise ValueError(
+                f"{what} was given {'; '.join(differs)}, but the model was created by substrax "
+                "with another plan. Leave these arguments out: the model's plan is used."
+            )
 
     def _create_state(self) -> nnx.State:
         with nnx.use_eager_sharding(False):
@@ -91,23 +221,35 @@ class ModelPlan:
         state = nnx.state(model)
         return constrain_state(state, self.shardings)
 
+    def _need_factory(self) -> None:
+        if self.init is None:
+            raise ValueError("This plan was made from a live model, not a factory: it has no init.")
+
     def compile_init(self) -> jax.stages.Compiled:
         """Compiles the init without running it.
 
         Returns:
           The compiled executable: its ``memory_analysis()`` gives the init's per-device
           memory and ``as_text()`` its partitioned HLO, before anything is allocated.
+
+        Raises:
+          ValueError: For a plan made from a live model.
         """
+        self._need_factory()
         return self.init.lower().compile()
 
     def create(self) -> nnx.Module:
-        """Runs the init and assembles the model.
+        """Runs the init and assembles the model, which remembers this plan.
 
         Returns:
           The model, every variable in its planned sharding.
+
+        Raises:
+          ValueError: For a plan made from a live model.
         """
+        self._need_factory()
         model = nnx.merge(self.graphdef, self.init())
-        remember(model, self.rows)
+        remember(model, self)
         return model
 
     def report(self) -> Any:
@@ -121,14 +263,28 @@ class ModelPlan:
         return ShardingReport(self.rows, self.mesh)
 
     def __repr__(self) -> str:
-        return f"ModelPlan(mesh={self.mesh}, variables={len(self.rows)})"
+        layout = f", layout={self.layout.name}" if self.layout is not None else ""
+        return f"ModelPlan(mesh={dict(self.mesh.shape)}{layout}, variables={len(self.rows)})"
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: tuple[str, ...]) -> Any:
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
 
 
 def plan_model(
     factory: Callable[[], nnx.Module],
-    mesh: jax.sharding.Mesh | None,
+    mesh: jax.sharding.Mesh | None = None,
     rules: Rules = None,
     *,
+    layout: LayoutLike = None,
     strategy: Strategy = None,
     strict: bool = False,
     unknown_names: UnknownNames = "error",
@@ -138,21 +294,28 @@ def plan_model(
     The model is built abstractly (``nnx.eval_shape``, no allocation). Each variable's logical
     axis names come from Flax's own metadata (``nnx.with_partitioning``; the ``out_sharding``,
     ``sharding_names`` and ``sharding`` keys are all read) and resolve through ``rules`` with
-    :mod:`substrax.mesh`'s semantics: a mesh axis is used once per variable (first dimension
-    wins). Unannotated variables get their spec from ``strategy``, or are replicated. Flax's
-    eager sharding is switched off while the factory runs, so the factory needs no mesh context
-    and no ``nnx.logical_axis_rules``.
+    substrax's one resolver (:meth:`substrax.mesh.MeshRules.resolve`): a mesh axis is used
+    once per variable (first dimension wins), and a dimension keeps the longest prefix of its
+    axes that divides it. Unannotated variables get their spec from ``strategy``, or are
+    replicated. Flax's eager sharding is switched off while the factory runs, so the factory
+    needs no mesh context and no ``nnx.logical_axis_rules``. A variable left (partly)
+    replicated against its annotation gets one ``ShardingWarning``, pointing at your call.
 
     Args:
       factory: A function of no arguments that builds the model, such as
         ``lambda: Model(rngs=nnx.Rngs(0))``.
-      mesh: The device mesh. None means a single device: the model is created unsharded on
-        the first device, so that an annotated model runs in a plain unit test (Flax alone
-        refuses to create an annotated variable without a mesh context).
-      rules: ``MeshRules``, Flax-style pairs ``[(logical, mesh_axes), ...]``, or None, in which
-        case logical names must be mesh axis names.
+      mesh: The device mesh. None means the layout's mesh, or without a layout a single
+        device: the model is created unsharded on the first device, so that an annotated
+        model runs in a plain unit test (Flax alone refuses to create an annotated variable
+        without a mesh context).
+      rules: ``MeshRules``, Flax-style pairs ``[(logical, mesh_axes), ...]``, or None: the
+        layout's parameter rules, or without a layout, logical names are mesh axis names.
+      layout: A :class:`substrax.layout.Layout`, or a layout name (``"fsdp"``, ``"fsdp+tp"``,
+        ... on ``mesh``). It gives the mesh (when ``mesh`` is None), the rules (when
+        ``rules`` is None), the strategy for unannotated variables and the batch axes the
+        train step uses.
       strategy: A ``ShardingStrategy`` or ``MultiDimensionalStrategy`` for unannotated
-        variables; None replicates them.
+        variables; None means the layout's, or replicated.
       strict: Raise instead of warning when a dimension does not divide its mesh axes.
       unknown_names: ``"error"`` (default) raises on a logical name that ``rules`` does not
         know; ``"replicate"`` replicates that dimension with a ``ShardingWarning``.
@@ -163,18 +326,25 @@ def plan_model(
     Raises:
       ValueError: If an annotation's length differs from the variable's rank, a logical name
         is repeated in one annotation or unknown to the rules, a rule names a mesh axis that
-        the mesh lacks, or (``strict``) a dimension does not divide its mesh axes.
-      TypeError: If ``rules`` or ``strategy`` has the wrong type.
+        the mesh lacks, the layout's mesh differs from ``mesh``, or (``strict``) a dimension
+        does not divide its mesh axes.
+      TypeError: If ``rules``, ``layout`` or ``strategy`` has the wrong type.
     """
-    resolver = Resolver(mesh, rules, strategy, strict=strict, unknown_names=unknown_names)
-    return ModelPlan(factory, resolver)
+    resolver, layout = make_resolver(
+        mesh, rules, strategy, layout, strict=strict, unknown_names=unknown_names
+    )
+    with nnx.use_eager_sharding(False):
+        abstract_model = nnx.eval_shape(factory)
+    graphdef, state = nnx.split(abstract_model)
+    return ModelPlan(state, resolver, layout=layout, graphdef=graphdef, factory=factory)
 
 
 def create_sharded_model(
     factory: Callable[[], nnx.Module],
-    mesh: jax.sharding.Mesh | None,
+    mesh: jax.sharding.Mesh | None = None,
     rules: Rules = None,
     *,
+    layout: LayoutLike = None,
     strategy: Strategy = None,
     strict: bool = False,
     unknown_names: UnknownNames = "error",
@@ -183,7 +353,9 @@ def create_sharded_model(
 
     The same as ``plan_model(...).create()``: the model is created inside ``jax.jit`` with the
     planned output shardings, so no device ever holds a full parameter that the plan shards.
-    Values equal those of ``factory()`` run unsharded with the same seeds.
+    Values equal those of ``factory()`` run unsharded with the same seeds. The model remembers
+    its plan: :func:`create_sharded_optimizer`, :func:`make_train_step` and
+    :func:`sharding_report` take it from there, with every option given here.
 
     On a mesh with Explicit axes the model is created the same way (the init uses
     ``jax.sharding.reshard`` there) and the model code needs no change to be *created*; to
@@ -193,8 +365,9 @@ def create_sharded_model(
 
     Args:
       factory: A function of no arguments that builds the model.
-      mesh: The device mesh; None means one device (see :func:`plan_model`).
+      mesh: The device mesh (see :func:`plan_model`).
       rules: ``MeshRules``, Flax-style pairs, or None (see :func:`plan_model`).
+      layout: A layout or layout name (see :func:`plan_model`).
       strategy: Spec for unannotated variables (see :func:`plan_model`).
       strict: Raise instead of warning when a dimension does not divide its mesh axes.
       unknown_names: ``"error"`` or ``"replicate"`` (see :func:`plan_model`).
@@ -204,10 +377,12 @@ def create_sharded_model(
 
     Raises:
       ValueError: As :func:`plan_model`.
+      TypeError: As :func:`plan_model`.
     """
     plan = plan_model(
-        factory, mesh, rules, strategy=strategy, strict=strict, unknown_names=unknown_names
-    )
+        factory, mesh, rules, layout=layout, strategy=strategy, strict=strict,
+        unknown_names=unknown_names,
+    )  # fmt: skip
     return plan.create()
 
 
@@ -215,12 +390,6 @@ def shardings_of(rows: tuple[VariableSharding, ...], state: Any, mesh: Any) -> A
     """A state like ``state`` holding each row's ``NamedSharding`` on ``mesh``, by path."""
     by_path = {row.path: row for row in rows}
     return map_variables(lambda path, _: NamedSharding(mesh, by_path[path].spec), state)
-
-
-def _plan_state(state: Any, resolver: Resolver) -> tuple[tuple[VariableSharding, ...], Any]:
-    """The rows of ``state`` and a state of their ``NamedSharding``s."""
-    rows = resolver.plan(state)
-    return rows, shardings_of(rows, state, resolver.mesh)
 
 
 def _state_of(model_or_state: Any) -> Any:
@@ -233,9 +402,10 @@ def _state_of(model_or_state: Any) -> Any:
 
 def get_shardings(
     model_or_state: Any,
-    mesh: jax.sharding.Mesh | None,
+    mesh: jax.sharding.Mesh | None = None,
     rules: Rules = None,
     *,
+    layout: LayoutLike = None,
     strategy: Strategy = None,
     strict: bool = False,
     unknown_names: UnknownNames = "error",
@@ -244,8 +414,9 @@ def get_shardings(
 
     Args:
       model_or_state: A model (live or abstract) or its ``nnx.State``.
-      mesh: The device mesh; None means one device (see :func:`plan_model`).
+      mesh: The device mesh (see :func:`plan_model`).
       rules: ``MeshRules``, Flax-style pairs, or None (see :func:`plan_model`).
+      layout: A layout or layout name (see :func:`plan_model`).
       strategy: Spec for unannotated variables (see :func:`plan_model`).
       strict: Raise instead of warning when a dimension does not divide its mesh axes.
       unknown_names: ``"error"`` or ``"replicate"`` (see :func:`plan_model`).
@@ -258,15 +429,18 @@ def get_shardings(
       ValueError: As :func:`plan_model`.
       TypeError: If ``model_or_state`` is neither a module nor a state.
     """
-    resolver = Resolver(mesh, rules, strategy, strict=strict, unknown_names=unknown_names)
-    return _plan_state(_state_of(model_or_state), resolver)[1]
+    resolver, layout = make_resolver(
+        mesh, rules, strategy, layout, strict=strict, unknown_names=unknown_names
+    )
+    return ModelPlan(_state_of(model_or_state), resolver, layout=layout).shardings
 
 
 def shard_model(
     model: nnx.Module,
-    mesh: jax.sharding.Mesh | None,
+    mesh: jax.sharding.Mesh | None = None,
     rules: Rules = None,
     *,
+    layout: LayoutLike = None,
     strategy: Strategy = None,
     strict: bool = False,
     unknown_names: UnknownNames = "error",
@@ -274,12 +448,13 @@ def shard_model(
     """Moves a live model's variables to their planned shardings, in place.
 
     Prefer :func:`create_sharded_model` for new models: this one needs the model to fit where
-    it is now.
+    it is now. The model remembers its plan, as one from :func:`create_sharded_model` does.
 
     Args:
       model: A live model.
-      mesh: The device mesh; None means one device (see :func:`plan_model`).
+      mesh: The device mesh (see :func:`plan_model`).
       rules: ``MeshRules``, Flax-style pairs, or None (see :func:`plan_model`).
+      layout: A layout or layout name (see :func:`plan_model`).
       strategy: Spec for unannotated variables (see :func:`plan_model`).
       strict: Raise instead of warning when a dimension does not divide its mesh axes.
       unknown_names: ``"error"`` or ``"replicate"`` (see :func:`plan_model`).
@@ -293,9 +468,38 @@ def shard_model(
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"shard_model expects an nnx.Module, got {type(model).__name__}.")
-    state = nnx.state(model)
-    resolver = Resolver(mesh, rules, strategy, strict=strict, unknown_names=unknown_names)
-    rows, shardings = _plan_state(state, resolver)
-    nnx.update(model, jax.device_put(state, shardings))
-    remember(model, rows)
+    graphdef, state = nnx.split(model)
+    resolver, layout = make_resolver(
+        mesh, rules, strategy, layout, strict=strict, unknown_names=unknown_names
+    )
+    plan = ModelPlan(state, resolver, layout=layout, graphdef=graphdef)
+    nnx.update(model, jax.device_put(state, plan.shardings))
+    remember(model, plan)
     return model
+
+
+def model_plan(
+    model: nnx.Module,
+    mesh: Any = None,
+    rules: Rules = None,
+    strategy: Strategy = None,
+    layout: LayoutLike = None,
+    *,
+    what: str,
+) -> ModelPlan:
+    """The plan a model remembers, or (for a model substrax did not place) one made now.
+
+    Raises:
+      ValueError: If the model remembers a plan and the arguments disagree with it.
+    """
+    plan = plan_of(model)
+    if isinstance(plan, ModelPlan):
+        plan.check_arguments(mesh, rules, strategy, what)
+        if layout is not None and as_layout(layout, plan.mesh) != plan.layout:
+            raise ValueError(
+                f"{what} was given layout {layout!r}, but the model was created with "
+                f"{plan.layout}. Leave it out: the model's plan is used."
+            )
+        return plan
+    resolver, layout = make_resolver(mesh, rules, strategy, layout)
+    return ModelPlan(nnx.state(model), resolver, layout=layout, graphdef=nnx.graphdef(model))

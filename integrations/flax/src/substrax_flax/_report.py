@@ -9,7 +9,8 @@ from typing import Any
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax_flax._plan import ModelPlan, plans_of
+from substrax.mesh import Reason
+from substrax_flax._plan import ModelPlan, plan_of
 from substrax_flax._resolve import VariableSharding
 from substrax_flax._state import logical_names, shape_and_dtype, variables
 
@@ -74,7 +75,7 @@ class ShardingReport:
         many_devices = math.prod(sizes.values()) > 1 if sizes else False
         self.warnings = tuple(
             f"{row.path} ({_format_bytes(row.bytes_total)}) is fully replicated"
-            + (f": {'; '.join(row.reasons)}" if row.reasons else "")
+            + (f": {'; '.join(map(str, row.reasons))}" if row.reasons else "")
             for row in self.rows
             if many_devices
             and row.bytes_total > LARGE_REPLICATED_BYTES
@@ -109,7 +110,7 @@ class ShardingReport:
                 str(tuple(row.spec)) if len(row.spec) else "()",
                 _format_bytes(row.bytes_total),
                 _format_bytes(row.bytes_per_device),
-                "; ".join(row.reasons),
+                "; ".join(map(str, row.reasons)),
             )
             for row in self.rows
         ]
@@ -163,7 +164,9 @@ def _live_row(path: str, variable: Any, planned: VariableSharding | None) -> Var
     if planned is not None:
         rule, reasons = planned.rule, planned.reasons
         if tuple(planned.spec) != tuple(spec):
-            reasons = (f"differs from the plan, which had {planned.spec}", *reasons)
+            detail = f"differs from the plan, which had {planned.spec}"
+            drift = Reason("drifted", None, None, (), detail)
+            reasons = (drift, *reasons)
     return VariableSharding(
         path=path,
         shape=shape,
@@ -206,7 +209,9 @@ def sharding_report(model_or_state: Any) -> ShardingReport:
             "got "
             f"{type(model_or_state).__name__}."
         )
-    planned = {row.path: row for row in plans_of(model_or_state) or ()}
+    recorded = plan_of(model_or_state)
+    recorded = recorded.rows if isinstance(recorded, ModelPlan) else recorded
+    planned = {row.path: row for row in recorded or ()}
     rows, mesh = [], None
     for path, variable in variables(state):
         rows.append(_live_row(path, variable, planned.get(path)))

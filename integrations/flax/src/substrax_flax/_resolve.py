@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
 
 import jax
 from jax.sharding import PartitionSpec
 
-from substrax import ShardingWarning
+from substrax import warn_user
 from substrax.mesh import (
     DeviceMeshManager,
     MeshRules,
     MultiDimensionalStrategy,
+    Reason,
+    Resolution,
     ShardingStrategy,
 )
-from substrax.mesh._strategy import INDIVISIBLE
 from substrax_flax._state import logical_names, shape_and_dtype, variables
 
 __all__ = ["Resolver", "VariableSharding", "as_rules", "make_row"]
@@ -42,8 +42,9 @@ class VariableSharding:
       spec: The PartitionSpec.
       bytes_total: Bytes of the whole variable.
       bytes_per_device: Bytes of one device's shard.
-      reasons: Why dimensions were left replicated (no rule, mesh axis already used, not
-        divisible, below a strategy's size threshold, ...).
+      reasons: Why dimensions were left replicated, one :class:`~substrax.mesh.Reason` each
+        (``kind`` says which: no rule, mesh axis already used, not divisible, below a
+        strategy's size threshold, ...).
     """
 
     path: str
@@ -54,7 +55,7 @@ class VariableSharding:
     spec: PartitionSpec
     bytes_total: int
     bytes_per_device: int
-    reasons: tuple[str, ...] = ()
+    reasons: tuple[Reason, ...] = ()
 
 
 def make_row(
@@ -65,7 +66,7 @@ def make_row(
     *,
     names: tuple[str | None, ...] | None,
     rule: str,
-    reasons: tuple[str, ...],
+    reasons: tuple[Reason, ...],
 ) -> VariableSharding:
     """A :class:`VariableSharding` for ``variable`` laid out by ``spec`` on ``mesh``."""
     shape, dtype = shape_and_dtype(variable)
@@ -123,12 +124,6 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _entry(axes: tuple[str, ...]) -> Any:
-    if not axes:
-        return None
-    return axes[0] if len(axes) == 1 else axes
-
-
 class Resolver:
     """Decides the spec of each variable of a state on one mesh.
 
@@ -173,12 +168,12 @@ class Resolver:
         self.unknown_names = unknown_names
         self.sizes = {name: int(size) for name, size in dict(mesh.shape).items()}
 
-    def plan(self, state: Any) -> tuple[VariableSharding, ...]:
+    def rows(self, state: Any) -> tuple[VariableSharding, ...]:
         """One :class:`VariableSharding` per variable of ``state``, in tree order."""
         return tuple(self.variable(path, variable) for path, variable in variables(state))
 
     def variable(self, path: str, variable: Any) -> VariableSharding:
-        """The sharding of one variable.
+        """The sharding of one variable, warning (once) where it replicates what was asked.
 
         Raises:
           ValueError: On an annotation of the wrong length, a repeated or unknown logical
@@ -186,98 +181,48 @@ class Resolver:
         """
         shape, _ = shape_and_dtype(variable)
         names = logical_names(variable, path)
+        replicated = PartitionSpec(*([None] * len(shape)))
         if self.ignore_names:
-            spec, rule, reasons = PartitionSpec(*([None] * len(shape))), "no mesh", ()
+            resolution, rule = Resolution(replicated), "no mesh"
         elif names is not None:
-            spec, rule, reasons = self._from_names(path, shape, names)
+            resolution, rule = self._from_names(path, shape, names), _rule_text(names, self.rules)
         elif self.strategy is not None:
-            spec, rule, reasons = self._from_strategy(path, shape)
+            resolution = self.strategy.resolve(shape, self.mesh, name=path)
+            rule = type(self.strategy).__name__
         else:
-            spec, rule = PartitionSpec(*([None] * len(shape))), "none"
-            reasons = ("no annotation and no strategy: replicated",) if shape else ()
-        return make_row(path, variable, spec, self.mesh, names=names, rule=rule, reasons=reasons)
+            reasons = (Reason("no_annotation", None, None, (), "no annotation and no strategy: "
+                              "replicated"),) if shape else ()  # fmt: skip
+            resolution, rule = Resolution(replicated, reasons), "none"
+        self._warn(path, shape, resolution)
+        return make_row(path, variable, resolution.spec, self.mesh, names=names, rule=rule,
+                        reasons=resolution.reasons)  # fmt: skip
 
     def _from_names(
         self, path: str, shape: tuple[int, ...], names: tuple[str | None, ...]
-    ) -> tuple[PartitionSpec, str, tuple[str, ...]]:
-        if len(names) != len(shape):
-            raise ValueError(
-                f"Variable {path!r} of shape {shape} is annotated with {names}: "
-                f"{len(names)} logical names for {len(shape)} dimensions."
+    ) -> Resolution:
+        try:
+            return self.rules.resolve(
+                *names, shape=shape, mesh=self.mesh, unknown_names=self.unknown_names
             )
-        named = [n for n in names if n is not None]
-        repeated = sorted({n for n in named if named.count(n) > 1})
-        if repeated:
-            raise ValueError(
-                f"Variable {path!r} repeats logical name {repeated[0]!r} in its annotation "
-                f"{names}; each dimension needs its own name."
-            )
-        names, reasons = self._drop_unknown(path, names)
-        resolved = self.rules.resolve(*names)
-        entries = []
-        for dim, axis in enumerate(resolved):
-            if axis.dropped:
-                reasons.append(
-                    f"dim {dim} ({axis.logical_name}): mesh axis {axis.dropped} already used "
-                    "by an earlier dimension"
-                )
-            elif axis.logical_name is not None and not axis.requested:
-                reasons.append(f"dim {dim} ({axis.logical_name}): rule maps it to no mesh axis")
-            entries.append(_entry(self._divisible(path, shape, dim, axis.mesh_axes, reasons)))
-        rule = ", ".join(
-            f"{a.logical_name}->{_entry(a.requested)}" for a in resolved if a.logical_name
+        except ValueError as error:
+            raise ValueError(f"Variable {path!r} of shape {shape}: {error}") from None
+
+    def _warn(self, path: str, shape: tuple[int, ...], resolution: Resolution) -> None:
+        """One warning per variable for what it asked and did not get (strict: an error)."""
+        problems = resolution.of_kind("indivisible", "unknown_name")
+        if not problems:
+            return
+        message = (
+            f"Variable {path!r} of shape {shape}: "
+            + "; ".join(str(reason) for reason in problems)
+            + f". It is laid out as {resolution.spec}."
         )
-        return PartitionSpec(*entries), rule or "none", tuple(reasons)
-
-    def _drop_unknown(
-        self, path: str, names: tuple[str | None, ...]
-    ) -> tuple[tuple[str | None, ...], list[str]]:
-        known = self.rules.logical_names
-        reasons, kept = [], []
-        for dim, name in enumerate(names):
-            if name is None or name in known:
-                kept.append(name)
-                continue
-            message = (
-                f"Variable {path!r} has logical name {name!r} (dim {dim} of {names}), which the "
-                f"rules do not know. Known names: {list(known)}. Add it with "
-                f"rules.extend({name}=<mesh axis or None>)"
-            )
-            if self.unknown_names == "error":
-                raise ValueError(f"{message}, or pass unknown_names='replicate'.")
-            warnings.warn(f"{message}; replicated.", ShardingWarning, stacklevel=6)
-            reasons.append(f"dim {dim} ({name}): unknown logical name")
-            kept.append(None)
-        return tuple(kept), reasons
-
-    def _divisible(
-        self, path: str, shape: tuple[int, ...], dim: int, axes: tuple[str, ...], reasons: list
-    ) -> tuple[str, ...]:
-        """The longest prefix of ``axes`` whose product divides ``shape[dim]``."""
-        for end in range(len(axes), -1, -1):
-            product = math.prod(self.sizes[a] for a in axes[:end])
-            if shape[dim] % product == 0:
-                break
-        if end < len(axes):
-            message = (
-                f"Variable {path!r} of shape {shape}: dim {dim} ({shape[dim]}) {INDIVISIBLE} "
-                f"mesh axes {axes} of size "
-                f"{math.prod(self.sizes[a] for a in axes)}"
-            )
-            self._indivisible(message)
-            reasons.append(f"dim {dim}: {shape[dim]} {INDIVISIBLE} {axes[end:]}, replicated")
-        return axes[:end]
-
-    def _indivisible(self, message: str) -> None:
-        if self.strict:
+        if self.strict and resolution.of_kind("indivisible"):
             raise ValueError(f"{message} (strict=True).")
-        warnings.warn(f"{message}: replicated.", ShardingWarning, stacklevel=7)
+        warn_user(message)
 
-    def _from_strategy(
-        self, path: str, shape: tuple[int, ...]
-    ) -> tuple[PartitionSpec, str, tuple[str, ...]]:
-        spec, notes = self.strategy.spec_for_shape(shape, self.mesh, name=path)
-        for note in notes:
-            if INDIVISIBLE in note:
-                self._indivisible(f"Variable {path!r} of shape {shape}: {note}")
-        return spec, type(self.strategy).__name__, tuple(notes)
+
+def _rule_text(names: tuple[str | None, ...], rules: MeshRules) -> str:
+    table = rules.as_dict()
+    parts = [f"{name}->{table.get(name, '?')}" for name in names if name is not None]
+    return ", ".join(parts) or "none"

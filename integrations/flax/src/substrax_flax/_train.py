@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -10,42 +12,62 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
+from substrax import ShardingWarning
+from substrax.layout import Layout
 from substrax.mesh import MeshRules
 from substrax.spmd import shard_batch, use_rules
 from substrax_flax._optimizer import optimizer_rows
-from substrax_flax._plan import _plan_state, shardings_of
+from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, plan_of, shardings_of
 from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules
 from substrax_flax._state import constrain_state
 
-__all__ = ["TrainStep", "make_train_step"]
+__all__ = ["Built", "JittedStep", "TrainStep", "make_train_step", "optimizer_shardings"]
 
 Gather = Literal["keep", "regather"]
 _GATHERED = "substrax_gathered_param"
 
 
-class _JittedStep:
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """A compiled step for one pair of graph definitions, with where its batch goes."""
+
+    jitted: Any
+    mesh: jax.sharding.Mesh
+    data_axes: tuple[str, ...]
+
+
+def optimizer_shardings(optimizer: nnx.Optimizer, plan: ModelPlan) -> Any:
+    """The optimizer state's shardings: its remembered rows, or rows mirroring ``plan``."""
+    opt_state = nnx.state(optimizer)
+    rows = plan_of(optimizer)
+    if not isinstance(rows, tuple):
+        rows = optimizer_rows(opt_state, plan.rows, plan.mesh)
+    return shardings_of(rows, opt_state, plan.mesh)
+
+
+class JittedStep:
     """What every substrax step shares: batch placement, the call, lowering, the jit cache.
 
-    Subclasses set ``mesh``, ``data_axes`` and ``_compiled`` and implement ``_build``.
+    Subclasses implement ``_build(model, optimizer) -> Built``.
     """
 
-    mesh: jax.sharding.Mesh
-    data_axes: Any
-    _compiled: dict
+    def __init__(self) -> None:
+        self._compiled: dict[Any, Built] = {}
 
-    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Any:
+    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Built:
         raise NotImplementedError
 
-    def _jitted(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Any:
+    def _built(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Built:
         key = (nnx.graphdef(model), nnx.graphdef(optimizer))
         if key not in self._compiled:
             self._compiled[key] = self._build(model, optimizer)
         return self._compiled[key]
 
-    def _batch(self, batch: Any) -> Any:
+    @staticmethod
+    def _batch(batch: Any, built: Built) -> Any:
         if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(batch)):
             return batch
-        return shard_batch(batch, self.mesh, self.data_axes)
+        return shard_batch(batch, built.mesh, built.data_axes)
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> dict:
         """Runs one step and updates ``model`` and ``optimizer`` in place.
@@ -59,9 +81,9 @@ class _JittedStep:
         Returns:
           The metrics: ``{"loss": ...}`` plus ``loss_fn``'s aux (a dict's items, or ``"aux"``).
         """
-        jitted = self._jitted(model, optimizer)
-        model_state, opt_state, metrics = jitted(
-            nnx.state(model), nnx.state(optimizer), self._batch(batch)
+        built = self._built(model, optimizer)
+        model_state, opt_state, metrics = built.jitted(
+            nnx.state(model), nnx.state(optimizer), self._batch(batch, built)
         )
         nnx.update(model, model_state)
         nnx.update(optimizer, opt_state)
@@ -79,73 +101,70 @@ class _JittedStep:
           The lowered step; ``.compile()`` gives ``memory_analysis()``, ``cost_analysis()`` and
           ``as_text()`` (the partitioned HLO).
         """
-        jitted = self._jitted(model, optimizer)
-        return jitted.lower(nnx.state(model), nnx.state(optimizer), self._batch(batch))
+        built = self._built(model, optimizer)
+        return built.jitted.lower(nnx.state(model), nnx.state(optimizer), self._batch(batch, built))
 
 
-class TrainStep(_JittedStep):
+class TrainStep(JittedStep):
     """A jitted training step; build it with :func:`make_train_step`.
 
     Calling ``step(model, optimizer, batch)`` runs one step, updates ``model`` and
     ``optimizer`` in place and returns the metrics. ``step.lower(model, optimizer, batch)``
     returns the lowered computation (``.compile()`` it for ``memory_analysis()`` and the HLO).
+    The model's shardings come from the plan it remembers (see :func:`make_train_step`).
     """
 
     def __init__(
         self,
         loss_fn: Callable[..., Any],
-        mesh: jax.sharding.Mesh,
-        resolver: Resolver,
-        compute_rules: MeshRules | None,
         *,
+        mesh: jax.sharding.Mesh | None,
+        rules: Rules,
+        layout: LayoutLike,
+        strategy: Strategy,
+        compute_rules: MeshRules | None,
         has_aux: bool,
         wrt: Any,
         gather: Gather,
-        data_axes: Sequence[str] | str | None,
+        data_axes: tuple[str, ...] | None,
         donate: bool,
     ):
         """Stores the configuration; compilation happens on the first call.
 
         Args:
           loss_fn: ``loss_fn(model, batch)`` returning a scalar or ``(scalar, aux)``.
-          mesh: The device mesh.
-          resolver: Plans the parameter shardings (rules, strategy).
-          compute_rules: Rules for activations and for parameters at the point of use.
+          mesh: The mesh, for a model substrax did not place (else None).
+          rules: The rules, for a model substrax did not place (else None).
+          layout: The layout, for a model substrax did not place (else None).
+          strategy: The strategy, for a model substrax did not place (else None).
+          compute_rules: Rules for parameters at the point of use and activations (an
+            override; None derives them from the plan).
           has_aux: Whether ``loss_fn`` returns ``(loss, aux)``.
           wrt: The variables that are differentiated and updated.
           gather: ``"keep"`` or ``"regather"`` (see :func:`make_train_step`).
-          data_axes: Mesh axes of the batch's leading dimension.
+          data_axes: Mesh axes of the batch's leading dimension (None: the plan's).
           donate: Donate the model and optimizer buffers to the step.
         """
-        self.loss_fn = loss_fn
-        self.mesh = mesh
-        self.resolver = resolver
-        self.compute_rules = compute_rules
-        self.has_aux = has_aux
-        self.wrt = wrt
-        self.gather = gather
-        self.data_axes = data_axes
-        self.donate = donate
-        self._compiled: dict[Any, Any] = {}
+        super().__init__()
+        self.loss_fn, self.has_aux, self.wrt = loss_fn, has_aux, wrt
+        self.mesh, self.rules, self.layout, self.strategy = mesh, rules, layout, strategy
+        self.compute_rules, self.gather = compute_rules, gather
+        self.data_axes, self.donate = data_axes, donate
 
-    def _shardings(self, model: nnx.Module, optimizer: nnx.Optimizer) -> tuple[Any, Any, Any]:
-        """Planned shardings of the model state, the optimizer state, and compute shardings."""
-        model_state = nnx.state(model)
-        rows, model_shardings = _plan_state(model_state, self.resolver)
-        opt_state = nnx.state(optimizer)
-        opt_rows = optimizer_rows(opt_state, rows, self.mesh)
-        opt_shardings = shardings_of(opt_rows, opt_state, self.mesh)
-        params = nnx.state(model, self.wrt)
+    def _compute(self, plan: ModelPlan, params: Any) -> tuple[Any, MeshRules]:
+        """Parameter shardings at the point of use, and the rules for activations."""
         if self.compute_rules is None:
-            return model_shardings, opt_shardings, None
-        compute = Resolver(self.mesh, self.compute_rules, self.resolver.strategy)
-        return model_shardings, opt_shardings, _plan_state(params, compute)[1]
+            return plan.compute_shardings(params), plan.compute_rules
+        with warnings.catch_warnings():  # the plan already warned about its own parameters
+            warnings.simplefilter("ignore", ShardingWarning)
+            resolver = Resolver(plan.mesh, self.compute_rules, plan.strategy)
+            compute = ModelPlan(params, resolver).shardings
+        return compute, self.compute_rules
 
-    def _step_fn(self, model_def, opt_def, compute_shardings, model_sh, opt_sh):
+    def _step_fn(self, model_def, opt_def, compute_shardings, rules, model_sh, opt_sh, mesh):
         def loss_of(params, rest, batch):
-            if compute_shardings is not None:
-                params = constrain_state(params, compute_shardings)
-                params = jax.tree.map(lambda p: checkpoint_name(p, _GATHERED), params)
+            params = constrain_state(params, compute_shardings)
+            params = jax.tree.map(lambda p: checkpoint_name(p, _GATHERED), params)
             model = nnx.merge(model_def, params, rest)
             out = self.loss_fn(model, batch)
             loss, aux = out if self.has_aux else (out, None)
@@ -156,7 +175,7 @@ class TrainStep(_JittedStep):
             loss_of = jax.checkpoint(loss_of, policy=policy)
 
         def step(model_state, opt_state, batch):
-            with use_rules(self.mesh, self.compute_rules or self.resolver.rules):
+            with use_rules(mesh, rules):
                 model = nnx.merge(model_def, model_state)
                 _, params, rest = nnx.split(model, self.wrt, ...)
                 grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -175,23 +194,44 @@ class TrainStep(_JittedStep):
 
         return step
 
-    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Any:
-        model_def, opt_def = nnx.graphdef(model), nnx.graphdef(optimizer)
-        model_sh, opt_sh, compute_sh = self._shardings(model, optimizer)
-        replicated = NamedSharding(self.mesh, PartitionSpec())
-        return jax.jit(
-            self._step_fn(model_def, opt_def, compute_sh, model_sh, opt_sh),
+    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Built:
+        plan = model_plan(
+            model, self.mesh, self.rules, self.strategy, self.layout, what="make_train_step"
+        )
+        data_axes = self.data_axes or plan.batch_axes
+        if not data_axes:
+            raise ValueError(
+                "make_train_step needs the batch's mesh axes: pass data_axes=..., a layout, or "
+                f"rules whose 'data' maps to mesh axes (mesh axes: {tuple(plan.mesh.axis_names)})."
+            )
+        model_sh = shardings_of(plan.rows, nnx.state(model), plan.mesh)
+        opt_sh = optimizer_shardings(optimizer, plan)
+        compute_sh, rules = self._compute(plan, nnx.state(model, self.wrt))
+        fn = self._step_fn(
+            nnx.graphdef(model), nnx.graphdef(optimizer), compute_sh, rules, model_sh, opt_sh,
+            plan.mesh,
+        )  # fmt: skip
+        jitted = jax.jit(
+            fn,
             in_shardings=(model_sh, opt_sh, None),
-            out_shardings=(model_sh, opt_sh, replicated),
+            out_shardings=(model_sh, opt_sh, NamedSharding(plan.mesh, PartitionSpec())),
             donate_argnums=(0, 1) if self.donate else (),
         )
+        return Built(jitted, plan.mesh, tuple(data_axes))
+
+
+def _axes(value: Sequence[str] | str | None) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def make_train_step(
     loss_fn: Callable[..., Any],
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | None = None,
     rules: Rules = None,
     *,
+    layout: LayoutLike = None,
     strategy: Strategy = None,
     compute_rules: Rules = None,
     has_aux: bool = False,
@@ -200,33 +240,40 @@ def make_train_step(
     data_axes: Sequence[str] | str | None = None,
     donate: bool = True,
 ) -> TrainStep:
-    """Builds a jitted training step that realises the layout the rules describe.
+    """Builds a jitted training step that realises the model's layout, at its best by default.
 
     The step differentiates ``loss_fn`` with respect to ``wrt``, applies the optimizer, and
     returns the whole new state, so no update is lost (the trap of a ``jax.jit`` step that
     returns only the model). Parameters and optimizer state are pinned to their planned
     shardings on the way in and out, so they do not drift, and their buffers are donated.
 
-    With ``compute_rules``, each parameter is constrained to its compute layout before use,
-    so that XLA gathers FSDP-sharded parameters once per step (and reduce-scatters their
-    gradients) rather than choosing a pattern of its own. :func:`substrax.spmd.constrain` in
-    model code resolves through the compute rules (through ``rules`` when there are none).
+    The shardings come from the plan the model remembers (a model from
+    :func:`create_sharded_model` or :func:`shard_model`): ``make_train_step(loss_fn)`` needs
+    nothing else. ``mesh``, ``rules``, ``layout`` and ``strategy`` are for a model substrax did
+    not place (given for a model with a plan, they must agree with it).
+
+    Each parameter is used in its compute layout: its planned spec without the batch axes.
+    A parameter sharded over an axis that also splits the batch (FSDP, HSDP, FSDP + TP) is
+    thus gathered once per step and its gradient reduced back to its shard, whether the model
+    is annotated or planned by a strategy; tensor-parallel and stage axes are kept.
+    :func:`substrax.spmd.constrain` in model code resolves through the matching compute rules
+    (the parameter rules gathered over the batch axes).
 
     Args:
       loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or ``(loss, aux)`` with
         ``has_aux=True``.
-      mesh: The device mesh.
-      rules: The parameter rules the model was planned with (see :func:`plan_model`).
-      strategy: The strategy the model was planned with.
-      compute_rules: Rules for activations and for parameters at the point of use; for FSDP,
-        the parameter rules with the FSDP axis removed from weight dimensions.
+      mesh: For a model substrax did not place: the device mesh.
+      rules: For a model substrax did not place: its parameter rules.
+      layout: For a model substrax did not place: its layout (or layout name).
+      strategy: For a model substrax did not place: its strategy.
+      compute_rules: An override: rules for parameters at the point of use and for
+        activations, instead of the plan's gathered rules.
       has_aux: Whether ``loss_fn`` returns ``(loss, aux)``.
       wrt: The variables to differentiate and update, as for ``nnx.Optimizer``.
       gather: ``"keep"`` keeps gathered parameters from the forward pass for the backward pass
         (less traffic); ``"regather"`` gathers them again in the backward pass (less memory).
-        Only meaningful with ``compute_rules``.
-      data_axes: The mesh axes of the batch's leading dimension; by default the rules'
-        ``data`` axes.
+      data_axes: The mesh axes of the batch's leading dimension; by default the layout's
+        batch axes, or the rules' ``batch`` / ``data`` axes.
       donate: Donate the model and optimizer buffers to the step.
 
     Returns:
@@ -234,26 +281,23 @@ def make_train_step(
 
     Raises:
       ValueError: If ``gather`` is not ``"keep"`` or ``"regather"``, or no data axes are
-        known.
+        known (here when ``rules`` are given, else at the first call).
     """
     if gather not in ("keep", "regather"):
         raise ValueError(f"gather must be 'keep' or 'regather', got {gather!r}.")
-    resolver = Resolver(mesh, rules, strategy)
     compute = as_rules(compute_rules, mesh) if compute_rules is not None else None
-    data_axes = data_axes if data_axes is not None else (compute or resolver.rules).data
-    if data_axes is None:
-        raise ValueError(
-            "make_train_step needs the batch's mesh axes: pass data_axes=..., or rules whose "
-            f"'data' maps to mesh axes (mesh axes: {tuple(mesh.axis_names)})."
-        )
+    axes = _axes(data_axes)
+    if axes is None and rules is not None and layout is None:
+        table = as_rules(rules, mesh).as_dict()
+        if not (table.get("batch") or table.get("data")):
+            raise ValueError(
+                "make_train_step needs the batch's mesh axes: pass data_axes=..., a layout, or "
+                "rules whose 'data' maps to mesh axes"
+                + (f" (mesh axes: {tuple(mesh.axis_names)})." if mesh is not None else ".")
+            )
+    if isinstance(layout, Layout) and mesh is not None:
+        layout.check_mesh(mesh)
     return TrainStep(
-        loss_fn,
-        resolver.mesh,
-        resolver,
-        compute,
-        has_aux=has_aux,
-        wrt=wrt,
-        gather=gather,
-        data_axes=data_axes,
-        donate=donate,
-    )
+        loss_fn, mesh=mesh, rules=rules, layout=layout, strategy=strategy, compute_rules=compute,
+        has_aux=has_aux, wrt=wrt, gather=gather, data_axes=axes, donate=donate,
+    )  # fmt: skip

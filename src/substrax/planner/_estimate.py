@@ -1,7 +1,8 @@
-"""Plans a sharded training step before anything is compiled: memory, traffic, time, warnings.
+"""Estimates a sharded training step before anything is compiled: memory, traffic, time, warnings.
 
-State bytes (parameters, gradients, optimizer) are exact: each leaf's shard shape follows from
-its logical names, the layout's rules and divisibility, as substrax shards it. Activations,
+State bytes (parameters, gradients, optimizer) are exact: each leaf's spec comes from substrax's
+one resolver (:meth:`substrax.mesh.MeshRules.resolve`) with the layout's parameter rules, as
+the Flax adapter shards the same leaves. Activations,
 gathered weights, unreduced gradients and logits use closed forms (Korthikanti et al. 2022 for
 activations); traffic uses ring volumes per mesh axis, as :mod:`substrax.hlo` counts them.
 """
@@ -12,62 +13,17 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
+from substrax.layout import Layout
+from substrax.mesh._resolve import as_axes, resolve_names
 from substrax.planner._architectures import Leaf, TransformerConfig
 
-__all__ = ["Candidate", "Hardware", "Layout", "Workload", "evaluate", "layouts"]
+__all__ = ["Candidate", "Hardware", "LeafPlan", "Workload", "evaluate", "layouts"]
 
 _OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "momentum": 4}
 _UPDATE_FLOPS = {"adam": 12, "adamw": 14, "sgd": 2, "momentum": 4}
 _ELEMENTWISE = 10  # FLOPs per element, forward and backward: softmax, norms, activations, loss
 _PRECISION_BYTES = {"fp32": 4, "bf16": 2}
 _REMAT = ("none", "selective", "full")
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How many devices each kind of parallelism gets; mesh axes ``pipe, data, fsdp, model``.
-
-    Attributes:
-      pp: Pipeline stages (the ``layers`` axis).
-      dp: Pure data parallelism (parameters replicated).
-      fsdp: Data parallelism with parameters sharded on ``embed``.
-      tp: Tensor parallelism (``heads``, ``kv_heads``, ``mlp``, ``vocab``).
-    """
-
-    pp: int = 1
-    dp: int = 1
-    fsdp: int = 1
-    tp: int = 1
-
-    @property
-    def mesh(self) -> dict[str, int]:
-        """Axis sizes, outermost first, axes of size 1 left out."""
-        sizes = {"pipe": self.pp, "data": self.dp, "fsdp": self.fsdp, "model": self.tp}
-        return {axis: size for axis, size in sizes.items() if size > 1}
-
-    @property
-    def devices(self) -> int:
-        """The device count of the layout."""
-        return self.pp * self.dp * self.fsdp * self.tp
-
-    @property
-    def name(self) -> str:
-        """A short label such as ``"fsdp 512 x tp 8"``."""
-        parts = [f"{k} {v}" for k, v in zip(("pp", "dp", "fsdp", "tp"), dataclasses.astuple(self),
-                                           strict=True) if v > 1]  # fmt: skip
-        return " x ".join(parts) or "single device"
-
-    def rules(self) -> dict[str, tuple[str, ...]]:
-        """Logical name to mesh axes for this layout.
-
-        Returns:
-          ``layers`` on ``pipe``, ``embed`` on ``fsdp``, ``heads``, ``kv_heads``, ``mlp`` and
-          ``vocab`` on ``model`` (axes of size 1 left out).
-        """
-        table = {"layers": ("pipe",), "embed": ("fsdp",), "heads": ("model",),
-                 "kv_heads": ("model",), "mlp": ("model",), "vocab": ("model",)}  # fmt: skip
-        mesh = self.mesh
-        return {name: tuple(a for a in axes if a in mesh) for name, axes in table.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +101,7 @@ class LeafPlan:
       names: Its logical names.
       spec: Mesh axes per dimension (empty tuple: replicated).
       params_per_device: Elements one device holds.
-      why: Why a dimension that a rule maps stays whole (not divisible), if any.
+      why: Why a dimension that a rule maps stays whole (not divisible, unknown name), if any.
     """
 
     path: str
@@ -196,8 +152,8 @@ class Candidate:
           ``headroom_bytes``, ``fits`` and ``warnings``.
         """
         return {
-            "mesh": self.layout.mesh,
-            "strategy": self.layout.name,
+            "mesh": self.layout.shape,
+            "strategy": self.layout.label,
             "bytes_per_device": self.bytes_per_device,
             "params_per_device": self.params_per_device,
             "traffic_bytes_per_step": self.traffic_bytes_per_step,
@@ -211,18 +167,15 @@ class Candidate:
 
 
 def _leaf_plan(leaf: Leaf, rules: dict, sizes: dict) -> LeafPlan:
-    used: set[str] = set()
-    spec, count, notes = [], 1, []
-    for dim, name in zip(leaf.shape, leaf.names, strict=True):
-        axes = tuple(a for a in rules.get(name, ()) if a not in used)
-        product = math.prod(sizes[a] for a in axes)
-        if axes and dim % product:
-            notes.append(f"{name} {dim} not divisible by {'x'.join(axes)} {product}")
-            axes, product = (), 1
-        used.update(axes)
-        spec.append(axes)
-        count *= dim // product
-    return LeafPlan(leaf.path, leaf.names, tuple(spec), count, "; ".join(notes))
+    resolution = resolve_names(
+        rules, leaf.names, leaf.shape, sizes, unknown_names="replicate", where=leaf.path
+    )
+    spec = tuple(as_axes(entry) for entry in resolution.spec)
+    count = math.prod(
+        dim // math.prod(sizes[a] for a in axes) for dim, axes in zip(leaf.shape, spec, strict=True)
+    )
+    why = "; ".join(str(r) for r in resolution.of_kind("indivisible", "unknown_name"))
+    return LeafPlan(leaf.path, leaf.names, spec, count, why)
 
 
 def _activations(c: TransformerConfig, w: Workload, layout: Layout, act: int) -> float:
@@ -259,7 +212,7 @@ def evaluate(
     Returns:
       The :class:`Candidate`.
     """
-    sizes, rules = layout.mesh, layout.rules()
+    sizes, rules = layout.shape, layout.param_rules.as_dict()
     plans = tuple(_leaf_plan(leaf, rules, sizes) for leaf in leaves)
     per_device = sum(p.params_per_device for p in plans)
     width = _PRECISION_BYTES[workload.precision]
@@ -382,7 +335,9 @@ def layouts(devices: int, config: TransformerConfig, *, devices_per_host: int = 
     """Every layout of ``devices`` that the strategies allow.
 
     Tensor parallelism stays within a host, pipelines have at most one stage per layer, and every
-    size divides the device count.
+    size divides the device count. Each is a :class:`substrax.layout.Layout` on axes ``pipe``,
+    ``data``, ``fsdp`` and ``model`` (:meth:`~substrax.layout.Layout.from_degrees`): the same
+    object the Flax adapter applies.
 
     Args:
       devices: The device count.
@@ -409,5 +364,5 @@ def layouts(devices: int, config: TransformerConfig, *, devices_per_host: int = 
             for fsdp in (d for d in divisors if rest and rest % d == 0):
                 dp = rest // fsdp
                 if (fsdp == 1 or "fsdp" in strategies) and (dp == 1 or "dp" in strategies):
-                    found.append(Layout(pp=pp, dp=dp, fsdp=fsdp, tp=tp))
+                    found.append(Layout.from_degrees(pp=pp, dp=dp, fsdp=fsdp, tp=tp))
     return found

@@ -1,9 +1,11 @@
-"""``python -m substrax.plan``: rank the layouts of a model on a device count, without devices.
+"""``python -m substrax.planner``: rank the layouts of a model on a device count, without devices.
 
-    python -m substrax.plan --model llama3-70b --devices 512 --memory 80GB
+    python -m substrax.planner --model llama3-70b --devices 512 --memory 80GB
         --batch-tokens 4M --seq 8192 [--json plan.json]
 
-Prints the ranked candidates, the chosen layout's memory breakdown and its warnings.
+Prints the ranked candidates, the chosen layout's memory breakdown and its warnings. A framework
+adapter plans its users' own models through :func:`main`'s ``load_factory``, which adds
+``--factory module:function`` to the command line (the core never imports an adapter).
 """
 
 from __future__ import annotations
@@ -11,20 +13,59 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import pathlib
 import sys
+from collections.abc import Callable, Sequence
 
-from substrax.planner import (
-    ARCHITECTURES,
-    Hardware,
-    Workload,
-    config_from_leaves,
-    parse_bytes,
-    parse_count,
-    plan,
-)
+from substrax.planner._architectures import ARCHITECTURES, Leaf, config_from_leaves
+from substrax.planner._estimate import Hardware, Workload
+from substrax.planner._rank import plan
 
 __all__ = ["main"]
+
+_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}  # fmt: skip
+
+
+def _parse(text: str | int | float, suffix: str, what: str) -> int:
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        raw = str(text).strip().upper().replace(" ", "")
+        raw = raw[: -len(suffix)] if suffix and raw.endswith(suffix) else raw
+        number = raw.rstrip("KMGTI")
+        unit = raw[len(number) :]
+        if unit not in _UNITS or not number:
+            raise ValueError(
+                f"Cannot read {what} {text!r}: use a number with an optional K, M, G or T "
+                f"(or Ki, Mi, Gi, Ti){' and ' + suffix if suffix else ''}, e.g. '80GB'."
+            )
+        try:
+            value = float(number) * _UNITS[unit]
+        except ValueError:
+            raise ValueError(f"Cannot read {what} {text!r}: {number!r} is not a number.") from None
+    if value <= 0 or not math.isfinite(value):
+        raise ValueError(f"{what} must be positive, got {text!r}.")
+    return int(value)
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"80GB"`` -> 80e9, ``"80GiB"`` -> 80 * 2**30 (K/M/G/T decimal, Ki/Mi/Gi/Ti binary).
+
+    Raises:
+      ValueError: For anything else, or a count that is not positive.
+    """
+    return _parse(text, "B", "memory")
+
+
+def parse_count(text: str | int) -> int:
+    """``"4M"`` -> 4_000_000 (tokens, devices, ...).
+
+    Raises:
+      ValueError: For anything else, or a count that is not positive.
+    """
+    return _parse(text, "", "count")
 
 
 def _gib(value: float) -> str:
@@ -36,7 +77,7 @@ def _table(result, top: int) -> str:
     lines = [head, "-" * len(head)]
     for rank, c in enumerate(result.candidates[:top], 1):
         lines.append(
-            f"{rank:>3}  {c.layout.name:28} {c.params_per_device:>14,} "
+            f"{rank:>3}  {c.layout.label:28} {c.params_per_device:>14,} "
             f"{_gib(c.bytes_per_device['peak']):>9} {'yes' if c.fits else 'no':>5} "
             f"{c.time_s:>8.3f}"
         )
@@ -58,7 +99,7 @@ def _leaf_table(candidate, workload) -> str:
 def _breakdown(candidate) -> str:
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in candidate.bytes_per_device.items())
     return (
-        f"chosen: {candidate.layout.name} (mesh {candidate.layout.mesh}); GiB per device: {parts}"
+        f"chosen: {candidate.layout.label} (mesh {candidate.layout.shape}); GiB per device: {parts}"
     )
 
 
@@ -68,13 +109,12 @@ def _optional(text: str, unit: bool = False) -> float:
     return float(parse_bytes(text) if unit else parse_count(text))
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m substrax.plan", description=__doc__)
+def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help=f"one of {', '.join(ARCHITECTURES)}")
-    source.add_argument(
-        "--factory", help="module:function building your Flax NNX model (needs substrax-flax)"
-    )
+    if factories:
+        source.add_argument("--factory", help="module:function building your model")
     parser.add_argument("--devices", required=True)
     parser.add_argument("--memory", required=True, help="per device, e.g. 80GB or 96GiB")
     parser.add_argument("--batch-tokens", required=True, help="tokens per step, e.g. 4M")
@@ -99,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _model(args) -> tuple:
+def _model(args, load_factory) -> tuple:
     """The architecture name (and no leaves), or a factory's config and leaves."""
     if args.model:
         return args.model, None
@@ -111,22 +151,28 @@ def _model(args) -> tuple:
         factory = getattr(importlib.import_module(module_name), function)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"--factory {args.factory!r}: {error}") from None
-    from substrax_flax import planner_leaves
-
-    leaves = planner_leaves(factory)
+    leaves = load_factory(factory)
     return config_from_leaves(leaves), leaves
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    load_factory: Callable[[Callable[[], object]], list[Leaf]] | None = None,
+    prog: str = "python -m substrax.planner",
+) -> int:
     """The command line.
 
     Args:
       argv: The arguments (``sys.argv[1:]`` when None).
+      load_factory: Turns a model factory into the planner's leaves; given by an adapter
+        (the Flax adapter's ``planner`` module), it adds ``--factory module:function``.
+      prog: The program name shown in usage lines.
 
     Returns:
       The exit status: 0, or 2 for bad input (one line on stderr).
     """
-    args = _parser().parse_args(argv)
+    args = _parser(prog, load_factory is not None).parse_args(argv)
     try:
         hardware = Hardware(
             memory_bytes=parse_bytes(args.memory),
@@ -144,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
             microbatches=args.microbatches,
         )
         strategies = tuple(args.strategies.split(","))
-        model, leaves = _model(args)
+        model, leaves = _model(args, load_factory)
         devices = parse_count(args.devices)
         result = plan(model, devices, hardware, workload, strategies=strategies, leaves=leaves)
     except ValueError as error:
@@ -167,7 +213,3 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(result.as_dict(), indent=2))
         print(f"wrote {args.json}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Plan your own Flax NNX model, and check the planner's estimates against compiled twins.
+
+    python -m substrax_flax.planner --factory my_model:make --devices 64 --memory 80GB \
+        --batch-tokens 1M --seq 2048
+
+takes every option of ``python -m substrax.planner`` (:func:`substrax.planner.main`) and adds
+``--factory module:function``: the model is built abstractly (:func:`model_leaves`) and its
+annotated parameters are planned. :func:`validate` compiles a scaled-down twin of a planned
+candidate through the adapter's default path (:func:`substrax_flax.create_sharded_model` with
+the candidate's layout, :func:`substrax_flax.make_train_step` without compute rules) and puts
+XLA's figures next to the estimate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from substrax import warn_user
+from substrax.hlo import traffic_by_kind
+from substrax.layout import Layout
+from substrax.planner import (
+    ARCHITECTURES,
+    Hardware,
+    Leaf,
+    Plan,
+    TransformerConfig,
+    Workload,
+    architecture,
+    evaluate,
+)
+from substrax.planner import main as planner_main
+from substrax.planner import transformer_leaves as leaves_of
+from substrax_flax._optimizer import create_sharded_optimizer
+from substrax_flax._plan import create_sharded_model
+from substrax_flax._report import sharding_report
+from substrax_flax._state import logical_names, shape_and_dtype, variables
+from substrax_flax._train import make_train_step
+
+__all__ = ["main", "model_leaves", "validate"]
+
+#: An unstacked model whose abstract build takes longer than this gets a warning.
+SLOW_EVAL_SHAPE_SECONDS = 1.0
+
+
+def model_leaves(factory: Callable[[], nnx.Module]) -> list[Leaf]:
+    """The parameters of the model ``factory`` builds, as the planner's leaves.
+
+    The model is built abstractly (``nnx.eval_shape``, eager sharding off). In flax 0.12.8 that
+    grows quadratically with the depth of an unstacked model (about 28 s for 126 layers); when
+    it is slow and no dimension is named ``layers``, a ``ShardingWarning`` recommends stacking
+    the layers with ``nnx.vmap``.
+
+    Args:
+      factory: A function of no arguments that builds the model.
+
+    Returns:
+      One :class:`substrax.planner.Leaf` per ``nnx.Param``; unannotated dimensions are None.
+    """
+    start = time.perf_counter()
+    with nnx.use_eager_sharding(False):
+        state = nnx.state(nnx.eval_shape(factory), nnx.Param)
+    elapsed = time.perf_counter() - start
+    leaves = []
+    for path, variable in variables(state):
+        shape, _ = shape_and_dtype(variable)
+        names = logical_names(variable, path) or (None,) * len(shape)
+        leaves.append(Leaf(path, shape, tuple(names)))
+    stacked = any("layers" in leaf.names for leaf in leaves)
+    if elapsed > SLOW_EVAL_SHAPE_SECONDS and not stacked:
+        warn_user(
+            f"nnx.eval_shape took {elapsed:.1f} s for this unstacked model; it grows "
+            "quadratically with depth in flax 0.12.8. Stack the layers with nnx.vmap (a "
+            "'layers' axis), or plan a named architecture."
+        )
+    return leaves
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line: ``python -m substrax.planner``'s, plus ``--factory``.
+
+    Args:
+      argv: The arguments (``sys.argv[1:]`` when None).
+
+    Returns:
+      The exit status: 0, or 2 for bad input (one line on stderr).
+    """
+    return planner_main(argv, load_factory=model_leaves, prog="python -m substrax_flax.planner")
+
+
+def _twin_layout(layout: Layout, devices: int) -> Layout:
+    """The layout scaled down to at most ``devices`` devices, keeping each kind of parallelism.
+
+    tp, fsdp and dp become at most 2, 4 and 2 (while they fit), each above 1 where the
+    original's is.
+
+    Raises:
+      ValueError: For a pipeline layout (``benchmarks/pipeline.py`` measures those).
+    """
+    if layout.pp > 1:
+        raise ValueError(f"validate does not twin pipeline layouts ({layout.label}).")
+    tp = min(layout.tp, 2)
+    fsdp = min(layout.fsdp, max(devices // (tp * 2 if layout.dp > 1 else tp), 1), 4)
+    dp = min(layout.dp, max(devices // (tp * fsdp), 1), 2)
+    return Layout.from_degrees(dp=dp, fsdp=fsdp, tp=tp)
+
+
+def _twin_config(config: TransformerConfig) -> TransformerConfig:
+    grouped = config.kv_heads < config.heads
+    return dataclasses.replace(
+        config, layers=2, d_model=64, heads=4, kv_heads=2 if grouped else 4, head_dim=16,
+        ffn=128, vocab=256, positions=16 if config.positions else 0,
+    )  # fmt: skip
+
+
+class _Twin(nnx.Module):
+    """A decoder built from the planner's leaves, with their logical names as annotations."""
+
+    def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+        self.config = config
+        self.params = nnx.Dict({
+            leaf.path.replace("/", "__"): nnx.Param(
+                jax.random.normal(rngs.params(), leaf.shape) * 0.05, out_sharding=leaf.names
+            )
+            for leaf in leaves_of(config)
+        })  # fmt: skip
+
+    def _p(self, name: str) -> jax.Array:
+        return self.params[name.replace("/", "__")][...]
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        c = self.config
+        x = jnp.take(self._p("embedding"), tokens, axis=0)
+        if c.positions:
+            x = x + self._p("positions")[: tokens.shape[1]]
+        names = [n for n in self.params if n.startswith("layers__")]
+        stacked = {n.removeprefix("layers__"): self.params[n][...] for n in names}
+        for i in range(c.layers):  # unrolled: XLA's cost analysis counts a loop body once
+            x = self._layer({k: v[i] for k, v in stacked.items()}, x)
+        logits_in = _norm(x, self._p("norm"))
+        head = self._p("embedding").T if c.tied else self._p("head")
+        return logits_in @ head
+
+    def _layer(self, p: dict, x: jax.Array) -> jax.Array:
+        c = self.config
+        h = _norm(x, p["attn_norm"])
+        q = jnp.einsum("bte,ehk->bthk", h, p["wq"])
+        k = jnp.einsum("bte,ehk->bthk", h, p["wk"])
+        v = jnp.einsum("bte,ehk->bthk", h, p["wv"])
+        if c.biases:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        k, v = (jnp.repeat(a, c.heads // c.kv_heads, axis=2) for a in (k, v))
+        scores = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(c.head_dim)
+        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+        x = x + jnp.einsum("bhts,bshk,hke->bte", weights, v, p["wo"])
+        h = _norm(x, p["mlp_norm"]) @ p["w_in"]
+        h = jax.nn.silu(_norm(x, p["mlp_norm"]) @ p["w_gate"]) * h if c.gated else jax.nn.gelu(h)
+        return x + h @ p["w_out"]
+
+
+def _norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def _loss(model: _Twin, batch: jax.Array) -> jax.Array:
+    logits = model(batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def validate(plan: Plan, rank: int = 0, *, devices: int | None = None) -> dict[str, Any]:
+    """Compiles a scaled-down twin of one of ``plan``'s candidates and compares estimate and XLA.
+
+    The twin keeps the architecture's kinds of layer (grouped-query attention, gating, tied
+    head, biases) at a small size and the candidate layout's kinds of parallelism on the
+    available devices; it is created with the twin layout and trained with adamw in fp32
+    through :func:`~substrax_flax.make_train_step`'s default path (no compute rules: each
+    parameter gathered once per step).
+
+    Args:
+      plan: A plan of a built-in architecture (:func:`substrax.planner.plan`).
+      rank: Which candidate (0: the best).
+      devices: Devices for the twin; all available when None.
+
+    Returns:
+      ``{"candidate": ..., "twin": ..., "state_bytes": ..., "arguments_bytes": ...,
+      "flops": ..., "traffic_bytes": ..., "peak_bytes": ...}``: the candidate's label, the
+      twin's layout, and each figure an ``(estimate, compiled)`` pair per device; the compiled
+      step is donated, as substrax runs it.
+
+    Raises:
+      ValueError: For a plan of a custom model, a rank out of range, or a pipeline layout.
+    """
+    if plan.model not in ARCHITECTURES:
+        raise ValueError(
+            f"Only built-in architectures can be twinned, not {plan.model!r}; choose one of "
+            f"{', '.join(ARCHITECTURES)}."
+        )
+    if not 0 <= rank < len(plan.candidates):
+        raise ValueError(f"rank {rank} is out of range: the plan has {len(plan.candidates)}.")
+    candidate = plan.candidates[rank]
+    result = _validate_layout(architecture(plan.model), candidate.layout, devices=devices)
+    return {"candidate": candidate.layout.label, **result}
+
+
+def _validate_layout(
+    config: TransformerConfig, layout: Layout, *, devices: int | None = None
+) -> dict[str, Any]:
+    """The comparison of :func:`validate` for one layout of ``config``."""
+    devices = devices or jax.device_count()
+    twin, small = _twin_layout(layout, devices), _twin_config(config)
+    leaves = leaves_of(small)
+    batch_rows = 2 * twin.dp * twin.fsdp
+    workload = Workload(batch_tokens=batch_rows * 16, seq=16, precision="fp32",
+                        optimizer="adamw", remat="none")  # fmt: skip
+    estimate = evaluate(small, leaves, twin, workload, Hardware(memory_bytes=2**40))
+    model = create_sharded_model(lambda: _Twin(small, nnx.Rngs(0)), layout=twin)
+    optimizer = create_sharded_optimizer(model, optax.adamw(1e-3))
+    step = make_train_step(_loss)
+    batch = np.zeros((batch_rows, 17), np.int32)
+    compiled = step.lower(model, optimizer, batch).compile()
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    state = sharding_report(model).bytes_per_device + sharding_report(optimizer).bytes_per_device
+    planned = estimate.bytes_per_device
+    scalars = 8  # adam's count and the optimizer's step: two 4-byte scalars
+    traffic = traffic_by_kind(compiled.as_text())
+    batch_per_device = batch.nbytes // (twin.dp * twin.fsdp)
+    return {
+        "twin": {
+            "layout": twin.label,
+            "mesh": twin.shape,
+            "params": sum(math.prod(leaf.shape) for leaf in leaves),
+        },
+        "state_bytes": (planned["params"] + planned["optimizer"], state - scalars),
+        "arguments_bytes": (
+            planned["params"] + planned["optimizer"] + scalars + batch_per_device,
+            memory.argument_size_in_bytes,
+        ),
+        "flops": (estimate.flops_per_device, float(cost.get("flops", 0.0))),
+        "traffic_bytes": (
+            sum(estimate.traffic_bytes_per_step.values()),
+            sum(kind["bytes"] for kind in traffic.values()),
+        ),
+        "peak_bytes": (
+            planned["peak"],
+            memory.argument_size_in_bytes
+            + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes
+            + memory.temp_size_in_bytes,
+        ),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

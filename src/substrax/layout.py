@@ -1,0 +1,418 @@
+"""Named layouts: what each mesh axis does, and everything that follows from it.
+
+A :class:`Layout` gives each mesh axis one role: ``pipe`` (pipeline stages), ``data`` (replicas:
+the batch is split, parameters are whole), ``fsdp`` (the batch is split and parameters are
+sharded on ``embed``) or ``tensor`` (``heads``, ``kv_heads``, ``mlp`` and ``vocab`` are
+split). From the roles follow the parameter rules, the compute rules (what a parameter looks
+like where it is used: gathered over the FSDP axes), the batch axes and the strategy for
+variables without annotations. The library's named layouts (:data:`LAYOUTS`), the planner's
+candidates and configs built from :class:`~substrax.mesh.ShardingConfig` are all layouts.
+
+A new kind of parallelism is a new role here (a role, its logical names, and its entry in
+:data:`LAYOUTS`), not a new mechanism.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jax.sharding import Mesh
+
+from substrax.mesh import (
+    DeviceMeshManager,
+    FSDPStrategy,
+    MeshRules,
+    MultiDimensionalStrategy,
+    ParallelismConfig,
+    ShardingConfig,
+    TensorParallelStrategy,
+)
+
+__all__ = ["LAYOUTS", "ROLES", "Layout"]
+
+#: The named layouts :meth:`Layout.named` builds.
+LAYOUTS = ("dp", "fsdp", "hsdp", "tp", "fsdp+tp", "pp")
+
+#: The roles a mesh axis can have, outermost first.
+ROLES = ("pipe", "data", "fsdp", "tensor")
+
+#: Logical names that each role's axes shard (``data`` and ``fsdp`` also split ``batch``).
+_ROLE_NAMES = {
+    "pipe": ("layers",),
+    "fsdp": ("embed",),
+    "tensor": ("heads", "kv_heads", "mlp", "vocab"),
+}
+#: Logical names every layout knows, replicated unless a role shards them.
+_NAMES = ("data", "batch", "embed", "mlp", "heads", "kv_heads", "kv", "vocab", "layers")
+
+#: Mesh axis names of :meth:`Layout.from_degrees` (the planner's meshes), outermost first.
+_DEGREE_AXES = {"pipe": "pipe", "data": "data", "fsdp": "fsdp", "tensor": "model"}
+
+
+def _shape_of(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
+    if isinstance(mesh, Mapping):
+        return {str(name): int(size) for name, size in mesh.items()}
+    if hasattr(mesh, "axis_names") and hasattr(mesh, "shape"):
+        return {name: int(size) for name, size in dict(mesh.shape).items()}
+    raise TypeError(f"Expected a Mesh or a mapping of axis names to sizes, got {mesh!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh's axes, the role of each, and the rules and strategy that follow.
+
+    Build one with :meth:`named`, :meth:`from_config` or :meth:`from_degrees`.
+
+    Attributes:
+      axis_names: The mesh axes, outermost first.
+      axis_sizes: Their sizes.
+      pipe_axes: Axes of pipeline stages (``layers`` is split over them).
+      data_axes: Replica axes: the batch is split over them, parameters are whole.
+      fsdp_axes: FSDP axes: the batch is split, and parameters are sharded on ``embed``; a step
+        gathers them where they are used and reduces their gradients back to shards.
+      tensor_axes: Tensor-parallel axes: ``heads``, ``kv_heads``, ``mlp`` and ``vocab`` are split.
+      fsdp_min_weight_size: The smallest first dimension the strategy for unannotated
+        variables shards over the FSDP axes (see :class:`~substrax.mesh.FSDPStrategy`).
+    """
+
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+    pipe_axes: tuple[str, ...] = ()
+    data_axes: tuple[str, ...] = ()
+    fsdp_axes: tuple[str, ...] = ()
+    tensor_axes: tuple[str, ...] = ()
+    fsdp_min_weight_size: int = 1024
+
+    def __post_init__(self) -> None:
+        for field in ("axis_names", "axis_sizes", *(f"{r}_axes" for r in ROLES)):
+            value = getattr(self, field)
+            object.__setattr__(self, field, (value,) if isinstance(value, str) else tuple(value))
+        if len(self.axis_names) != len(self.axis_sizes) or not self.axis_names:
+            raise ValueError(
+                f"A layout needs one size per mesh axis, got axis_names {self.axis_names} and "
+                f"axis_sizes {self.axis_sizes}."
+            )
+        if any(not isinstance(s, int) or s < 1 for s in self.axis_sizes):
+            raise ValueError(f"Mesh axis sizes must be positive integers, got {self.axis_sizes}.")
+        seen: dict[str, str] = {}
+        for role in ROLES:
+            for axis in self.axes_of(role):
+                if axis not in self.axis_names:
+                    raise ValueError(
+                        f"Role {role!r} names mesh axis {axis!r}, which the mesh lacks; mesh "
+                        f"axes: {self.axis_names}."
+                    )
+                if axis in seen:
+                    raise ValueError(
+                        f"Mesh axis {axis!r} has two roles, {seen[axis]!r} and {role!r}; give "
+                        "each axis one role."
+                    )
+                seen[axis] = role
+        idle = [a for a, s in self.shape.items() if s > 1 and a not in seen]
+        if idle:
+            raise ValueError(
+                f"Mesh axis {idle[0]!r} of size {self.shape[idle[0]]} has no role; give it one "
+                f"of {ROLES}."
+            )
+
+    # --- constructors -----------------------------------------------------------------------
+
+    @classmethod
+    def named(cls, name: str, mesh: Mesh | Mapping[str, int]) -> Layout:
+        """One of the library's named layouts on ``mesh``.
+
+        * ``dp``: every axis is a replica axis (parameters replicated, batch split).
+        * ``fsdp``: every axis is an FSDP axis (parameters sharded on ``embed`` over all).
+        * ``hsdp``: FSDP on the innermost axis, replicas over the others.
+        * ``tp``: tensor parallelism on the innermost axis, replicas over the others.
+        * ``fsdp+tp``: tensor parallelism on the innermost axis, FSDP over the others.
+        * ``pp``: pipeline stages on the outermost axis, replicas over the others.
+
+        Args:
+          name: One of :data:`LAYOUTS`.
+          mesh: A ``Mesh`` or ``{axis_name: size}``, outermost axis first.
+
+        Returns:
+          The layout.
+
+        Raises:
+          ValueError: For an unknown name, or a layout that needs two axes on a mesh of one.
+          TypeError: If ``mesh`` is neither a mesh nor a mapping.
+        """
+        if name not in LAYOUTS:
+            raise ValueError(f"Unknown layout {name!r}; choose one of {', '.join(LAYOUTS)}.")
+        shape = _shape_of(mesh)
+        names = tuple(shape)
+        inner, outer = names[-1:], names[:-1]
+        if name in ("hsdp", "fsdp+tp", "pp") and len(names) < 2:
+            raise ValueError(
+                f"Layout {name!r} needs a mesh of at least two axes (its roles differ); the "
+                f"mesh has {shape}."
+            )
+        roles = {
+            "dp": {"data": names},
+            "fsdp": {"fsdp": names},
+            "hsdp": {"fsdp": inner, "data": outer},
+            "tp": {"tensor": inner, "data": outer},
+            "fsdp+tp": {"tensor": inner, "fsdp": outer},
+            "pp": {"pipe": names[:1], "data": names[1:]},
+        }[name]
+        return cls(names, tuple(shape.values()), **{f"{r}_axes": a for r, a in roles.items()})
+
+    @classmethod
+    def from_degrees(cls, *, pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1) -> Layout:
+        """A layout of the given degrees on axes ``pipe``, ``data``, ``fsdp``, ``model``.
+
+        Axes of size 1 are left out (one device: a ``data`` axis of size 1). The planner's
+        candidates are built this way.
+
+        Args:
+          pp: Pipeline stages.
+          dp: Replicas.
+          fsdp: FSDP degree.
+          tp: Tensor-parallel degree.
+
+        Returns:
+          The layout.
+
+        Raises:
+          ValueError: If a degree is not a positive integer.
+        """
+        degrees = {"pipe": pp, "data": dp, "fsdp": fsdp, "tensor": tp}
+        for role, degree in degrees.items():
+            if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+                raise ValueError(f"The {role} degree must be a positive integer, got {degree!r}.")
+        used = {role: degree for role, degree in degrees.items() if degree > 1} or {"data": 1}
+        axes = tuple(_DEGREE_AXES[role] for role in used)
+        roles = {f"{role}_axes": (_DEGREE_AXES[role],) for role in used}
+        return cls(axes, tuple(used.values()), **roles)
+
+    @classmethod
+    def from_config(cls, config: ShardingConfig | ParallelismConfig) -> Layout:
+        """The layout a :class:`~substrax.mesh.ShardingConfig` or ``ParallelismConfig`` describes.
+
+        The mesh is the config's (``pipe``, ``data``, ``model`` for a ``ShardingConfig``): the
+        ``pipe`` axis holds stages, ``model`` is tensor parallel, and ``data`` is an FSDP axis
+        when ``fsdp_enabled`` and a replica axis otherwise.
+
+        Args:
+          config: The configuration.
+
+        Returns:
+          The layout.
+
+        Raises:
+          ValueError: If the config is not valid (``ParallelismConfig.is_valid``) or names an
+            axis other than ``pipe``, ``data`` and ``model``.
+          TypeError: For anything else.
+        """
+        if isinstance(config, ShardingConfig):
+            config = ParallelismConfig.from_sharding_config(config)
+        if not isinstance(config, ParallelismConfig):
+            raise TypeError(
+                f"Expected a ShardingConfig or ParallelismConfig, got {type(config).__name__}."
+            )
+        if not config.is_valid():
+            raise ValueError(f"{config!r} is not valid: its mesh does not realise its config.")
+        sharding = config.sharding_config
+        data_role = "fsdp" if sharding.fsdp_enabled else "data"
+        by_name = {"pipe": "pipe", "data": data_role, "model": "tensor"}
+        unknown = [a for a in config.mesh_axis_names if a not in by_name]
+        if unknown:
+            raise ValueError(
+                f"Mesh axis {unknown[0]!r} of {config.mesh_axis_names} has no role in a config "
+                f"layout; name the axes from {tuple(by_name)}."
+            )
+        roles: dict[str, tuple[str, ...]] = {}
+        for axis in config.mesh_axis_names:
+            roles[by_name[axis]] = (*roles.get(by_name[axis], ()), axis)
+        roles = {f"{role}_axes": axes for role, axes in roles.items()}
+        return cls(config.mesh_axis_names, config.mesh_shape, **roles,
+                   fsdp_min_weight_size=sharding.fsdp_min_weight_size)  # fmt: skip
+
+    # --- what follows from the roles --------------------------------------------------------
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """``{axis_name: size}``, outermost first (as ``Mesh.shape``)."""
+        return dict(zip(self.axis_names, self.axis_sizes, strict=True))
+
+    def axes_of(self, role: str) -> tuple[str, ...]:
+        """The mesh axes of a role.
+
+        Args:
+          role: One of :data:`ROLES`.
+
+        Returns:
+          The axes, outermost first.
+
+        Raises:
+          ValueError: For an unknown role.
+        """
+        if role not in ROLES:
+            raise ValueError(f"Unknown role {role!r}; choose one of {ROLES}.")
+        return getattr(self, f"{role}_axes")
+
+    def _degree(self, role: str) -> int:
+        return math.prod(self.shape[a] for a in self.axes_of(role))
+
+    @property
+    def pp(self) -> int:
+        """Pipeline stages."""
+        return self._degree("pipe")
+
+    @property
+    def dp(self) -> int:
+        """Replicas (data parallelism without parameter sharding)."""
+        return self._degree("data")
+
+    @property
+    def fsdp(self) -> int:
+        """The FSDP degree (devices each parameter's ``embed`` is split over)."""
+        return self._degree("fsdp")
+
+    @property
+    def tp(self) -> int:
+        """The tensor-parallel degree."""
+        return self._degree("tensor")
+
+    @property
+    def devices(self) -> int:
+        """The device count."""
+        return math.prod(self.axis_sizes)
+
+    def _active(self, role: str) -> bool:
+        return self._degree(role) > 1
+
+    @property
+    def name(self) -> str:
+        """The kind of layout: ``dp``, ``fsdp``, ``hsdp``, ``tp``, ``fsdp+tp``, ``pp``, ...
+
+        Roles of size 1 do not count; combinations join with ``+`` (``pp+fsdp+tp``).
+        """
+        parts = ["pp"] if self._active("pipe") else []
+        if self._active("fsdp"):
+            parts.append("hsdp" if self._active("data") else "fsdp")
+        elif self._active("data") and not self._active("tensor") and not parts:
+            parts.append("dp")
+        if self._active("tensor"):
+            parts.append("tp")
+        return "+".join(parts) or "dp"
+
+    @property
+    def label(self) -> str:
+        """Degrees such as ``"fsdp 512 x tp 8"`` (``"single device"`` for one)."""
+        degrees = (("pp", self.pp), ("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp))
+        return " x ".join(f"{k} {v}" for k, v in degrees if v > 1) or "single device"
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The mesh axes the batch's leading dimension is split over: replica and FSDP axes."""
+        return tuple(a for a in self.axis_names if a in self.data_axes + self.fsdp_axes)
+
+    @property
+    def param_rules(self) -> MeshRules:
+        """How parameters are stored, as rules.
+
+        ``embed`` over the FSDP axes, ``heads``, ``kv_heads``, ``mlp`` and ``vocab`` over the
+        tensor axes, ``layers`` over the stage axes, ``data`` and ``batch`` over the batch axes;
+        ``kv`` (head width) replicated.
+        """
+        table: dict[str, tuple[str, ...]] = {name: () for name in _NAMES}
+        for role, names in _ROLE_NAMES.items():
+            table.update((name, self.axes_of(role)) for name in names)
+        table["data"] = table["batch"] = self.batch_axes
+        return MeshRules().extend(**{k: v or None for k, v in table.items()})
+
+    @property
+    def compute_rules(self) -> MeshRules:
+        """How parameters and activations look where they are used, as rules.
+
+        The parameter rules gathered over the FSDP axes
+        (:meth:`~substrax.mesh.MeshRules.gathered_over`), so a step gathers each parameter once.
+        """
+        return self.param_rules.gathered_over(self.fsdp_axes)
+
+    def strategy(self) -> FSDPStrategy | TensorParallelStrategy | MultiDimensionalStrategy | None:
+        """The strategy for variables without logical names.
+
+        FSDP axes shard the first dimension (:class:`~substrax.mesh.FSDPStrategy`, threshold
+        ``fsdp_min_weight_size``), tensor axes split layers as
+        :class:`~substrax.mesh.TensorParallelStrategy` does; both merge into a
+        :class:`~substrax.mesh.MultiDimensionalStrategy`. Replica and stage axes shard no
+        unannotated variable.
+
+        Returns:
+          The strategy, or None when no axis shards parameters.
+        """
+        index = {a: i for i, a in enumerate(self.axis_names)}
+        parts: dict[str, Any] = {}
+        for axis in self.fsdp_axes:
+            parts[f"fsdp/{axis}"] = FSDPStrategy(axis, index[axis], self.fsdp_min_weight_size)
+        for axis in self.tensor_axes:
+            parts[f"tensor/{axis}"] = TensorParallelStrategy(axis, index[axis])
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return next(iter(parts.values()))
+        config = ParallelismConfig(self.axis_sizes, self.axis_names, self.sharding_config())
+        return MultiDimensionalStrategy(parts, config)
+
+    def sharding_config(self) -> ShardingConfig:
+        """The layout's degrees as a :class:`~substrax.mesh.ShardingConfig`.
+
+        Returns:
+          ``data_parallel_size`` = replicas x FSDP degree, ``fsdp_enabled`` when FSDP > 1.
+        """
+        return ShardingConfig(
+            data_parallel_size=self.dp * self.fsdp,
+            tensor_parallel_size=self.tp,
+            pipeline_parallel_size=self.pp,
+            fsdp_enabled=self.fsdp > 1,
+            fsdp_min_weight_size=self.fsdp_min_weight_size,
+        )
+
+    def make_mesh(self, devices: Sequence[Any] | None = None) -> Mesh:
+        """A device mesh of this layout's shape (Auto axes).
+
+        Args:
+          devices: The devices; the first ``devices`` count of ``jax.devices()`` when None.
+
+        Returns:
+          The mesh.
+
+        Raises:
+          ValueError: If there are not enough devices.
+        """
+        if devices is None:
+            import jax
+
+            available = jax.devices()
+            if len(available) < self.devices:
+                raise ValueError(
+                    f"Layout {self.label} needs {self.devices} devices; {len(available)} are "
+                    "visible."
+                )
+            devices = available[: self.devices]
+        return DeviceMeshManager.create_device_mesh(self.shape, devices)
+
+    def check_mesh(self, mesh: Mesh) -> None:
+        """Checks that ``mesh`` has this layout's axes and sizes.
+
+        Args:
+          mesh: The mesh.
+
+        Raises:
+          ValueError: If the axes or sizes differ.
+        """
+        if _shape_of(mesh) != self.shape:
+            raise ValueError(
+                f"The mesh {_shape_of(mesh)} is not the layout's {self.shape} ({self.name})."
+            )
+
+    def __str__(self) -> str:
+        roles = ", ".join(f"{r}={self.axes_of(r)}" for r in ROLES if self.axes_of(r))
+        return f"Layout {self.name} on {self.shape} ({roles})"

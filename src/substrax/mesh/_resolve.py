@@ -1,0 +1,264 @@
+"""The one resolver: logical names (or a strategy's proposal) to a PartitionSpec, with reasons.
+
+Every part of substrax that turns names into specs comes here: :meth:`MeshRules.resolve`,
+:func:`partition_spec_for_names`, the strategies, the Flax adapter, the planner and the
+pipeline. The policy, in one place:
+
+1. A logical name repeated within one array is an error; an unknown name is an error, or
+   (``unknown_names="replicate"``) a replicated dimension with an ``unknown_name`` reason.
+2. Dimensions are resolved in order. A mesh axis shards at most one dimension: an axis that an
+   earlier dimension already holds is left out (``axis_used``; a tuple rule keeps its other
+   axes), as Flax Linen's ``logical_to_mesh_axes`` does (first wins).
+3. With a shape and a mesh, a dimension keeps the longest prefix of its remaining axes whose
+   product divides it (``indivisible`` names the axes left out). An axis left out for
+   divisibility stays free for later dimensions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from jax.sharding import PartitionSpec
+
+__all__ = [
+    "REASON_KINDS",
+    "Reason",
+    "Resolution",
+    "UnknownNames",
+    "as_axes",
+    "axis_sizes",
+    "resolve_axes",
+    "resolve_names",
+    "spec_entry",
+]
+
+UnknownNames = Literal["error", "replicate"]
+
+#: Why a dimension is not sharded as asked. ``unknown_name``: the rules do not know the
+#: logical name; ``unmapped``: its rule maps it to no mesh axis; ``axis_used``: an earlier
+#: dimension holds the mesh axis; ``indivisible``: the dimension does not divide the axes;
+#: ``below_threshold``: a strategy's size threshold; ``by_design``: the strategy never shards
+#: such an array; ``no_annotation``: neither logical names nor a strategy; ``drifted``: a live
+#: array's sharding differs from its plan.
+REASON_KINDS = (
+    "unknown_name",
+    "unmapped",
+    "axis_used",
+    "indivisible",
+    "below_threshold",
+    "by_design",
+    "no_annotation",
+    "drifted",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Reason:
+    """Why one dimension (or a whole array) is not sharded as asked.
+
+    Attributes:
+      kind: One of :data:`REASON_KINDS`.
+      dim: The dimension, or None when the reason is about the whole array.
+      logical_name: The dimension's logical name, if it has one.
+      axes: The mesh axes that were asked for but not applied.
+      detail: The explanation in words.
+    """
+
+    kind: str
+    dim: int | None
+    logical_name: str | None
+    axes: tuple[str, ...]
+    detail: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in REASON_KINDS:
+            raise ValueError(f"Unknown reason kind {self.kind!r}; valid: {REASON_KINDS}.")
+
+    def __str__(self) -> str:
+        if self.dim is None:
+            return self.detail
+        name = f" ({self.logical_name})" if self.logical_name else ""
+        return f"dim {self.dim}{name}: {self.detail}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolution:
+    """The spec of one array, and why any dimension is not sharded as asked.
+
+    Attributes:
+      spec: The PartitionSpec, one entry per dimension.
+      reasons: One :class:`Reason` per dimension (or array) left replicated, or partly so.
+      requested: The mesh axes asked for, per dimension, before any were left out.
+    """
+
+    spec: PartitionSpec
+    reasons: tuple[Reason, ...] = ()
+    requested: tuple[tuple[str, ...], ...] = ()
+
+    def of_kind(self, *kinds: str) -> tuple[Reason, ...]:
+        """The reasons of the given kinds.
+
+        Args:
+          *kinds: Kinds from :data:`REASON_KINDS`.
+
+        Returns:
+          The matching reasons, in dimension order.
+        """
+        return tuple(reason for reason in self.reasons if reason.kind in kinds)
+
+
+def as_axes(entry: Any) -> tuple[str, ...]:
+    """A spec entry or rule value (None, an axis name, or a tuple of names) as a tuple."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_entry(axes: Sequence[str]) -> Any:
+    """The PartitionSpec entry for ``axes``: None, one name, or a tuple of names."""
+    axes = tuple(axes)
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def axis_sizes(mesh: Any) -> dict[str, int]:
+    """``{axis_name: size}`` of a ``Mesh``, an ``AbstractMesh`` or a mapping."""
+    shape = mesh if isinstance(mesh, Mapping) else dict(mesh.shape)
+    return {name: int(size) for name, size in shape.items()}
+
+
+def _divisible_prefix(size: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
+    """How many leading ``axes`` have a product that divides ``size``."""
+    for end in range(len(axes), 0, -1):
+        if size % math.prod(sizes[a] for a in axes[:end]) == 0:
+            return end
+    return 0
+
+
+def resolve_axes(
+    requested: Sequence[Sequence[str]],
+    shape: Sequence[int] | None = None,
+    mesh: Any = None,
+    *,
+    names: Sequence[str | None] | None = None,
+    reasons: Sequence[Reason] = (),
+) -> Resolution:
+    """The spec of an array whose dimensions ask for ``requested`` mesh axes.
+
+    Applies the policy of the module docstring: first wins, then (with ``shape`` and ``mesh``)
+    the longest divisible prefix.
+
+    Args:
+      requested: Mesh axes asked for, one tuple per dimension (empty: replicated).
+      shape: The array's shape; None skips the divisibility check.
+      mesh: A ``Mesh``, ``AbstractMesh`` or ``{axis: size}``; needed with ``shape``.
+      names: Logical names per dimension, for the reasons.
+      reasons: Reasons found before (unknown names, a strategy's choices), kept first.
+
+    Returns:
+      The :class:`Resolution`.
+
+    Raises:
+      ValueError: If ``shape`` and ``requested`` differ in length, or an axis is not in
+        ``mesh``.
+    """
+    requested = tuple(tuple(axes) for axes in requested)
+    sizes = axis_sizes(mesh) if mesh is not None else None
+    if shape is not None and len(shape) != len(requested):
+        raise ValueError(f"{len(requested)} dimensions requested for shape {tuple(shape)}.")
+    used: set[str] = set()
+    entries, found = [], list(reasons)
+    for dim, axes in enumerate(requested):
+        name = names[dim] if names is not None else None
+        free = tuple(a for a in axes if a not in used)
+        if len(free) < len(axes):
+            taken = tuple(a for a in axes if a in used)
+            detail = f"mesh axes {taken} already shard an earlier dimension"
+            found.append(Reason("axis_used", dim, name, taken, detail))
+        kept = free
+        if shape is not None and sizes is not None and free:
+            _check_axes(free, sizes)
+            kept = free[: _divisible_prefix(int(shape[dim]), free, sizes)]
+            if len(kept) < len(free):
+                product = math.prod(sizes[a] for a in free)
+                found.append(Reason("indivisible", dim, name, free[len(kept):],
+                                    f"{shape[dim]} is not divisible by mesh axes {free} of size "
+                                    f"{product}; {free[len(kept):]} left out"))  # fmt: skip
+        used.update(kept)
+        entries.append(spec_entry(kept))
+    return Resolution(PartitionSpec(*entries), tuple(found), requested)
+
+
+def _check_axes(axes: tuple[str, ...], sizes: Mapping[str, int]) -> None:
+    missing = [a for a in axes if a not in sizes]
+    if missing:
+        raise ValueError(
+            f"Mesh axis {missing[0]!r} is not in the mesh; its axes are {tuple(sizes)}."
+        )
+
+
+def resolve_names(
+    table: Mapping[str, Any],
+    names: Sequence[str | None],
+    shape: Sequence[int] | None = None,
+    mesh: Any = None,
+    *,
+    unknown_names: UnknownNames = "error",
+    where: str = "",
+) -> Resolution:
+    """The spec of an array whose dimensions have logical ``names``, through a rule table.
+
+    Args:
+      table: Logical name to mesh axes (``MeshRules.as_dict()``).
+      names: One logical name (or None) per dimension.
+      shape: The array's shape; None skips the rank and divisibility checks.
+      mesh: A ``Mesh``, ``AbstractMesh`` or ``{axis: size}``; needed with ``shape``.
+      unknown_names: ``"error"`` raises on a name ``table`` lacks; ``"replicate"`` leaves that
+        dimension replicated with an ``unknown_name`` reason.
+      where: What the array is, for error messages (such as ``"Variable 'w'"``).
+
+    Returns:
+      The :class:`Resolution`.
+
+    Raises:
+      ValueError: If a name is repeated, unknown (with ``unknown_names="error"``), or the
+        names and shape differ in length.
+    """
+    if unknown_names not in ("error", "replicate"):
+        raise ValueError(f"unknown_names must be 'error' or 'replicate', got {unknown_names!r}.")
+    names = tuple(names)
+    prefix = f"{where}: " if where else ""
+    if shape is not None and len(names) != len(shape):
+        raise ValueError(
+            f"{prefix}{len(names)} logical names {names} for shape {tuple(shape)} "
+            f"({len(shape)} dimensions); give one name (or None) per dimension."
+        )
+    named = [n for n in names if n is not None]
+    repeated = sorted({n for n in named if named.count(n) > 1})
+    if repeated:
+        raise ValueError(
+            f"{prefix}Logical axis name {repeated[0]!r} appears more than once in {names}; "
+            "each dimension of an array needs its own name."
+        )
+    requested, reasons = [], []
+    for dim, name in enumerate(names):
+        if name is not None and name not in table:
+            if unknown_names == "error":
+                raise ValueError(
+                    f"{prefix}Unknown logical axis name {name!r}. Known names: {list(table)}. "
+                    f"Add it with rules.extend({name}=<mesh axis or None>), or pass "
+                    f"unknown_names='replicate' (dim {dim} of {names})."
+                )
+            detail = f"logical name {name!r} is not in the rules (rules.extend({name}=...))"
+            reasons.append(Reason("unknown_name", dim, name, (), detail))
+            requested.append(())
+            continue
+        axes = as_axes(table[name]) if name is not None else ()
+        if name is not None and not axes:
+            reasons.append(Reason("unmapped", dim, name, (), "its rule maps it to no mesh axis"))
+        requested.append(axes)
+    return resolve_axes(requested, shape, mesh, names=names, reasons=reasons)
