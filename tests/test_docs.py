@@ -9,6 +9,7 @@ import substrax
 import substrax.distributed
 import substrax.hlo
 import substrax.launch
+import substrax.layout
 import substrax.mesh
 import substrax.pipeline
 import substrax.planner
@@ -19,6 +20,7 @@ API = "\n".join(path.read_text() for path in (ROOT / "docs" / "api").glob("*.md"
 MODULES = [
     substrax,
     substrax.mesh,
+    substrax.layout,
     substrax.spmd,
     substrax.hlo,
     substrax.launch,
@@ -48,7 +50,14 @@ def test_every_public_name_is_in_the_api_reference(module):
 def test_every_adapter_name_is_in_the_api_reference():
     import substrax_flax
 
+    import substrax_flax.planner
+
     missing = [n for n in substrax_flax.__all__ if f"::: substrax_flax.{n}\n" not in API + "\n"]
+    missing += [
+        n
+        for n in substrax_flax.planner.__all__
+        if f"::: substrax_flax.planner.{n}\n" not in API + "\n"
+    ]
     assert missing == []
 
 

@@ -21,10 +21,10 @@ import time
 
 from substrax.distributed import ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
-__all__ = ["free_port", "launch", "main"]
+__all__ = ["launch", "main"]
 
 
-def free_port() -> int:
+def _free_port() -> int:
     """A TCP port on 127.0.0.1 that is free now.
 
     Returns:
@@ -82,7 +82,7 @@ def launch(
             f"num_processes and devices_per_process must be positive, got {num_processes} "
             f"and {devices_per_process}."
         )
-    base = {**os.environ, ENV_COORDINATOR: f"127.0.0.1:{free_port()}"}
+    base = {**os.environ, ENV_COORDINATOR: f"127.0.0.1:{_free_port()}"}
     base[ENV_NUM_PROCESSES] = str(num_processes)
     if devices_per_process is not None:
         base[ENV_CPU_DEVICES] = str(devices_per_process)

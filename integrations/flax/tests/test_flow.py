@@ -104,3 +104,22 @@ def test_the_default_step_gathers_each_fsdp_parameter_once():
     gathers = [c for c in collectives(hlo) if c.kind == "all-gather"]
     assert len(gathers) == len(sharded)
     assert sf.sharding_report(model).row("head").spec == P("data", None)
+
+
+def test_a_strategy_planned_model_is_gathered_once_too():
+    """No annotations: the layout's strategy shards, and the default step still gathers once."""
+    import dataclasses
+
+    from flax_test_models import Plain, features, regression_loss
+
+    from substrax.hlo import collectives
+
+    layout = dataclasses.replace(Layout.named("fsdp", {"data": 8}), fsdp_min_weight_size=8)
+    model = sf.create_sharded_model(lambda: Plain(nnx.Rngs(0)), layout=layout)
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-3))
+    step = sf.make_train_step(regression_loss)
+    hlo = step.lower(model, optimizer, features()).compile().as_text()
+    sharded = [row for row in sf.sharding_report(model).rows if any(row.spec)]
+    assert len(sharded) >= 4 and all(row.rule == "FSDPStrategy" for row in sharded)
+    gathers = [c for c in collectives(hlo) if c.kind == "all-gather"]
+    assert len(gathers) == len(sharded)

@@ -91,3 +91,31 @@ def test_bad_configuration():
                                        num_microbatches=4)  # fmt: skip
     with pytest.raises(ValueError, match="no attribute 'layers' holding the layer stack"):
         step(model, optimizer, tokens())
+
+
+def test_one_step_trains_two_models_each_with_its_own_pipeline(reference):
+    mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
+    rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
+    step = sf.make_pipeline_train_step(
+        embed, block, head, mesh, rules, stack="blocks", num_microbatches=4
+    )
+    runs = {}
+    for layers in (4, 8):
+        model = sf.create_sharded_model(_factory(layers), mesh, rules)
+        runs[layers] = model, sf.create_sharded_optimizer(model, optax.adamw(1e-2))
+    losses = {4: [], 8: []}
+    for i in range(3):  # interleaved: building the second model's step must not touch the first's
+        for layers, (model, optimizer) in runs.items():
+            losses[layers].append(float(step(model, optimizer, tokens(seed=i))["loss"]))
+    for layers in (4, 8):
+        np.testing.assert_allclose(losses[layers], reference[layers][0], rtol=1e-5)
+
+
+def test_a_pipeline_is_immutable():
+    from substrax.mesh import PipelineParallelStrategy
+    from substrax.pipeline import Pipeline
+
+    mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
+    pipe = Pipeline(block, head, mesh, PipelineParallelStrategy("pipe", 0, 4), num_microbatches=4)
+    with pytest.raises(AttributeError, match="A Pipeline is immutable"):
+        pipe.layer_fn = embed

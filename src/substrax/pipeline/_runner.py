@@ -23,7 +23,6 @@ Uneven layer counts are padded with masked identity layers whose gradients are e
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -31,39 +30,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from substrax.mesh import PipelineParallelStrategy
+from substrax.pipeline._layout import StageLayout
+from substrax.pipeline._schedule import Schedule, ScheduleSlot
 
-__all__ = ["SCHEDULES", "Pipeline", "ScheduleSlot"]
-
-SCHEDULES = ("gpipe", "1f1b", "circular")
-"""The schedules :class:`Pipeline` runs."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleSlot:
-    """One unit of work of a schedule: what a stage does at a tick.
-
-    Attributes:
-      tick: The tick (time step) of the loop.
-      stage: The stage.
-      op: ``"forward"`` or ``"backward"``.
-      microbatch: The microbatch.
-      repeat: The round of the ring (circular schedules; 0 otherwise).
-    """
-
-    tick: int
-    stage: int
-    op: str
-    microbatch: int
-    repeat: int = 0
+__all__ = ["Pipeline"]
 
 
-def _balanced(num_layers: int, parts: int) -> list[int]:
-    base, extra = divmod(num_layers, parts)
-    return [base + (1 if p < extra else 0) for p in range(parts)]
+def _or_minus_one(dim: int | None) -> int:
+    return -1 if dim is None else dim
 
 
 class Pipeline:
@@ -113,26 +90,13 @@ class Pipeline:
             with fewer microbatches than stages, data axes that are not mesh axes, or an
             ``fsdp_axis`` that is not one of them.
         """
-        if schedule not in SCHEDULES:
-            raise ValueError(f"Unknown schedule {schedule!r}; choose one of {SCHEDULES}.")
         stage_size = dict(mesh.shape).get(strategy.axis_name)
         if stage_size != strategy.num_stages:
             raise ValueError(
                 f"The strategy has {strategy.num_stages} stages but mesh axis "
                 f"{strategy.axis_name!r} has size {stage_size} (mesh axes {dict(mesh.shape)})."
             )
-        if num_microbatches < 1 or repeats < 1:
-            raise ValueError(
-                f"num_microbatches and repeats must be positive, got {num_microbatches} and "
-                f"{repeats}."
-            )
-        if repeats != 1 and schedule != "circular":
-            raise ValueError(f"repeats={repeats} needs schedule='circular', not {schedule!r}.")
-        if schedule == "circular" and repeats > 1 and num_microbatches < strategy.num_stages:
-            raise ValueError(
-                f"A circular schedule needs at least as many microbatches as stages: got "
-                f"{num_microbatches} microbatches for {strategy.num_stages} stages."
-            )
+        timetable = Schedule(schedule, strategy.num_stages, num_microbatches, repeats)
         data_axes = tuple(data_axes)
         bad = [a for a in data_axes if a not in mesh.axis_names or a == strategy.axis_name]
         if bad:
@@ -140,16 +104,35 @@ class Pipeline:
                 f"data_axes {data_axes} must be mesh axes other than the stage axis "
                 f"{strategy.axis_name!r}; the mesh has {tuple(mesh.axis_names)}."
             )
-        self.layer_fn, self.loss_fn = layer_fn, loss_fn
-        self.mesh, self.strategy, self.stage_axis = mesh, strategy, strategy.axis_name
-        self.num_stages, self.num_microbatches = strategy.num_stages, num_microbatches
-        self.schedule, self.repeats, self.remat = schedule, repeats, remat
         if fsdp_axis is not None and fsdp_axis not in data_axes:
             raise ValueError(f"fsdp_axis {fsdp_axis!r} must be one of data_axes {data_axes}.")
-        self.data_axes, self.fsdp_axis = data_axes, fsdp_axis
-        self.data_size = math.prod(dict(mesh.shape)[a] for a in data_axes)
+        fields = {
+            "layer_fn": layer_fn,
+            "loss_fn": loss_fn,
+            "mesh": mesh,
+            "strategy": strategy,
+            "stage_axis": strategy.axis_name,
+            "num_stages": strategy.num_stages,
+            "num_microbatches": num_microbatches,
+            "schedule": schedule,
+            "repeats": repeats,
+            "remat": remat,
+            "data_axes": data_axes,
+            "fsdp_axis": fsdp_axis,
+            "data_size": math.prod(dict(mesh.shape)[a] for a in data_axes),
+            "timetable": timetable,
+            "layout": StageLayout(mesh, strategy, repeats, fsdp_axis),
+        }
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
-    # --- layer assignment -------------------------------------------------------------------
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"A Pipeline is immutable (tried to set {name!r}); build a new one for other "
+            "functions or settings."
+        )
+
+    # --- layer assignment (StageLayout) -------------------------------------------------------
 
     def layer_counts(self, num_layers: int) -> list[list[int]]:
         """Layers per stage and repeat: ``counts[stage][repeat]``.
@@ -167,33 +150,7 @@ class Pipeline:
         Raises:
           ValueError: If there are fewer layers than chunks.
         """
-        chunks = self.num_stages * self.repeats
-        if self.repeats == 1:
-            counts = self.strategy.assign_layers_to_stages(num_layers)
-        elif num_layers < chunks:
-            raise ValueError(
-                f"Cannot split {num_layers} layers into {chunks} chunks ({self.num_stages} "
-                f"stages x {self.repeats} repeats): every chunk needs a layer."
-            )
-        else:
-            counts = _balanced(num_layers, chunks)
-        return [[counts[r * self.num_stages + s] for r in range(self.repeats)]
-                for s in range(self.num_stages)]  # fmt: skip
-
-    def _slots(self, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
-        """Layer index of every padded slot ``[S, R, Lc]`` (padding: 0) and its mask."""
-        counts = self.layer_counts(num_layers)
-        width = max(c for stage in counts for c in stage)
-        index = np.zeros((self.num_stages, self.repeats, width), np.int32)
-        mask = np.zeros((self.num_stages, self.repeats, width), bool)
-        start = 0
-        for r in range(self.repeats):
-            for s in range(self.num_stages):
-                count = counts[s][r]
-                index[s, r, :count] = np.arange(start, start + count)
-                mask[s, r, :count] = True
-                start += count
-        return index, mask
+        return self.layout.layer_counts(num_layers)
 
     def stack(self, params: Any) -> tuple[Any, jax.Array]:
         """Pads and places a layer stack for the pipeline.
@@ -209,16 +166,7 @@ class Pipeline:
         Raises:
           ValueError: If the leaves disagree on the layer count.
         """
-        counts = {leaf.shape[0] for leaf in jax.tree.leaves(params)}
-        if len(counts) != 1:
-            raise ValueError(f"Every parameter needs the same leading layer axis, got {counts}.")
-        index, mask = self._slots(counts.pop())
-        sharding = NamedSharding(self.mesh, PartitionSpec(self.stage_axis))
-        padded = jax.tree.map(
-            lambda a: jax.device_put(jnp.asarray(a)[index], self._param_sharding(a.shape[1:])),
-            params,
-        )
-        return padded, jax.device_put(jnp.asarray(mask), sharding)
+        return self.layout.stack(params)
 
     def fsdp_dim(self, layer_shape: Sequence[int]) -> int | None:
         """The per-layer dimension that FSDP shards for a parameter of ``layer_shape``.
@@ -227,32 +175,10 @@ class Pipeline:
           layer_shape: One layer's shape of the parameter.
 
         Returns:
-          The first dimension the ``fsdp_axis`` size divides, or None (kept whole, or no FSDP).
+          The first dimension the ``fsdp_axis`` size divides (substrax's one resolver decides),
+          or None (kept whole, or no FSDP).
         """
-        if self.fsdp_axis is None:
-            return None
-        size = dict(self.mesh.shape)[self.fsdp_axis]
-        return next((d for d, n in enumerate(layer_shape) if n % size == 0 and n >= size), None)
-
-    def _param_spec(self, layer_shape: Sequence[int]) -> PartitionSpec:
-        dim = self.fsdp_dim(layer_shape)
-        if dim is None:
-            return PartitionSpec(self.stage_axis)
-        return PartitionSpec(self.stage_axis, None, None, *([None] * dim), self.fsdp_axis)
-
-    def _param_sharding(self, layer_shape: Sequence[int]) -> NamedSharding:
-        return NamedSharding(self.mesh, self._param_spec(layer_shape))
-
-    def _gather(self, params: Any) -> Any:
-        """Inside the map: every parameter whole along its FSDP dimension, once, before the loop."""
-
-        def gather(a):
-            dim = self.fsdp_dim(a.shape[3:])
-            if dim is None:
-                return a
-            return jax.lax.all_gather(a, self.fsdp_axis, axis=3 + dim, tiled=True)
-
-        return jax.tree.map(gather, params)
+        return self.layout.fsdp_dim(layer_shape)
 
     def unstack(self, padded: Any, num_layers: int) -> Any:
         """The inverse of :meth:`stack`: ``[S, R, Lc, ...]`` back to ``[L, ...]``.
@@ -264,20 +190,14 @@ class Pipeline:
         Returns:
           The pytree with leading layer axis ``L``; padding slots are dropped.
         """
-        index, mask = self._slots(num_layers)
-        order = np.argsort(np.where(mask, index, num_layers).reshape(-1), kind="stable")
-        keep = order[:num_layers]
-        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:])[keep], padded)
+        return self.layout.unstack(padded, num_layers)
 
-    # --- schedules --------------------------------------------------------------------------
+    # --- schedules (Schedule) ---------------------------------------------------------------
 
     @property
     def num_ticks(self) -> int:
         """Ticks of the pipeline loop."""
-        stages, micro = self.num_stages, self.num_microbatches
-        if self.schedule == "1f1b":
-            return micro + 2 * (stages - 1)
-        return self.repeats * micro + stages - 1
+        return self.timetable.num_ticks
 
     def schedule_table(self) -> list[ScheduleSlot]:
         """Every unit of work of the schedule, in tick order.
@@ -287,20 +207,7 @@ class Pipeline:
         Returns:
           The slots.
         """
-        stages, micro = self.num_stages, self.num_microbatches
-        slots = []
-        for tick in range(self.num_ticks):
-            for stage in range(stages):
-                if self.schedule == "1f1b":
-                    if 0 <= tick - stage < micro:
-                        slots.append(ScheduleSlot(tick, stage, "forward", tick - stage))
-                    back = tick - 2 * (stages - 1) + stage
-                    if 0 <= back < micro:
-                        slots.append(ScheduleSlot(tick, stage, "backward", back))
-                elif 0 <= tick - stage < self.repeats * micro:
-                    item = tick - stage
-                    slots.append(ScheduleSlot(tick, stage, "forward", item % micro, item // micro))
-        return slots
+        return self.timetable.table()
 
     def idle_fraction(self) -> float:
         """The share of (stage, tick, op) slots with no work, counted from the schedule table.
@@ -313,8 +220,7 @@ class Pipeline:
         Returns:
           The idle fraction.
         """
-        per_tick = 2 if self.schedule == "1f1b" else 1
-        return 1 - len(self.schedule_table()) / (self.num_ticks * self.num_stages * per_tick)
+        return self.timetable.idle_fraction()
 
     # --- running ----------------------------------------------------------------------------
 
@@ -372,7 +278,7 @@ class Pipeline:
 
     def _specs(self, padded: Any) -> tuple[Any, PartitionSpec, PartitionSpec]:
         data = self.data_axes if len(self.data_axes) != 1 else self.data_axes[0]
-        param_spec = jax.tree.map(lambda a: self._param_spec(a.shape[3:]), padded)
+        param_spec = jax.tree.map(lambda a: self.layout.param_spec(a.shape[3:]), padded)
         return param_spec, PartitionSpec(self.stage_axis), PartitionSpec(None, data or None)
 
     def _vary(self, tree: Any) -> Any:
@@ -397,7 +303,11 @@ class Pipeline:
         return jax.tree.map(cast, tree)
 
     def _reduce_grad(self, grad: jax.Array) -> jax.Array:
-        """Sums a ``[Lc, ...]`` gradient over the data axes, scattering it back over FSDP."""
+        """Sums a ``[Lc, ...]`` gradient over the data axes, scattering it back over FSDP.
+
+        The gradient is whole along its FSDP dimension (the layers were gathered), so its
+        shape is the global one the FSDP dimension was chosen from.
+        """
         dim = self.fsdp_dim(grad.shape[1:])
         others = tuple(a for a in self.data_axes if dim is None or a != self.fsdp_axis)
         grad = jax.lax.psum(grad, others) if others else grad
@@ -417,8 +327,10 @@ class Pipeline:
         head_spec = jax.tree.map(lambda _: PartitionSpec(), head)
         if callable(out_specs):
             out_specs = out_specs(param_spec, head_spec, batch_spec)
+        # FSDP dimensions from the global shapes (a local shard's shape can divide differently)
+        dims = jax.tree.map(lambda a: _or_minus_one(self.fsdp_dim(a.shape[3:])), padded)
         return jax.shard_map(
-            body,
+            functools.partial(body, dims=dims),
             mesh=self.mesh,
             in_specs=(param_spec, mask_spec, batch_spec, batch_spec, head_spec),
             out_specs=out_specs,
@@ -461,8 +373,18 @@ class Pipeline:
         run = self._shard_map(self._forward_loop, padded, head, PartitionSpec())
         return run(padded, mask, xs, ts, head)
 
-    def _forward_loop(self, params, mask, xs, targets, head):
-        params = self._vary(jax.tree.map(lambda a: a[0], self._gather(params)))
+    def _gather(self, params: Any, dims: Any) -> Any:
+        """Inside the map: each parameter whole along its FSDP dimension (-1: none), once."""
+
+        def gather(a, dim):
+            if dim < 0:
+                return a
+            return jax.lax.all_gather(a, self.fsdp_axis, axis=3 + dim, tiled=True)
+
+        return jax.tree.map(gather, params, dims)
+
+    def _forward_loop(self, params, mask, xs, targets, head, *, dims):
+        params = self._vary(jax.tree.map(lambda a: a[0], self._gather(params, dims)))
         mask, stages, micro, repeats = mask[0], self.num_stages, self.num_microbatches, self.repeats
         stage = jax.lax.axis_index(self.stage_axis)
         pattern = self.strategy.get_forward_communication_pattern()
@@ -574,8 +496,8 @@ class Pipeline:
         )
         return value, grads
 
-    def _one_f_one_b(self, params, mask, xs, targets, head):
-        params = self._vary(jax.tree.map(lambda a: a[0, 0], self._gather(params)))
+    def _one_f_one_b(self, params, mask, xs, targets, head, *, dims):
+        params = self._vary(jax.tree.map(lambda a: a[0, 0], self._gather(params, dims)))
         head = self._varying(head)
         mask, stages, micro = mask[0, 0], self.num_stages, self.num_microbatches
         stage = jax.lax.axis_index(self.stage_axis)

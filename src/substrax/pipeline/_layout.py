@@ -1,0 +1,131 @@
+"""Where each layer of a stack lives in a pipeline: stage, round, slot, and its FSDP dimension."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from substrax.mesh import PipelineParallelStrategy
+from substrax.mesh._resolve import resolve_axes
+
+__all__ = ["StageLayout"]
+
+
+def _balanced(num_layers: int, parts: int) -> list[int]:
+    base, extra = divmod(num_layers, parts)
+    return [base + (1 if p < extra else 0) for p in range(parts)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StageLayout:
+    """A layer stack laid out as ``[stages, rounds, slots, ...]`` over the stage axis.
+
+    Attributes:
+      mesh: The mesh.
+      strategy: Names the stage axis and the number of stages.
+      repeats: Rounds of the ring (circular schedules; 1 otherwise).
+      fsdp_axis: A mesh axis over which each layer's parameters are also sharded, or None.
+    """
+
+    mesh: Mesh
+    strategy: PipelineParallelStrategy
+    repeats: int = 1
+    fsdp_axis: str | None = None
+
+    @property
+    def stage_axis(self) -> str:
+        """The mesh axis of the stages."""
+        return self.strategy.axis_name
+
+    @property
+    def num_stages(self) -> int:
+        """The number of stages."""
+        return self.strategy.num_stages
+
+    def layer_counts(self, num_layers: int) -> list[list[int]]:
+        """Layers per stage and repeat: ``counts[stage][repeat]`` (see ``Pipeline``)."""
+        chunks = self.num_stages * self.repeats
+        if self.repeats == 1:
+            counts = self.strategy.assign_layers_to_stages(num_layers)
+        elif num_layers < chunks:
+            raise ValueError(
+                f"Cannot split {num_layers} layers into {chunks} chunks ({self.num_stages} "
+                f"stages x {self.repeats} repeats): every chunk needs a layer."
+            )
+        else:
+            counts = _balanced(num_layers, chunks)
+        return [[counts[r * self.num_stages + s] for r in range(self.repeats)]
+                for s in range(self.num_stages)]  # fmt: skip
+
+    def slots(self, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer index of every padded slot ``[S, R, Lc]`` (padding: 0) and its mask."""
+        counts = self.layer_counts(num_layers)
+        width = max(c for stage in counts for c in stage)
+        index = np.zeros((self.num_stages, self.repeats, width), np.int32)
+        mask = np.zeros((self.num_stages, self.repeats, width), bool)
+        start = 0
+        for r in range(self.repeats):
+            for s in range(self.num_stages):
+                count = counts[s][r]
+                index[s, r, :count] = np.arange(start, start + count)
+                mask[s, r, :count] = True
+                start += count
+        return index, mask
+
+    def stack(self, params: Any) -> tuple[Any, jax.Array]:
+        """Pads and places a layer stack (see ``Pipeline.stack``)."""
+        counts = {leaf.shape[0] for leaf in jax.tree.leaves(params)}
+        if len(counts) != 1:
+            raise ValueError(f"Every parameter needs the same leading layer axis, got {counts}.")
+        index, mask = self.slots(counts.pop())
+        sharding = NamedSharding(self.mesh, PartitionSpec(self.stage_axis))
+        padded = jax.tree.map(
+            lambda a: jax.device_put(
+                jnp.asarray(a)[index], NamedSharding(self.mesh, self.param_spec(a.shape[1:]))
+            ),
+            params,
+        )
+        return padded, jax.device_put(jnp.asarray(mask), sharding)
+
+    def unstack(self, padded: Any, num_layers: int) -> Any:
+        """``[S, R, Lc, ...]`` back to ``[L, ...]``, padding slots dropped."""
+        index, mask = self.slots(num_layers)
+        order = np.argsort(np.where(mask, index, num_layers).reshape(-1), kind="stable")
+        keep = order[:num_layers]
+        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:])[keep], padded)
+
+    def fsdp_dim(self, layer_shape: Sequence[int]) -> int | None:
+        """The per-layer dimension FSDP shards: the first the ``fsdp_axis`` divides, or None.
+
+        This is substrax's one resolver asked to put the FSDP axis on every dimension: the
+        first dimension that it divides keeps it.
+        """
+        if self.fsdp_axis is None or not layer_shape:
+            return None
+        proposal = [(self.fsdp_axis,)] * len(layer_shape)
+        spec = resolve_axes(proposal, tuple(layer_shape), self.mesh).spec
+        return next((d for d, entry in enumerate(spec) if entry is not None), None)
+
+    def param_spec(self, layer_shape: Sequence[int]) -> PartitionSpec:
+        """The spec of a padded ``[S, R, Lc, *layer_shape]`` parameter."""
+        dim = self.fsdp_dim(layer_shape)
+        if dim is None:
+            return PartitionSpec(self.stage_axis)
+        return PartitionSpec(self.stage_axis, None, None, *([None] * dim), self.fsdp_axis)
+
+    def gather(self, params: Any) -> Any:
+        """Inside the map: every parameter whole along its FSDP dimension, once."""
+
+        def gather(a):
+            dim = self.fsdp_dim(a.shape[3:])
+            if dim is None:
+                return a
+            return jax.lax.all_gather(a, self.fsdp_axis, axis=3 + dim, tiled=True)
+
+        return jax.tree.map(gather, params)
