@@ -49,7 +49,6 @@ def test_every_public_name_is_in_the_api_reference(module):
 
 def test_every_adapter_name_is_in_the_api_reference():
     import substrax_flax
-
     import substrax_flax.planner
 
     missing = [n for n in substrax_flax.__all__ if f"::: substrax_flax.{n}\n" not in API + "\n"]
