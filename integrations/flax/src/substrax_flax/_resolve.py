@@ -166,7 +166,6 @@ class Resolver:
         self.strategy = strategy
         self.strict = strict
         self.unknown_names = unknown_names
-        self.sizes = {name: int(size) for name, size in dict(mesh.shape).items()}
 
     def rows(self, state: Any) -> tuple[VariableSharding, ...]:
         """One :class:`VariableSharding` per variable of ``state``, in tree order."""

@@ -157,7 +157,9 @@ class TrainStep(JittedStep):
             return plan.compute_shardings(params), plan.compute_rules
         with warnings.catch_warnings():  # the plan already warned about its own parameters
             warnings.simplefilter("ignore", ShardingWarning)
-            resolver = Resolver(plan.mesh, self.compute_rules, plan.strategy)
+            resolver = Resolver(
+                plan.mesh, self.compute_rules, plan.strategy, unknown_names=plan.unknown_names
+            )
             compute = ModelPlan(params, resolver).shardings
         return compute, self.compute_rules
 
