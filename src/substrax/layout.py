@@ -30,6 +30,7 @@ from substrax.mesh import (
     ShardingConfig,
     TensorParallelStrategy,
 )
+from substrax.mesh._resolve import spec_entry
 
 __all__ = ["LAYOUTS", "ROLES", "Layout"]
 
@@ -126,10 +127,14 @@ class Layout:
 
         * ``dp``: every axis is a replica axis (parameters replicated, batch split).
         * ``fsdp``: every axis is an FSDP axis (parameters sharded on ``embed`` over all).
-        * ``hsdp``: FSDP on the innermost axis, replicas over the others.
-        * ``tp``: tensor parallelism on the innermost axis, replicas over the others.
-        * ``fsdp+tp``: tensor parallelism on the innermost axis, FSDP over the others.
-        * ``pp``: pipeline stages on the outermost axis, replicas over the others.
+        * ``hsdp``: FSDP on the ``model`` axis, replicas over the others.
+        * ``tp``: tensor parallelism on the ``model`` axis, replicas over the others.
+        * ``fsdp+tp``: tensor parallelism on the ``model`` axis, FSDP over the others.
+        * ``pp``: pipeline stages on the ``pipe`` axis, replicas over the others.
+
+        A mesh without a ``model`` axis uses its innermost axis for ``model`` (neighbouring
+        devices: the fast links tensor parallelism wants); one without a ``pipe`` axis uses its
+        outermost for ``pipe``.
 
         Args:
           name: One of :data:`LAYOUTS`.
@@ -146,19 +151,21 @@ class Layout:
             raise ValueError(f"Unknown layout {name!r}; choose one of {', '.join(LAYOUTS)}.")
         shape = _shape_of(mesh)
         names = tuple(shape)
-        inner, outer = names[-1:], names[:-1]
         if name in ("hsdp", "fsdp+tp", "pp") and len(names) < 2:
             raise ValueError(
                 f"Layout {name!r} needs a mesh of at least two axes (its roles differ); the "
                 f"mesh has {shape}."
             )
+        model = "model" if "model" in names else names[-1]
+        pipe = "pipe" if "pipe" in names else names[0]
+        others = tuple(a for a in names if a != model)
         roles = {
             "dp": {"data": names},
             "fsdp": {"fsdp": names},
-            "hsdp": {"fsdp": inner, "data": outer},
-            "tp": {"tensor": inner, "data": outer},
-            "fsdp+tp": {"tensor": inner, "fsdp": outer},
-            "pp": {"pipe": names[:1], "data": names[1:]},
+            "hsdp": {"fsdp": (model,), "data": others},
+            "tp": {"tensor": (model,), "data": others},
+            "fsdp+tp": {"tensor": (model,), "fsdp": others},
+            "pp": {"pipe": (pipe,), "data": tuple(a for a in names if a != pipe)},
         }[name]
         return cls(names, tuple(shape.values()), **{f"{r}_axes": a for r, a in roles.items()})
 
@@ -325,7 +332,7 @@ class Layout:
         for role, names in _ROLE_NAMES.items():
             table.update((name, self.axes_of(role)) for name in names)
         table["data"] = table["batch"] = self.batch_axes
-        return MeshRules().extend(**{k: v or None for k, v in table.items()})
+        return MeshRules().extend(**{k: spec_entry(v) for k, v in table.items()})
 
     @property
     def compute_rules(self) -> MeshRules:

@@ -12,7 +12,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax._warnings import ShardingWarning
-from substrax.mesh._resolve import Reason, Resolution, resolve_axes
+from substrax.mesh._resolve import Reason, Resolution, axis_sizes, resolve_axes
 
 __all__ = ["ShardingStrategy", "axis_size"]
 
@@ -21,16 +21,17 @@ ShardDims = tuple[tuple[int, ...], Reason | None]
 
 
 def axis_size(mesh: Any, axis_name: str) -> int:
-    """Size of ``axis_name`` in ``mesh`` (a ``Mesh`` or ``AbstractMesh``).
+    """Size of ``axis_name`` in ``mesh`` (a ``Mesh``, ``AbstractMesh`` or ``{axis: size}``).
 
     Raises:
       ValueError: If the mesh has no such axis.
     """
-    if axis_name not in mesh.axis_names:
+    sizes = axis_sizes(mesh)
+    if axis_name not in sizes:
         raise ValueError(
-            f"Mesh axis {axis_name!r} is not in the mesh; its axes are {tuple(mesh.axis_names)}."
+            f"Mesh axis {axis_name!r} is not in the mesh; its axes are {tuple(sizes)}."
         )
-    return int(dict(mesh.shape)[axis_name])
+    return sizes[axis_name]
 
 
 class ShardingStrategy(abc.ABC):
@@ -131,11 +132,11 @@ class ShardingStrategy(abc.ABC):
 
     def _check_mesh(self, mesh: Any) -> int:
         size = axis_size(mesh, self.axis_name)
-        if tuple(mesh.axis_names).index(self.axis_name) != self.mesh_axis:
+        names = tuple(axis_sizes(mesh))
+        if names.index(self.axis_name) != self.mesh_axis:
             raise ValueError(
                 f"{self!r} expects {self.axis_name!r} at mesh axis {self.mesh_axis}, but the mesh "
-                f"has it at {tuple(mesh.axis_names).index(self.axis_name)} "
-                f"(axes {tuple(mesh.axis_names)})."
+                f"has it at {names.index(self.axis_name)} (axes {names})."
             )
         return size
 

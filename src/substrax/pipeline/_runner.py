@@ -1,4 +1,4 @@
-"""Pipeline parallelism that runs: GPipe, 1F1B and circular schedules in one ``shard_map``.
+"""Pipeline: runs a layer stack's schedule (GPipe, 1F1B, circular) in one ``shard_map``.
 
 A :class:`Pipeline` splits a stack of layers (parameters with a leading layer axis) over the
 stage axis of a :class:`~substrax.mesh.PipelineParallelStrategy`, splits each batch into
