@@ -28,9 +28,14 @@ def _one(shape, names):
     return One
 
 
-def test_annotation_length_must_match_rank(mesh):
-    with pytest.raises(ValueError, match=r"'w' of shape \(8, 4\): 1 logical names \('embed',\)"):
-        sf.plan_model(_one((8, 4), ("embed",)), mesh, RULES)
+def test_a_long_annotation_is_an_error_and_a_short_one_is_padded(mesh):
+    message = r"'w' of shape \(8, 4\): 3 logical names \('embed', 'mlp', 'kv'\)"
+    with pytest.raises(ValueError, match=message):
+        sf.plan_model(_one((8, 4), ("embed", "mlp", "kv")), mesh, RULES)
+    row = sf.plan_model(_one((8, 4), ("embed",)), mesh, RULES).report().row("w")
+    assert row.spec == P("model", None)
+    assert [r.kind for r in row.reasons] == ["padded"]
+    assert "padded with None, as Flax does" in str(row.reasons[0])
 
 
 def test_unknown_logical_name_lists_the_known_ones(mesh):
@@ -38,7 +43,8 @@ def test_unknown_logical_name_lists_the_known_ones(mesh):
         sf.plan_model(_one((8, 4), ("embed", "experts")), mesh, RULES)
     message = str(info.value)
     assert message.startswith("Variable 'w' of shape (8, 4): Unknown logical axis name 'experts'")
-    assert "Known names: ['data', 'embed', 'mlp', 'heads', 'kv', 'vocab']" in message
+    # the rules' names, then the mesh's axes (an Explicit-style spec may name those)
+    assert "Known names: ['data', 'embed', 'mlp', 'heads', 'kv', 'model', 'vocab']" in message
     assert "(dim 1 of ('embed', 'experts'))" in message
     assert "unknown_names='replicate'" in message
 

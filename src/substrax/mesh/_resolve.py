@@ -42,7 +42,8 @@ UnknownNames = Literal["error", "replicate"]
 #: dimension holds the mesh axis; ``indivisible``: the dimension does not divide the axes;
 #: ``below_threshold``: a strategy's size threshold; ``by_design``: the strategy never shards
 #: such an array; ``no_annotation``: neither logical names nor a strategy; ``drifted``: a live
-#: array's sharding differs from its plan.
+#: array's sharding differs from its plan; ``padded``: an annotation shorter than the array's
+#: rank was padded with None (as Flax does).
 REASON_KINDS = (
     "unknown_name",
     "unmapped",
@@ -52,6 +53,7 @@ REASON_KINDS = (
     "by_design",
     "no_annotation",
     "drifted",
+    "padded",
 )
 
 
@@ -212,9 +214,12 @@ def resolve_names(
 ) -> Resolution:
     """The spec of an array whose dimensions have logical ``names``, through a rule table.
 
+    An entry may also be a tuple of names (a ``PartitionSpec``-style entry): the dimension asks
+    for the axes of each name, in order.
+
     Args:
       table: Logical name to mesh axes (``MeshRules.as_dict()``).
-      names: One logical name (or None) per dimension.
+      names: One logical name (or None, or a tuple of names) per dimension.
       shape: The array's shape; None skips the rank and divisibility checks.
       mesh: A ``Mesh``, ``AbstractMesh`` or ``{axis: size}``; needed with ``shape``.
       unknown_names: ``"error"`` raises on a name ``table`` lacks; ``"replicate"`` leaves that
@@ -237,7 +242,7 @@ def resolve_names(
             f"{prefix}{len(names)} logical names {names} for shape {tuple(shape)} "
             f"({len(shape)} dimensions); give one name (or None) per dimension."
         )
-    named = [n for n in names if n is not None]
+    named = [n for entry in names for n in as_axes(entry)]
     repeated = sorted({n for n in named if named.count(n) > 1})
     if repeated:
         raise ValueError(
@@ -245,20 +250,23 @@ def resolve_names(
             "each dimension of an array needs its own name."
         )
     requested, reasons = [], []
-    for dim, name in enumerate(names):
-        if name is not None and name not in table:
-            if unknown_names == "error":
-                raise ValueError(
-                    f"{prefix}Unknown logical axis name {name!r}. Known names: {list(table)}. "
-                    f"Add it with rules.extend({name}=<mesh axis or None>), or pass "
-                    f"unknown_names='replicate' (dim {dim} of {names})."
-                )
-            detail = f"logical name {name!r} is not in the rules (rules.extend({name}=...))"
-            reasons.append(Reason("unknown_name", dim, name, (), detail))
-            requested.append(())
-            continue
-        axes = as_axes(table[name]) if name is not None else ()
-        if name is not None and not axes:
-            reasons.append(Reason("unmapped", dim, name, (), "its rule maps it to no mesh axis"))
+    for dim, entry in enumerate(names):
+        axes: tuple[str, ...] = ()
+        for name in as_axes(entry):
+            if name not in table:
+                if unknown_names == "error":
+                    raise ValueError(
+                        f"{prefix}Unknown logical axis name {name!r}. Known names: "
+                        f"{list(table)}. Add it with rules.extend({name}=<mesh axis or None>), "
+                        f"or pass unknown_names='replicate' (dim {dim} of {names})."
+                    )
+                detail = f"logical name {name!r} is not in the rules (rules.extend({name}=...))"
+                reasons.append(Reason("unknown_name", dim, name, (), detail))
+            elif not as_axes(table[name]):
+                detail = "its rule maps it to no mesh axis"
+                reasons.append(Reason("unmapped", dim, name, (), detail))
+            else:
+                axes += as_axes(table[name])
         requested.append(axes)
-    return resolve_axes(requested, shape, mesh, names=names, reasons=reasons)
+    labels = [None if e is None else "+".join(as_axes(e)) for e in names]
+    return resolve_axes(requested, shape, mesh, names=labels, reasons=reasons)

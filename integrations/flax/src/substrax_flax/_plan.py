@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,13 @@ from substrax_flax._resolve import (
     VariableSharding,
     as_rules,
 )
-from substrax_flax._state import constrain_state, map_variables
+from substrax_flax._state import (
+    constrain_state,
+    is_variable,
+    map_variables,
+    values_by_path,
+    variables,
+)
 
 __all__ = [
     "ModelPlan",
@@ -116,8 +123,8 @@ class ModelPlan:
       abstract_state: The same with ``jax.ShapeDtypeStruct`` values carrying their shardings
         (an Orbax restore target).
       rows: One :class:`VariableSharding` per variable, in state order.
-      init: The jitted init (plans made from a factory): ``init()`` returns the model's state,
-        created on device already sharded.
+      init: The init (plans made from a factory, else None): ``init()`` returns the model's
+        state, created on device already sharded by one jitted computation.
     """
 
     def __init__(
@@ -128,6 +135,7 @@ class ModelPlan:
         layout: Layout | None = None,
         graphdef: Any = None,
         factory: Callable[[], nnx.Module] | None = None,
+        under_mesh: bool = False,
     ):
         """Plans ``state``; use :func:`plan_model` rather than calling this directly.
 
@@ -137,6 +145,7 @@ class ModelPlan:
           layout: The layout the resolver was built from, if any.
           graphdef: The model's graph definition.
           factory: A function of no arguments that builds the model (for :attr:`init`).
+          under_mesh: Whether the factory must run under ``jax.set_mesh`` (Explicit style).
         """
         self.mesh, self.rules, self.strategy = resolver.mesh, resolver.rules, resolver.strategy
         self.layout, self.graphdef, self._factory = layout, graphdef, factory
@@ -151,9 +160,15 @@ class ModelPlan:
             state,
             self.shardings,
         )
-        self.init = None
+        self._template, self.init, self._under_mesh = state, None, under_mesh
         if factory is not None:
-            self.init = jax.jit(self._create_state, out_shardings=self.shardings)
+            # The jitted init returns its values by path: a Variable's metadata may differ
+            # between traces (``nnx.Param(x, rngs=rngs)``), so no tree structure is shared.
+            paths = [path for path, _ in variables(state)]
+            by_path = values_by_path(self.shardings)
+            out = [by_path[path] for path in paths]
+            self._values = jax.jit(self._create_values, out_shardings=out)
+            self.init = self._init
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -215,11 +230,20 @@ class ModelPlan:
                 "with another plan. Leave these arguments out: the model's plan is used."
             )
 
-    def _create_state(self) -> nnx.State:
+    def _create_values(self) -> list[jax.Array]:
         with nnx.use_eager_sharding(False):
             model = self._factory()
-        state = nnx.state(model)
-        return constrain_state(state, self.shardings)
+        state = constrain_state(nnx.state(model), self.shardings)
+        return [_value(leaf) for _, leaf in variables(state)]
+
+    def _mesh_context(self) -> Any:
+        return jax.set_mesh(self.mesh) if self._under_mesh else contextlib.nullcontext()
+
+    def _init(self) -> nnx.State:
+        with self._mesh_context():
+            created = self._values()
+        values = dict(zip((p for p, _ in variables(self._template)), created, strict=True))
+        return map_variables(lambda path, _: values[path], self._template)
 
     def _need_factory(self) -> None:
         if self.init is None:
@@ -236,7 +260,8 @@ class ModelPlan:
           ValueError: For a plan made from a live model.
         """
         self._need_factory()
-        return self.init.lower().compile()
+        with self._mesh_context():
+            return self._values.lower().compile()
 
     def create(self) -> nnx.Module:
         """Runs the init and assembles the model, which remembers this plan.
@@ -265,6 +290,10 @@ class ModelPlan:
     def __repr__(self) -> str:
         layout = f", layout={self.layout.name}" if self.layout is not None else ""
         return f"ModelPlan(mesh={dict(self.mesh.shape)}{layout}, variables={len(self.rows)})"
+
+
+def _value(leaf: Any) -> Any:
+    return leaf.get_value() if is_variable(leaf) else leaf
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
@@ -333,10 +362,31 @@ def plan_model(
     resolver, layout = make_resolver(
         mesh, rules, strategy, layout, strict=strict, unknown_names=unknown_names
     )
+    graphdef, state, under_mesh = _abstract_split(factory, resolver.mesh)
+    return ModelPlan(
+        state, resolver, layout=layout, graphdef=graphdef, factory=factory, under_mesh=under_mesh
+    )
+
+
+def _abstract_split(factory: Callable[[], nnx.Module], mesh: Any) -> tuple[Any, Any, bool]:
+    """``(graphdef, abstract state, whether the factory needs the mesh context)``.
+
+    Model code in Flax's Explicit style builds its own ``PartitionSpec``s at creation
+    (``out_sharding=P(...)`` in initializers, ``reshard``), which jax allows only under a mesh
+    context; such a factory is traced (and later created) under ``jax.set_mesh(mesh)``. Other
+    factories are traced without one, so that on an Explicit mesh jax still partitions their
+    initializers instead of building each parameter whole first.
+    """
     with nnx.use_eager_sharding(False):
-        abstract_model = nnx.eval_shape(factory)
-    graphdef, state = nnx.split(abstract_model)
-    return ModelPlan(state, resolver, layout=layout, graphdef=graphdef, factory=factory)
+        try:
+            graphdef, state = jax.eval_shape(lambda: nnx.split(factory()))
+            return graphdef, state, False
+        except ValueError as error:
+            if "mesh" not in str(error):
+                raise
+        with jax.set_mesh(mesh):
+            graphdef, state = jax.eval_shape(lambda: nnx.split(factory()))
+    return graphdef, state, True
 
 
 def create_sharded_model(

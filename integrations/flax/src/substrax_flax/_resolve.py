@@ -163,6 +163,12 @@ class Resolver:
             mesh = single_device_mesh(None if rules is None else as_rules(rules, None))
         self.mesh = mesh
         self.rules = as_rules(rules, mesh)
+        # Explicit-style models name mesh axes in their specs: a name the rules do not know
+        # that is an axis of the mesh means that axis (the rules win where both exist).
+        known = set(self.rules.logical_names)
+        self._table = self.rules.extend(
+            **{axis: axis for axis in mesh.axis_names if axis not in known}
+        )
         self.strategy = strategy
         self.strict = strict
         self.unknown_names = unknown_names
@@ -184,7 +190,7 @@ class Resolver:
         if self.ignore_names:
             resolution, rule = Resolution(replicated), "no mesh"
         elif names is not None:
-            resolution, rule = self._from_names(path, shape, names), _rule_text(names, self.rules)
+            resolution, rule = self._from_names(path, shape, names), _rule_text(names, self._table)
         elif self.strategy is not None:
             resolution = self.strategy.resolve(shape, self.mesh, name=path)
             rule = type(self.strategy).__name__
@@ -196,15 +202,22 @@ class Resolver:
         return make_row(path, variable, resolution.spec, self.mesh, names=names, rule=rule,
                         reasons=resolution.reasons)  # fmt: skip
 
-    def _from_names(
-        self, path: str, shape: tuple[int, ...], names: tuple[str | None, ...]
-    ) -> Resolution:
+    def _from_names(self, path: str, shape: tuple[int, ...], names: tuple[Any, ...]) -> Resolution:
+        padded = ()
+        if len(names) < len(shape):  # Flax pads a short annotation with None
+            detail = (
+                f"{len(names)} names {names} for {len(shape)} dimensions: padded with None, "
+                "as Flax does"
+            )
+            padded = (Reason("padded", None, None, (), detail),)
+            names = names + (None,) * (len(shape) - len(names))
         try:
-            return self.rules.resolve(
+            resolution = self._table.resolve(
                 *names, shape=shape, mesh=self.mesh, unknown_names=self.unknown_names
             )
         except ValueError as error:
             raise ValueError(f"Variable {path!r} of shape {shape}: {error}") from None
+        return dataclasses.replace(resolution, reasons=padded + resolution.reasons)
 
     def _warn(self, path: str, shape: tuple[int, ...], resolution: Resolution) -> None:
         """One warning per variable for what it asked and did not get (strict: an error)."""
@@ -221,7 +234,7 @@ class Resolver:
         warn_user(message)
 
 
-def _rule_text(names: tuple[str | None, ...], rules: MeshRules) -> str:
+def _rule_text(names: tuple[Any, ...], rules: MeshRules) -> str:
     table = rules.as_dict()
-    parts = [f"{name}->{table.get(name, '?')}" for name in names if name is not None]
+    parts = [f"{name}->{table.get(name, '?')}" for entry in names for name in _axes(entry)]
     return ", ".join(parts) or "none"

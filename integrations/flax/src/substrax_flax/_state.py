@@ -14,6 +14,7 @@ __all__ = [
     "is_variable",
     "logical_names",
     "map_variables",
+    "values_by_path",
     "variables",
 ]
 
@@ -32,48 +33,64 @@ def path_str(path: tuple[Any, ...]) -> str:
     return jax.tree_util.keystr(path, simple=True, separator="/")
 
 
-def variables(state: Any) -> Iterator[tuple[str, nnx.Variable]]:
-    """``(path, variable)`` for every variable of a state, in tree order."""
+def is_array(node: Any) -> bool:
+    """Whether ``node`` is an array leaf held outside a Variable (an ``nnx.data`` attribute)."""
+    return not is_variable(node) and hasattr(node, "shape") and hasattr(node, "dtype")
+
+
+def variables(state: Any) -> Iterator[tuple[str, Any]]:
+    """``(path, leaf)`` for every variable of a state, and every bare array, in tree order.
+
+    Bare arrays are the values of ``nnx.data(...)`` attributes: they are part of the model's
+    state (and of a checkpoint) without a Variable around them.
+    """
     for path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=is_variable):
-        if is_variable(leaf):
+        if is_variable(leaf) or is_array(leaf):
             yield path_str(path), leaf
 
 
-def map_variables(fn: Callable[[str, nnx.Variable], Any], state: Any) -> Any:
-    """A state of the same structure whose variables hold ``fn(path, variable)`` as value."""
+def map_variables(fn: Callable[[str, Any], Any], state: Any) -> Any:
+    """A state of the same structure whose variables (and bare arrays) hold ``fn(path, leaf)``."""
 
     def visit(path, leaf):
-        return leaf.replace(fn(path_str(path), leaf)) if is_variable(leaf) else leaf
+        if is_variable(leaf):
+            return leaf.replace(fn(path_str(path), leaf))
+        return fn(path_str(path), leaf) if is_array(leaf) else leaf
 
     return jax.tree_util.tree_map_with_path(visit, state, is_leaf=is_variable)
 
 
-def logical_names(variable: nnx.Variable, path: str) -> tuple[str | None, ...] | None:
+def logical_names(variable: Any, path: str) -> tuple[Any, ...] | None:
     """The logical axis names of a variable from its metadata, or None when it has none.
 
-    Accepts every metadata key Flax has used (see :data:`METADATA_KEYS`). An empty annotation
-    (``()`` on a scalar) counts as none, as in Flax.
+    Accepts every metadata key Flax has used (see :data:`METADATA_KEYS`), as a tuple of names
+    or a ``PartitionSpec`` (Explicit-style models name mesh axes there; an entry may be a
+    tuple of names). An empty annotation (``()`` on a scalar) counts as none, as in Flax.
 
     Raises:
-      ValueError: If an entry is neither a string nor None.
+      ValueError: If an entry is neither a string, a tuple of strings, nor None.
     """
+    if not is_variable(variable):
+        return None
     metadata = variable.get_metadata()
     names = next((metadata[key] for key in METADATA_KEYS if metadata.get(key) is not None), None)
     if names is None or len(tuple(names)) == 0:
         return None
     names = tuple(names)
+    names = tuple(tuple(n) if isinstance(n, list) else n for n in names)
     for name in names:
-        if name is not None and not isinstance(name, str):
+        parts = name if isinstance(name, tuple) else (name,)
+        if name is not None and not all(isinstance(part, str) for part in parts):
             raise ValueError(
                 f"Variable {path!r} has logical axis names {names}; each entry must be a "
-                f"logical name (str) or None, got {name!r}."
+                f"logical name (str), a tuple of names, or None, got {name!r}."
             )
     return names
 
 
 def shape_and_dtype(variable: nnx.Variable) -> tuple[tuple[int, ...], Any]:
-    """Shape and dtype of a variable's value (abstract or concrete)."""
-    value = variable.get_value()
+    """Shape and dtype of a variable's value, or of a bare array (abstract or concrete)."""
+    value = variable.get_value() if is_variable(variable) else variable
     return tuple(getattr(value, "shape", ())), getattr(value, "dtype", None)
 
 
@@ -84,10 +101,23 @@ def _constrain(value: jax.Array, sharding: jax.sharding.NamedSharding) -> jax.Ar
     return jax.lax.with_sharding_constraint(value, sharding)
 
 
+def values_by_path(tree: Any) -> dict[str, Any]:
+    """``{path: value}`` of every leaf of a state-like tree, Variables unwrapped."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_variable)
+    return {path_str(p): leaf.get_value() if is_variable(leaf) else leaf for p, leaf in leaves}
+
+
 def constrain_state(state: Any, shardings: Any) -> Any:
-    """Inside ``jit``: every value of ``state`` laid out as in ``shardings``.
+    """Inside ``jit``: every value of ``state`` laid out as in ``shardings``, matched by path.
 
     Uses ``with_sharding_constraint`` on Auto meshes and ``jax.sharding.reshard`` on meshes
-    with Explicit axes (where a constraint may name only Auto axes).
+    with Explicit axes (where a constraint may name only Auto axes). Leaves are matched by
+    path, not by tree structure, so a Variable whose metadata differs between two traces
+    (``nnx.Param(x, rngs=rngs)`` keeps the Rngs in its metadata) is still matched.
     """
-    return jax.tree.map(_constrain, state, shardings)
+    by_path = values_by_path(shardings)
+
+    def place(path, leaf):
+        return _constrain(leaf.get_value() if is_variable(leaf) else leaf, by_path[path])
+
+    return map_variables(place, state)

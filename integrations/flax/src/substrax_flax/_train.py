@@ -72,6 +72,13 @@ class JittedStep:
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> dict:
         """Runs one step and updates ``model`` and ``optimizer`` in place.
 
+        The step runs under ``jax.set_mesh(mesh)``, so model code may use bare
+        ``PartitionSpec``s (``with_sharding_constraint(x, P("data"))``); ``einsum(...,
+        out_sharding=P(...))`` and ``jax.sharding.reshard`` also need Explicit mesh axes
+        (``DeviceMeshManager.create_device_mesh(..., axis_types=(AxisType.Explicit,) * n)``).
+        Stateful variables (dropout rng counts, batch statistics, counters) are updated and
+        kept in their planned shardings.
+
         Args:
           model: The model (its state is donated and replaced).
           optimizer: Its ``nnx.Optimizer`` (likewise).
@@ -82,9 +89,10 @@ class JittedStep:
           The metrics: ``{"loss": ...}`` plus ``loss_fn``'s aux (a dict's items, or ``"aux"``).
         """
         built = self._built(model, optimizer)
-        model_state, opt_state, metrics = built.jitted(
-            nnx.state(model), nnx.state(optimizer), self._batch(batch, built)
-        )
+        with jax.set_mesh(built.mesh):  # model code may use bare PartitionSpecs
+            model_state, opt_state, metrics = built.jitted(
+                nnx.state(model), nnx.state(optimizer), self._batch(batch, built)
+            )
         nnx.update(model, model_state)
         nnx.update(optimizer, opt_state)
         return metrics
@@ -102,7 +110,10 @@ class JittedStep:
           ``as_text()`` (the partitioned HLO).
         """
         built = self._built(model, optimizer)
-        return built.jitted.lower(nnx.state(model), nnx.state(optimizer), self._batch(batch, built))
+        with jax.set_mesh(built.mesh):
+            return built.jitted.lower(
+                nnx.state(model), nnx.state(optimizer), self._batch(batch, built)
+            )
 
 
 class TrainStep(JittedStep):
@@ -163,10 +174,15 @@ class TrainStep(JittedStep):
             compute = ModelPlan(params, resolver).shardings
         return compute, self.compute_rules
 
-    def _step_fn(self, model_def, opt_def, compute_shardings, rules, model_sh, opt_sh, mesh):
-        def loss_of(params, rest, batch):
+    def _loss_fn(self, model_def, compute_shardings, rest_def):
+        """The differentiated function: parameters at the point of use, the rest as arrays."""
+
+        def loss_of(params, rest_leaves, batch):
             params = constrain_state(params, compute_shardings)
             params = jax.tree.map(lambda p: checkpoint_name(p, _GATHERED), params)
+            # The other state (rng counts, batch statistics, counters) enters as plain arrays
+            # and becomes Variables here, at the trace level that may mutate them.
+            rest = jax.tree.unflatten(rest_def, rest_leaves)
             model = nnx.merge(model_def, params, rest)
             out = self.loss_fn(model, batch)
             loss, aux = out if self.has_aux else (out, None)
@@ -175,13 +191,17 @@ class TrainStep(JittedStep):
         if self.gather == "regather":
             policy = jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
             loss_of = jax.checkpoint(loss_of, policy=policy)
+        return loss_of
 
+    def _step_fn(self, model_def, opt_def, compute_shardings, rules, model_sh, opt_sh, mesh):
         def step(model_state, opt_state, batch):
-            with use_rules(mesh, rules):
+            with use_rules(mesh, rules), nnx.use_eager_sharding(False):
                 model = nnx.merge(model_def, model_state)
                 _, params, rest = nnx.split(model, self.wrt, ...)
+                rest_leaves, rest_def = jax.tree.flatten(rest)
+                loss_of = self._loss_fn(model_def, compute_shardings, rest_def)
                 grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-                (loss, (aux, rest)), grads = grad_fn(params, rest, batch)
+                (loss, (aux, rest)), grads = grad_fn(params, rest_leaves, batch)
                 nnx.update(model, rest)
                 optimizer = nnx.merge(opt_def, opt_state)
                 optimizer.update(model, grads)
