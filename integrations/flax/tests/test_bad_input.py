@@ -123,3 +123,14 @@ def test_no_warning_when_everything_divides(mesh):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, RULES.extend(layers=None))
+
+
+def test_logical_names_without_rules_are_not_replicated_quietly(mesh):
+    with pytest.warns(ShardingWarning, match="rules=None means logical names are mesh axis names"):
+        plan = sf.plan_model(_one((8, 4), ("embed", None)), mesh)
+    assert plan.report().row("w").spec == P(None, None)
+    with pytest.raises(ValueError, match=r"rules=None .* \(strict=True\)"):
+        sf.plan_model(_one((8, 4), ("embed", None)), mesh, strict=True)
+    assert sf.plan_model(_one((8, 4), ("model", None)), mesh).report().row("w").spec == P(
+        "model", None
+    )  # a mesh axis name is honoured as given

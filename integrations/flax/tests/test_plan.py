@@ -106,7 +106,13 @@ def test_unannotated_without_strategy_is_replicated_and_says_so(mesh):
     assert [(r.kind, str(r)) for r in row.reasons] == [
         ("no_annotation", "no annotation and no strategy: replicated")
     ]
-    assert report.ratio_to_ideal == 1.0 and report.devices_sharded_over == 1
+    # honest: a model left replicated on 8 devices holds 8x its share on each
+    assert report.ratio_to_ideal == 8.0 and report.devices_sharded_over == 1
+    assert report.ratio_over_used_axes == 1.0 and report.devices == 8
+    assert report.replicated_bytes == report.bytes_total
+    assert any(
+        w.startswith("fully replicated variables hold 100% of the bytes") for w in report.warnings
+    )
 
 
 def test_stacked_layers_keep_their_layer_axis(mesh):
@@ -147,13 +153,17 @@ def test_report_totals_and_warnings(mesh):
     report = sf.plan_model(Big, mesh, RULES).report()
     assert report.bytes_total == (512 * 1024 + 32) * 4
     assert report.bytes_per_device == 512 * 1024 * 4 + 32
-    assert report.devices_sharded_over == 4
-    assert report.ideal_bytes_per_device == report.bytes_total / 4
-    assert report.ratio_to_ideal == pytest.approx(report.bytes_per_device * 4 / report.bytes_total)
-    assert len(report.warnings) == 1 and report.warnings[0].startswith("big (2.00 MiB)")
+    assert report.devices_sharded_over == 4 and report.devices == 8
+    assert report.ideal_bytes_per_device == report.bytes_total / 8
+    assert report.ratio_to_ideal == pytest.approx(report.bytes_per_device * 8 / report.bytes_total)
+    assert report.ratio_over_used_axes == pytest.approx(
+        report.bytes_per_device * 4 / report.bytes_total
+    )
+    assert len(report.warnings) == 2 and report.warnings[0].startswith("big (2.00 MiB)")
+    assert report.warnings[1].startswith("fully replicated variables hold 100% of the bytes")
     text = str(report)
     assert "warning: big (2.00 MiB) is fully replicated" in text
-    assert "ratio" in text.splitlines()[-2]
+    assert "ratio" in text.splitlines()[-3]
     assert "<table>" in report._repr_html_() and "big" in report._repr_html_()
 
 

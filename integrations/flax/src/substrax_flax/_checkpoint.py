@@ -17,6 +17,24 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
 
 
+def _is_key(x: Any) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _storable(tree: Any) -> Any:
+    """PRNG key arrays (dropout streams) as their raw key data, which Orbax can store."""
+    return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
+
+
+def _keys_back(restored: Any, like: Any) -> Any:
+    """Raw key data back into typed keys of ``like``'s implementation."""
+    return jax.tree.map(
+        lambda r, x: jax.random.wrap_key_data(r, impl=jax.random.key_impl(x)) if _is_key(x) else r,
+        restored,
+        like,
+    )
+
+
 def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     leaves = jax.tree_util.tree_leaves_with_path(tree)
     return {jax.tree_util.keystr(p, simple=True, separator="/"): tuple(x.shape) for p, x in leaves}
@@ -86,10 +104,12 @@ class Checkpointer:
           step: The step number (the checkpoint's name).
           metadata: JSON-serialisable run information (data position, configuration, ...).
         """
-        state = {
-            "model": nnx.to_pure_dict(nnx.state(model)),
-            "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
-        }
+        state = _storable(
+            {
+                "model": nnx.to_pure_dict(nnx.state(model)),
+                "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
+            }
+        )
         self._manager.save(
             step,
             args=ocp.args.Composite(
@@ -129,17 +149,19 @@ class Checkpointer:
             "model": nnx.to_pure_dict(nnx.state(model)),
             "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
         }
-        self._check_shapes(step, target)
+        stored = _storable(target)
+        self._check_shapes(step, stored)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(target)),
+                state=ocp.args.StandardRestore(_abstract(stored)),
                 metadata=ocp.args.JsonRestore(),
             ),
         )
+        state = _keys_back(dict(restored.state), target)
         model_state, optimizer_state = nnx.state(model), nnx.state(optimizer)
-        nnx.replace_by_pure_dict(model_state, restored.state["model"])
-        nnx.replace_by_pure_dict(optimizer_state, restored.state["optimizer"])
+        nnx.replace_by_pure_dict(model_state, state["model"])
+        nnx.replace_by_pure_dict(optimizer_state, state["optimizer"])
         nnx.update(model, model_state)
         nnx.update(optimizer, optimizer_state)
         return dict(restored.metadata)

@@ -19,6 +19,9 @@ __all__ = ["ShardingReport", "sharding_report"]
 #: A fully replicated variable larger than this gets a warning in the report.
 LARGE_REPLICATED_BYTES = 1 << 20
 
+#: A report warns when fully replicated variables hold more than this share of all bytes.
+REPLICATED_SHARE = 0.05
+
 _COLUMNS = ("path", "shape", "dtype", "logical names", "rule", "spec", "total", "per device", "why")
 
 
@@ -48,10 +51,16 @@ class ShardingReport:
       mesh: The mesh the variables are laid out on (None if none is known).
       bytes_total: Bytes of all variables.
       bytes_per_device: Bytes one device holds.
+      devices: Devices of the mesh.
+      ideal_bytes_per_device: ``bytes_total / devices``: every byte stored once.
+      ratio_to_ideal: ``bytes_per_device / ideal_bytes_per_device`` (1.0 is perfect; a model
+        left entirely replicated on 8 devices reads 8.0).
       devices_sharded_over: Devices of the mesh axes that any variable is sharded over.
-      ideal_bytes_per_device: ``bytes_total / devices_sharded_over``.
-      ratio_to_ideal: ``bytes_per_device / ideal_bytes_per_device`` (1.0 is perfect).
-      warnings: Variables over 1 MiB left fully replicated on a multi-device mesh.
+      ratio_over_used_axes: ``bytes_per_device`` over ``bytes_total / devices_sharded_over``:
+        how well the axes that are used are used (1.0 for pure data parallelism).
+      replicated_bytes: Bytes of the variables that are fully replicated.
+      warnings: On a multi-device mesh, fully replicated variables over 1 MiB, and fully
+        replicated variables together over 5% of all bytes.
     """
 
     def __init__(self, rows: tuple[VariableSharding, ...], mesh: Any = None):
@@ -67,20 +76,32 @@ class ShardingReport:
         used = set().union(*(_mesh_axes(row.spec) for row in self.rows)) if self.rows else set()
         self.bytes_total = sum(row.bytes_total for row in self.rows)
         self.bytes_per_device = sum(row.bytes_per_device for row in self.rows)
+        self.devices = math.prod(sizes.values()) if sizes else 1
         self.devices_sharded_over = math.prod(sizes[axis] for axis in used)
-        self.ideal_bytes_per_device = self.bytes_total / self.devices_sharded_over
-        self.ratio_to_ideal = (
-            self.bytes_per_device / self.ideal_bytes_per_device if self.bytes_total else 1.0
-        )
-        many_devices = math.prod(sizes.values()) > 1 if sizes else False
-        self.warnings = tuple(
+        self.ideal_bytes_per_device = self.bytes_total / self.devices
+        total = self.bytes_total or 1
+        self.ratio_to_ideal = self.bytes_per_device / (total / self.devices)
+        self.ratio_over_used_axes = self.bytes_per_device / (total / self.devices_sharded_over)
+        replicated = [row for row in self.rows if row.shape and not _mesh_axes(row.spec)]
+        self.replicated_bytes = sum(row.bytes_total for row in replicated)
+        self.warnings = self._warnings(replicated) if self.devices > 1 else ()
+
+    def _warnings(self, replicated: list[VariableSharding]) -> tuple[str, ...]:
+        found = [
             f"{row.path} ({_format_bytes(row.bytes_total)}) is fully replicated"
             + (f": {'; '.join(map(str, row.reasons))}" if row.reasons else "")
-            for row in self.rows
-            if many_devices
-            and row.bytes_total > LARGE_REPLICATED_BYTES
-            and not _mesh_axes(row.spec)
-        )
+            for row in replicated
+            if row.bytes_total > LARGE_REPLICATED_BYTES
+        ]
+        share = self.replicated_bytes / self.bytes_total if self.bytes_total else 0.0
+        if share > REPLICATED_SHARE:
+            largest = sorted(replicated, key=lambda row: -row.bytes_total)[:3]
+            found.append(
+                f"fully replicated variables hold {share:.0%} of the bytes "
+                f"({_format_bytes(self.replicated_bytes)} on each of {self.devices} devices; "
+                f"largest: {', '.join(row.path for row in largest)})"
+            )
+        return tuple(found)
 
     def row(self, path: str) -> VariableSharding:
         """The row of the variable at ``path``.
@@ -124,8 +145,9 @@ class ShardingReport:
         return (
             f"total {_format_bytes(self.bytes_total)}, per device "
             f"{_format_bytes(self.bytes_per_device)}, ideal "
-            f"{_format_bytes(self.ideal_bytes_per_device)} (over {self.devices_sharded_over} "
-            f"devices), ratio {self.ratio_to_ideal:.3f}"
+            f"{_format_bytes(self.ideal_bytes_per_device)} (over the mesh's {self.devices} "
+            f"devices), ratio {self.ratio_to_ideal:.3f} ({self.ratio_over_used_axes:.3f} over the "
+            f"{self.devices_sharded_over} devices of the axes used)"
         )
 
     def __str__(self) -> str:

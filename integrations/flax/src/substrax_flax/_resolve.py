@@ -159,6 +159,7 @@ class Resolver:
                 f"got {strategy!r}."
             )
         self.ignore_names = mesh is None and rules is None
+        self.no_rules = rules is None
         if mesh is None:
             mesh = single_device_mesh(None if rules is None else as_rules(rules, None))
         self.mesh = mesh
@@ -222,6 +223,10 @@ class Resolver:
     def _warn(self, path: str, shape: tuple[int, ...], resolution: Resolution) -> None:
         """One warning per variable for what it asked and did not get (strict: an error)."""
         problems = resolution.of_kind("indivisible", "unknown_name")
+        if self.no_rules and self.mesh.devices.size > 1:  # logical names, but no rules
+            hint = ": rules=None means logical names are mesh axis names; pass rules= or layout="
+            unmapped = resolution.of_kind("unmapped")
+            problems += tuple(dataclasses.replace(r, detail=r.detail + hint) for r in unmapped)
         if not problems:
             return
         message = (
@@ -229,7 +234,7 @@ class Resolver:
             + "; ".join(str(reason) for reason in problems)
             + f". It is laid out as {resolution.spec}."
         )
-        if self.strict and resolution.of_kind("indivisible"):
+        if self.strict and any(r.kind != "unknown_name" for r in problems):
             raise ValueError(f"{message} (strict=True).")
         warn_user(message)
 
