@@ -26,7 +26,9 @@ REFERENCE = {
         "apply_sharding": "(self, array, mesh)",
     },
     "FSDPStrategy": {
-        "__init__": "(self, axis_name, mesh_axis, min_weight_size=1024)",
+        # keyword-only addition (issue 12): shard="largest", opt-in; the reference's
+        # positional signature and default behaviour are unchanged
+        "__init__": "(self, axis_name, mesh_axis, min_weight_size=1024, *, shard='first')",
         "should_shard_weight": "(self, weight)",
         "get_partition_spec": "(self, tensor_shape)",
         "get_gradient_partition_spec": "(self, tensor_shape)",

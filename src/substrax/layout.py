@@ -75,8 +75,8 @@ class Layout:
       fsdp_axes: FSDP axes: the batch is split, and parameters are sharded on ``embed``; a step
         gathers them where they are used and reduces their gradients back to shards.
       tensor_axes: Tensor-parallel axes: ``heads``, ``kv_heads``, ``mlp`` and ``vocab`` are split.
-      fsdp_min_weight_size: The smallest first dimension the strategy for unannotated
-        variables shards over the FSDP axes (see :class:`~substrax.mesh.FSDPStrategy`).
+      fsdp_min_weight_size: The fewest elements of an unannotated variable that the FSDP axes
+        shard (smaller ones, such as norm scales, stay replicated).
     """
 
     axis_names: tuple[str, ...]
@@ -85,7 +85,7 @@ class Layout:
     data_axes: tuple[str, ...] = ()
     fsdp_axes: tuple[str, ...] = ()
     tensor_axes: tuple[str, ...] = ()
-    fsdp_min_weight_size: int = 1024
+    fsdp_min_weight_size: int = 256
 
     def __post_init__(self) -> None:
         for field in ("axis_names", "axis_sizes", *(f"{r}_axes" for r in ROLES)):
@@ -346,8 +346,9 @@ class Layout:
     def strategy(self) -> FSDPStrategy | TensorParallelStrategy | MultiDimensionalStrategy | None:
         """The strategy for variables without logical names.
 
-        FSDP axes shard the first dimension (:class:`~substrax.mesh.FSDPStrategy`, threshold
-        ``fsdp_min_weight_size``), tensor axes split layers as
+        FSDP axes shard each variable's largest dimension they divide
+        (:class:`~substrax.mesh.FSDPStrategy` with ``shard="largest"``, for variables of at
+        least ``fsdp_min_weight_size`` elements), tensor axes split layers as
         :class:`~substrax.mesh.TensorParallelStrategy` does; both merge into a
         :class:`~substrax.mesh.MultiDimensionalStrategy`. Replica and stage axes shard no
         unannotated variable.
@@ -358,7 +359,9 @@ class Layout:
         index = {a: i for i, a in enumerate(self.axis_names)}
         parts: dict[str, Any] = {}
         for axis in self.fsdp_axes:
-            parts[f"fsdp/{axis}"] = FSDPStrategy(axis, index[axis], self.fsdp_min_weight_size)
+            parts[f"fsdp/{axis}"] = FSDPStrategy(
+                axis, index[axis], self.fsdp_min_weight_size, shard="largest"
+            )
         for axis in self.tensor_axes:
             parts[f"tensor/{axis}"] = TensorParallelStrategy(axis, index[axis])
         if not parts:

@@ -11,6 +11,7 @@ Dimension-name conventions used by :meth:`get_partition_spec`:
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import jax
@@ -26,6 +27,7 @@ __all__ = [
 ]
 
 _SHARD_DIMENSIONS = ("in_features", "out_features")
+_FSDP_SHARD = ("first", "largest")
 
 
 def _spec_on(names: tuple[str, ...], index: int | None, axis_name: str) -> PartitionSpec:
@@ -60,7 +62,7 @@ class DataParallelStrategy(ShardingStrategy):
         names = tuple(tensor_shape)
         return _spec_on(names, names.index("batch") if "batch" in names else None, self.axis_name)
 
-    def _shard_dims(self, shape: tuple[int, ...], name: str | None) -> ShardDims:
+    def _shard_dims(self, shape: tuple[int, ...], name: str | None, size: int) -> ShardDims:
         reason = self._reason("by_design", "data parallelism replicates parameters")
         return (), reason if shape else None
 
@@ -96,23 +98,37 @@ class FSDPStrategy(ShardingStrategy):
     """Fully Sharded Data Parallel strategy.
 
     Shards model parameters across devices to reduce memory usage while maintaining training
-    efficiency. A parameter is sharded along its first dimension when that dimension is at
-    least ``min_weight_size`` and divides the axis size; otherwise it is replicated. Batches are
-    sharded along ``"batch"`` over the same axis.
+    efficiency. By default (``shard="first"``, the reference behaviour) a parameter is sharded
+    along its first dimension when that dimension is at least ``min_weight_size`` and divides
+    the axis size; otherwise it is replicated. With ``shard="largest"`` (opt-in) a parameter of
+    at least ``min_weight_size`` elements is sharded along its largest dimension that the axis
+    size divides (the first of equals): real layers put their big dimension anywhere (an
+    attention output ``(heads, head_dim, d_model)``, a conv kernel ``(kh, kw, in, out)``), and
+    the first dimension is often the small one. Batches are sharded along ``"batch"`` over the
+    same axis.
     """
 
-    def __init__(self, axis_name: str, mesh_axis: int, min_weight_size: int = 1024):
+    def __init__(
+        self, axis_name: str, mesh_axis: int, min_weight_size: int = 1024, *, shard: str = "first"
+    ):
         """Initialize FSDP strategy.
 
         Args:
           axis_name: Name of the mesh axis.
           mesh_axis: Index of the mesh axis.
-          min_weight_size: Minimum first dimension size to enable sharding.
+          min_weight_size: Minimum first dimension size to enable sharding (with
+            ``shard="largest"``: minimum number of elements).
+          shard: ``"first"`` (the first dimension) or ``"largest"`` (the largest dimension the
+            axis divides).
 
         Raises:
-          ValueError: If ``min_weight_size`` is negative or an argument is malformed.
+          ValueError: If ``min_weight_size`` is negative, ``shard`` is not one of the two, or
+            an argument is malformed.
         """
         super().__init__(axis_name, mesh_axis)
+        if shard not in _FSDP_SHARD:
+            raise ValueError(f"shard must be one of {_FSDP_SHARD}, got {shard!r}.")
+        self.shard = shard
         if (
             not isinstance(min_weight_size, numbers.Integral)
             or isinstance(min_weight_size, bool)
@@ -165,13 +181,25 @@ class FSDPStrategy(ShardingStrategy):
         """
         return self.get_partition_spec(tensor_shape)
 
-    def _shard_dims(self, shape: tuple[int, ...], name: str | None) -> ShardDims:
+    def _shard_dims(self, shape: tuple[int, ...], name: str | None, size: int) -> ShardDims:
         if not shape:
             return (), None
+        if self.shard == "largest":
+            return self._largest(shape, size)
         if shape[0] < self.min_weight_size:
             detail = f"first dimension {shape[0]} is below min_weight_size {self.min_weight_size}"
             return (), self._reason("below_threshold", detail)
         return (0,), None
+
+    def _largest(self, shape: tuple[int, ...], size: int) -> ShardDims:
+        count = math.prod(shape)
+        if count < self.min_weight_size:
+            detail = f"{count} elements are below min_weight_size {self.min_weight_size}"
+            return (), self._reason("below_threshold", detail)
+        # The size is checked by the resolver; here: the largest dimension the axis divides.
+        order = sorted(range(len(shape)), key=lambda d: -shape[d])
+        dim = next((d for d in order if shape[d] % size == 0), order[0])
+        return (dim,), None
 
     def apply_sharding(self, array: jax.Array, mesh: Mesh) -> jax.Array:
         """Apply FSDP sharding to array.
@@ -199,7 +227,10 @@ class TensorParallelStrategy(ShardingStrategy):
     By shape (:meth:`resolve`, :meth:`apply_sharding`): a 2-D array is a Linear kernel,
     a 1-D array its bias (sharded when column-parallel), a 3-D array an attention kernel,
     query/key/value unless its path's layer is named ``out``; a 2-D ``bias`` is an attention
-    bias ``(heads, head_dim)``. Other ranks are replicated.
+    bias ``(heads, head_dim)``; a 4-D array is a conv kernel ``(kh, kw, in, out)`` (output
+    channels when column-parallel, input channels when row-parallel). Normalisation
+    parameters (a path through a ``*norm*`` layer, or named ``scale``) and ``(1, T, D)``
+    position embeddings are replicated. Other ranks are replicated.
     """
 
     def __init__(self, axis_name: str, mesh_axis: int, shard_dimension: str | None = None):
@@ -264,9 +295,16 @@ class TensorParallelStrategy(ShardingStrategy):
         """
         return self.get_partition_spec(("heads", "head_dim", "out_features"))
 
-    def _shard_dims(self, shape: tuple[int, ...], name: str | None) -> ShardDims:
+    def _shard_dims(self, shape: tuple[int, ...], name: str | None, size: int) -> ShardDims:
         parts = name.split("/") if name else []
         column = self.shard_dimension == "out_features"
+        if any("norm" in part for part in parts[:-1]) or parts[-1:] == ["scale"]:
+            return (), self._reason("by_design", "normalisation parameters are replicated")
+        if len(shape) == 3 and shape[0] == 1:
+            detail = f"a {shape} array is an embedding (1, T, D), not an attention kernel"
+            return (), self._reason("by_design", detail)
+        if len(shape) == 4:  # a conv kernel (kh, kw, in, out): output or input channels
+            return ((3,) if column else (2,)), None
         if len(shape) == 3:
             return ((0,) if "out" in parts[-2:-1] else (1,)), None
         if len(shape) == 2:

@@ -90,14 +90,16 @@ class ShardingStrategy(abc.ABC):
           Sharded array.
         """
 
-    def _shard_dims(self, shape: tuple[int, ...], name: str | None) -> ShardDims:
+    def _shard_dims(self, shape: tuple[int, ...], name: str | None, size: int) -> ShardDims:
         """Dimensions of a parameter of ``shape`` that this strategy shards, or why none.
+
+        ``size`` is the size of ``axis_name`` in the mesh.
 
         Returns:
           The dimension indices to shard over ``axis_name`` (empty when none), and a
           :class:`Reason` when none is sharded (None otherwise).
         """
-        del shape, name
+        del shape, name, size
         return (), None
 
     def _reason(self, kind: str, detail: str) -> Reason:
@@ -124,9 +126,9 @@ class ShardingStrategy(abc.ABC):
           ValueError: If the mesh lacks ``axis_name`` or has it at another index than
             ``mesh_axis``.
         """
-        self._check_mesh(mesh)
+        size = self._check_mesh(mesh)
         shape = tuple(int(d) for d in shape)
-        dims, reason = self._shard_dims(shape, name)
+        dims, reason = self._shard_dims(shape, name, size)
         requested = [(self.axis_name,) if d in dims else () for d in range(len(shape))]
         return resolve_axes(requested, shape, mesh, reasons=(reason,) if reason else ())
 

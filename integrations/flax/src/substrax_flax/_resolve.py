@@ -223,7 +223,7 @@ class Resolver:
     def _warn(self, path: str, shape: tuple[int, ...], resolution: Resolution) -> None:
         """One warning per variable for what it asked and did not get (strict: an error)."""
         problems = resolution.of_kind("indivisible", "unknown_name")
-        if self.no_rules and self.mesh.devices.size > 1:  # logical names, but no rules
+        if self.no_rules and math.prod(dict(self.mesh.shape).values()) > 1:  # names, no rules
             hint = ": rules=None means logical names are mesh axis names; pass rules= or layout="
             unmapped = resolution.of_kind("unmapped")
             problems += tuple(dataclasses.replace(r, detail=r.detail + hint) for r in unmapped)
