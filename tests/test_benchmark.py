@@ -53,3 +53,12 @@ def test_pipeline_benchmark_runs_at_a_tiny_size(tmp_path):
         assert row["reductions_in_loops"] == 0
     one_f = [r["temp_bytes"] for r in rows if r["schedule"] == "1f1b"]
     assert max(one_f) <= 1.1 * min(one_f)
+
+
+def test_zoo_benchmark_runs_on_one_model(tmp_path):
+    import zoo
+
+    report = zoo.main(["--models", "tied", "--output-dir", str(tmp_path)])
+    assert (tmp_path / "zoo.md").exists() and len(report["gallery"]) == 2
+    for row in report["real"]:  # unannotated real-size shapes under the fsdp layout
+        assert row["ratio_to_ideal"] <= row["target"] < row["reference_fsdp_ratio"]

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax.mesh import Reason
 from substrax_flax._plan import ModelPlan, plan_of
 from substrax_flax._resolve import VariableSharding
-from substrax_flax._state import logical_names, shape_and_dtype, variables
+from substrax_flax._state import is_variable, logical_names, shape_and_dtype, variables
 
 __all__ = ["ShardingReport", "sharding_report"]
 
@@ -176,7 +176,7 @@ class ShardingReport:
 
 
 def _live_row(path: str, variable: Any, planned: VariableSharding | None) -> VariableSharding:
-    value = variable.get_value()
+    value = variable.get_value() if is_variable(variable) else variable
     shape, dtype = shape_and_dtype(variable)
     sharding = getattr(value, "sharding", None)
     spec = sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
@@ -237,7 +237,8 @@ def sharding_report(model_or_state: Any) -> ShardingReport:
     rows, mesh = [], None
     for path, variable in variables(state):
         rows.append(_live_row(path, variable, planned.get(path)))
-        sharding = getattr(variable.get_value(), "sharding", None)
+        value = variable.get_value() if is_variable(variable) else variable
+        sharding = getattr(value, "sharding", None)
         if mesh is None and isinstance(sharding, NamedSharding):
             mesh = sharding.mesh
     return ShardingReport(tuple(rows), mesh)

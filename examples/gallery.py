@@ -1,4 +1,4 @@
-"""Tiny Flax NNX models written the way people write them today, for the gallery tests.
+"""Tiny Flax NNX models written the way people write them today: the gallery.
 
 Written for substrax from common public patterns (no code copied): each model comes with a
 factory, a loss and a batch maker. None of them knows about substrax.
