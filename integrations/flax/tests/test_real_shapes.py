@@ -66,3 +66,25 @@ def test_tensor_parallelism_knows_convs_norms_and_position_embeddings():
     pos = tp.resolve((1, 197, 768), mesh, name="pos")
     assert pos.spec == P(None, None, None) and pos.reasons[0].kind == "by_design"
     assert tp.resolve((768,), mesh, name="fc1/bias").spec == P("model")  # a bias still shards
+
+
+class _Layers(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(64, 32, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(4, 32, decode=False, rngs=rngs)
+        self.norm = nnx.LayerNorm(32, rngs=rngs)
+        self.conv = nnx.Conv(32, 16, (3, 3), rngs=rngs)
+        self.square = nnx.Linear(32, 32, rngs=rngs)
+
+
+def test_tensor_parallelism_decides_from_the_layer_not_the_shape():
+    layout = Layout.named("tp", {"data": 2, "model": 4})
+    rows = {r.path: r for r in sf.plan_model(lambda: _Layers(nnx.Rngs(0)), layout=layout).rows}
+    assert rows["embed/embedding"].spec == P("model", None)  # vocab-parallel, not (in, out)
+    assert rows["attn/query/kernel"].spec == P(None, "model", None)  # heads
+    assert rows["attn/query/bias"].spec == P("model", None)
+    assert rows["attn/out/kernel"].spec == P("model", None, None)
+    assert rows["attn/out/bias"].spec == P(None)  # the output bias stays whole
+    assert rows["norm/scale"].spec == P(None) and "LayerNorm" in str(rows["norm/scale"].reasons[0])
+    assert rows["conv/kernel"].spec == P(None, None, None, "model")  # output channels
+    assert rows["square/kernel"].spec == P(None, "model")  # column-parallel Linear

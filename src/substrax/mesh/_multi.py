@@ -122,7 +122,9 @@ class MultiDimensionalStrategy:
                         used.add(axis)
         return PartitionSpec(*(spec_entry(axes) for axes in merged))
 
-    def resolve(self, shape: Sequence[int], mesh: Any, *, name: str | None = None) -> Resolution:
+    def resolve(
+        self, shape: Sequence[int], mesh: Any, *, name: str | None = None, layer: str | None = None
+    ) -> Resolution:
         """The spec of a parameter of ``shape``: every strategy's proposal, merged.
 
         Each strategy's :meth:`ShardingStrategy.resolve` proposal is merged by
@@ -134,6 +136,8 @@ class MultiDimensionalStrategy:
           shape: The parameter's shape.
           mesh: The mesh (a ``Mesh`` or ``AbstractMesh``).
           name: The parameter's path, passed on to each strategy.
+          layer: The kind of layer that holds it, passed on (see
+            :meth:`ShardingStrategy.resolve`).
 
         Returns:
           A :class:`~substrax.mesh.Resolution`, with every strategy's reasons.
@@ -141,7 +145,7 @@ class MultiDimensionalStrategy:
         shape = tuple(int(d) for d in shape)
         proposals, reasons = {}, []
         for key, strategy in self.strategies.items():
-            resolution = strategy.resolve(shape, mesh, name=name)
+            resolution = strategy.resolve(shape, mesh, name=name, layer=layer)
             proposals[key] = resolution.spec
             reasons.extend(resolution.reasons)
         merged = tuple(self.resolve_sharding_conflicts(name or "<tensor>", proposals))

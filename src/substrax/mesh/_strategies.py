@@ -29,6 +29,13 @@ __all__ = [
 _SHARD_DIMENSIONS = ("in_features", "out_features")
 _FSDP_SHARD = ("first", "largest")
 
+#: Flax layers tensor parallelism knows by class name (``TensorParallelStrategy`` layouts).
+_LAYER_KINDS = {
+    **{name: "dense" for name in ("Linear", "Conv", "ConvTranspose")},
+    "Embed": "embed",
+    **{name: "norm" for name in ("LayerNorm", "RMSNorm", "BatchNorm", "GroupNorm", "InstanceNorm")},
+}
+
 
 def _spec_on(names: tuple[str, ...], index: int | None, axis_name: str) -> PartitionSpec:
     return PartitionSpec(*(axis_name if i == index else None for i in range(len(names))))
@@ -62,7 +69,9 @@ class DataParallelStrategy(ShardingStrategy):
         names = tuple(tensor_shape)
         return _spec_on(names, names.index("batch") if "batch" in names else None, self.axis_name)
 
-    def _shard_dims(self, shape: tuple[int, ...], name: str | None, size: int) -> ShardDims:
+    def _shard_dims(
+        self, shape: tuple[int, ...], name: str | None, size: int, layer: str | None = None
+    ) -> ShardDims:
         reason = self._reason("by_design", "data parallelism replicates parameters")
         return (), reason if shape else None
 
@@ -181,7 +190,9 @@ class FSDPStrategy(ShardingStrategy):
         """
         return self.get_partition_spec(tensor_shape)
 
-    def _shard_dims(self, shape: tuple[int, ...], name: str | None, size: int) -> ShardDims:
+    def _shard_dims(
+        self, shape: tuple[int, ...], name: str | None, size: int, layer: str | None = None
+    ) -> ShardDims:
         if not shape:
             return (), None
         if self.shard == "largest":
@@ -231,6 +242,12 @@ class TensorParallelStrategy(ShardingStrategy):
     channels when column-parallel, input channels when row-parallel). Normalisation
     parameters (a path through a ``*norm*`` layer, or named ``scale``) and ``(1, T, D)``
     position embeddings are replicated. Other ranks are replicated.
+
+    When the caller knows the layer (``resolve(..., layer=...)``; the Flax adapter passes the
+    module class), the layer decides before the shape: ``Linear`` and ``Conv`` kernels split
+    their output features (column) or input features (row), their biases follow the output;
+    ``Embed`` tables split the vocabulary; ``MultiHeadAttention`` query/key/value kernels split
+    their heads and its output kernel its heads (its bias stays whole); norms are replicated.
     """
 
     def __init__(self, axis_name: str, mesh_axis: int, shard_dimension: str | None = None):
@@ -295,9 +312,14 @@ class TensorParallelStrategy(ShardingStrategy):
         """
         return self.get_partition_spec(("heads", "head_dim", "out_features"))
 
-    def _shard_dims(self, shape: tuple[int, ...], name: str | None, size: int) -> ShardDims:
+    def _shard_dims(
+        self, shape: tuple[int, ...], name: str | None, size: int, layer: str | None = None
+    ) -> ShardDims:
         parts = name.split("/") if name else []
         column = self.shard_dimension == "out_features"
+        by_layer = self._by_layer(shape, parts[-1:], layer, column)
+        if by_layer is not None:
+            return by_layer
         if any("norm" in part for part in parts[:-1]) or parts[-1:] == ["scale"]:
             return (), self._reason("by_design", "normalisation parameters are replicated")
         if len(shape) == 3 and shape[0] == 1:
@@ -319,6 +341,31 @@ class TensorParallelStrategy(ShardingStrategy):
             return (), None
         detail = f"tensor parallelism shards only 1-3 dimensional weights, not shape {shape}"
         return (), self._reason("by_design", detail)
+
+    def _by_layer(
+        self, shape: tuple[int, ...], leaf: list[str], layer: str | None, column: bool
+    ) -> ShardDims | None:
+        """The decision from the kind of layer, or None to fall back on the shape."""
+        kind = _LAYER_KINDS.get(layer or "", "attention" if (layer or "").startswith(
+            "MultiHeadAttention.") else None)  # fmt: skip
+        if kind is None or not shape:
+            return None
+        bias = leaf == ["bias"]
+        if kind == "norm":
+            return (), self._reason("by_design", f"{layer} parameters are replicated")
+        if kind == "embed":  # (vocab, features): vocab-parallel
+            return (0,), None
+        if kind == "attention":
+            output = layer.endswith(".out")
+            if bias:
+                return ((), self._reason("by_design", "the output bias is replicated")) if output \
+                    else ((0,), None)  # fmt: skip
+            return ((0,) if output else (1,)), None
+        if bias:  # Linear, Conv: the output features
+            if column:
+                return (len(shape) - 1,), None
+            return (), self._reason("by_design", "row-parallel bias is replicated")
+        return ((len(shape) - 1,) if column else (len(shape) - 2,)), None
 
     def apply_sharding(self, array: jax.Array, mesh: Mesh) -> jax.Array:
         """Apply tensor parallel sharding to array.

@@ -90,22 +90,27 @@ class ShardingStrategy(abc.ABC):
           Sharded array.
         """
 
-    def _shard_dims(self, shape: tuple[int, ...], name: str | None, size: int) -> ShardDims:
+    def _shard_dims(
+        self, shape: tuple[int, ...], name: str | None, size: int, layer: str | None = None
+    ) -> ShardDims:
         """Dimensions of a parameter of ``shape`` that this strategy shards, or why none.
 
-        ``size`` is the size of ``axis_name`` in the mesh.
+        ``size`` is the size of ``axis_name`` in the mesh; ``layer`` the kind of layer that
+        holds the parameter, when known (see :meth:`resolve`).
 
         Returns:
           The dimension indices to shard over ``axis_name`` (empty when none), and a
           :class:`Reason` when none is sharded (None otherwise).
         """
-        del shape, name, size
+        del shape, name, size, layer
         return (), None
 
     def _reason(self, kind: str, detail: str) -> Reason:
         return Reason(kind, None, None, (self.axis_name,), f"{type(self).__name__}: {detail}")
 
-    def resolve(self, shape: Sequence[int], mesh: Any, *, name: str | None = None) -> Resolution:
+    def resolve(
+        self, shape: Sequence[int], mesh: Any, *, name: str | None = None, layer: str | None = None
+    ) -> Resolution:
         """The spec of a parameter of ``shape`` under this strategy on ``mesh``.
 
         The strategy proposes its axis for some dimensions; substrax's one resolver
@@ -117,6 +122,10 @@ class ShardingStrategy(abc.ABC):
           mesh: The mesh (a ``Mesh`` or ``AbstractMesh``) that has ``axis_name``.
           name: The parameter's path, such as ``"layers/0/attn/out/kernel"``; strategies that
             tell layers apart by name use it.
+          layer: The kind of layer that holds the parameter, when the caller knows it: a Flax
+            module class name (``"Linear"``, ``"Embed"``, ``"Conv"``, ``"LayerNorm"``, ...),
+            or ``"MultiHeadAttention.query"`` (``.key``, ``.value``, ``.out``) for the
+            projections of an attention layer. Tensor parallelism uses it before shapes.
 
         Returns:
           A :class:`~substrax.mesh.Resolution`: the spec, and why any dimension the strategy
@@ -128,7 +137,7 @@ class ShardingStrategy(abc.ABC):
         """
         size = self._check_mesh(mesh)
         shape = tuple(int(d) for d in shape)
-        dims, reason = self._shard_dims(shape, name, size)
+        dims, reason = self._shard_dims(shape, name, size, layer)
         requested = [(self.axis_name,) if d in dims else () for d in range(len(shape))]
         return resolve_axes(requested, shape, mesh, reasons=(reason,) if reason else ())
 

@@ -24,6 +24,7 @@ from substrax_flax._resolve import (
 from substrax_flax._state import (
     constrain_state,
     is_variable,
+    layer_kinds,
     map_variables,
     values_by_path,
     variables,
@@ -150,7 +151,7 @@ class ModelPlan:
         self.mesh, self.rules, self.strategy = resolver.mesh, resolver.rules, resolver.strategy
         self.layout, self.graphdef, self._factory = layout, graphdef, factory
         self.strict, self.unknown_names = resolver.strict, resolver.unknown_names
-        self.rows = resolver.rows(state)
+        self.rows = resolver.rows(state, _layers(graphdef, state))
         self.shardings = shardings_of(self.rows, state, self.mesh)
         self.specs = jax.tree.map(lambda sharding: sharding.spec, self.shardings)
         self.abstract_state = jax.tree.map(
@@ -290,6 +291,14 @@ class ModelPlan:
     def __repr__(self) -> str:
         layout = f", layout={self.layout.name}" if self.layout is not None else ""
         return f"ModelPlan(mesh={dict(self.mesh.shape)}{layout}, variables={len(self.rows)})"
+
+
+def _layers(graphdef: Any, state: Any) -> dict[str, str]:
+    """Which kind of layer holds each variable (for strategies), when the graph is known."""
+    if graphdef is None:
+        return {}
+    with nnx.use_eager_sharding(False):
+        return layer_kinds(nnx.merge(graphdef, state))
 
 
 def _value(leaf: Any) -> Any:

@@ -174,11 +174,20 @@ class Resolver:
         self.strict = strict
         self.unknown_names = unknown_names
 
-    def rows(self, state: Any) -> tuple[VariableSharding, ...]:
-        """One :class:`VariableSharding` per variable of ``state``, in tree order."""
-        return tuple(self.variable(path, variable) for path, variable in variables(state))
+    def rows(
+        self, state: Any, layers: dict[str, str] | None = None
+    ) -> tuple[VariableSharding, ...]:
+        """One :class:`VariableSharding` per variable of ``state``, in tree order.
 
-    def variable(self, path: str, variable: Any) -> VariableSharding:
+        ``layers`` maps a variable's path to the kind of layer that holds it (see
+        :func:`substrax_flax._state.layer_kinds`), for strategies that use it.
+        """
+        layers = layers or {}
+        return tuple(
+            self.variable(path, variable, layers.get(path)) for path, variable in variables(state)
+        )
+
+    def variable(self, path: str, variable: Any, layer: str | None = None) -> VariableSharding:
         """The sharding of one variable, warning (once) where it replicates what was asked.
 
         Raises:
@@ -193,7 +202,7 @@ class Resolver:
         elif names is not None:
             resolution, rule = self._from_names(path, shape, names), _rule_text(names, self._table)
         elif self.strategy is not None:
-            resolution = self.strategy.resolve(shape, self.mesh, name=path)
+            resolution = self.strategy.resolve(shape, self.mesh, name=path, layer=layer)
             rule = type(self.strategy).__name__
         else:
             reasons = (Reason("no_annotation", None, None, (), "no annotation and no strategy: "

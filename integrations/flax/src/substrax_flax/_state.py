@@ -12,6 +12,7 @@ __all__ = [
     "METADATA_KEYS",
     "constrain_state",
     "is_variable",
+    "layer_kinds",
     "logical_names",
     "map_variables",
     "values_by_path",
@@ -99,6 +100,28 @@ def _constrain(value: jax.Array, sharding: jax.sharding.NamedSharding) -> jax.Ar
     if explicit:
         return jax.sharding.reshard(value, sharding)
     return jax.lax.with_sharding_constraint(value, sharding)
+
+
+def layer_kinds(model: Any) -> dict[str, str]:
+    """The kind of layer that holds each variable of ``model`` (live or abstract), by path.
+
+    The kind is the owning module's class name (``"Linear"``, ``"Conv"``, ``"Embed"``,
+    ``"LayerNorm"``, ...); a projection of an ``nnx.MultiHeadAttention`` is
+    ``"MultiHeadAttention.query"`` (``.key``, ``.value``, ``.out``).
+    """
+    modules = {
+        tuple(path): node for path, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)
+    }
+    kinds = {}
+    for path, node in nnx.iter_graph(model):
+        if not is_variable(node) or tuple(path[:-1]) not in modules:
+            continue
+        owner, parent = modules[tuple(path[:-1])], modules.get(tuple(path[:-2]))
+        kind = type(owner).__name__
+        if isinstance(parent, nnx.MultiHeadAttention):
+            kind = f"MultiHeadAttention.{path[-2]}"
+        kinds["/".join(map(str, path))] = kind
+    return kinds
 
 
 def values_by_path(tree: Any) -> dict[str, Any]:
