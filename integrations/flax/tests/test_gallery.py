@@ -2,8 +2,9 @@
 
 Each gallery model is created under a named layout (dp, fsdp, fsdp+tp), gets its optimizer,
 trains three steps with the default step and matches a plain nnx/optax run on one device (the
-losses within 1e-5 relative, batch statistics too); under fsdp it is also checkpointed and
-restored into a fresh model, leaf by leaf and sharding by sharding.
+losses within 1e-5 relative, batch statistics too); it is checkpointed, trained one more step
+and restored (under fsdp also into a freshly created model), leaf by leaf and sharding by
+sharding.
 """
 
 import functools
@@ -67,34 +68,46 @@ def _train(name, layout):
     optimizer = sf.create_sharded_optimizer(model, _tx())
     step = sf.make_train_step(entry.loss)
     losses = [float(step(model, optimizer, entry.batch(i))["loss"]) for i in range(STEPS)]
-    return model, optimizer, losses
+    return model, optimizer, losses, step
+
+
+def _snapshot(model, optimizer):
+    return [
+        (_host(a), a.sharding) for a in jax.tree.leaves((nnx.state(model), nnx.state(optimizer)))
+    ]
+
+
+def _assert_restored(model, optimizer, saved):
+    for (got, sharding), (want, want_sharding) in zip(_snapshot(model, optimizer), saved,
+                                                      strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+        assert sharding == want_sharding
 
 
 @pytest.mark.parametrize("layout_name", ["dp", "fsdp", "fsdp+tp"])
 @pytest.mark.parametrize("name", sorted(GALLERY))
 def test_gallery_model_trains_like_one_device_and_restores(name, layout_name, tmp_path):
     layout = Layout.named(layout_name, MESH)
-    model, optimizer, losses = _train(name, layout)
+    model, optimizer, losses, step = _train(name, layout)
     ref_losses, ref_rest = reference(name)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     rest = nnx.state(model, nnx.Not(nnx.Param))  # batch statistics, rng counts, data arrays
     for got, want in zip(jax.tree.leaves(rest), jax.tree.leaves(ref_rest), strict=True):
         np.testing.assert_allclose(_host(got), want, rtol=1e-5, atol=1e-6)
-    if layout_name != "fsdp":  # one layout is enough to show the round trip (suite time)
-        return
     checkpointer = sf.Checkpointer(tmp_path)
     checkpointer.save(model, optimizer, STEPS)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ShardingWarning)
-        fresh = sf.create_sharded_model(GALLERY[name].factory, layout=layout)
-    fresh_optimizer = sf.create_sharded_optimizer(fresh, _tx())
-    checkpointer.restore(fresh, fresh_optimizer)
+    saved = _snapshot(model, optimizer)
+    step(model, optimizer, GALLERY[name].batch(STEPS))  # move on, then go back
+    checkpointer.restore(model, optimizer)
+    _assert_restored(model, optimizer, saved)
+    if layout_name == "fsdp":  # and into a freshly created model (one layout: suite time)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ShardingWarning)
+            fresh = sf.create_sharded_model(GALLERY[name].factory, layout=layout)
+        fresh_optimizer = sf.create_sharded_optimizer(fresh, _tx())
+        checkpointer.restore(fresh, fresh_optimizer)
+        _assert_restored(fresh, fresh_optimizer, saved)
     checkpointer.close()
-    saved = jax.tree.leaves((nnx.state(model), nnx.state(optimizer)))
-    restored = jax.tree.leaves((nnx.state(fresh), nnx.state(fresh_optimizer)))
-    for got, want in zip(restored, saved, strict=True):
-        np.testing.assert_array_equal(_host(got), _host(want))
-        assert got.sharding == want.sharding
 
 
 def test_explicit_style_specs_are_honoured_as_given():
@@ -108,7 +121,7 @@ def test_explicit_style_specs_are_honoured_as_given():
 
 def test_explicit_style_models_train_on_an_explicit_mesh():
     mesh = DeviceMeshManager.create_device_mesh(MESH, axis_types=(AxisType.Explicit,) * 2)
-    _, optimizer, losses = _train("flax-guide", Layout.named("fsdp", mesh))
+    _, optimizer, losses, _ = _train("flax-guide", Layout.named("fsdp", mesh))
     np.testing.assert_allclose(losses, reference("flax-guide")[0], rtol=1e-5)
     assert int(optimizer.step[...]) == STEPS
 
