@@ -95,3 +95,67 @@ def test_constrain_on_an_explicit_mesh_reshards():
     with jax.set_mesh(mesh), use_rules(mesh, fsdp_rules()):
         y = jax.jit(lambda x: constrain(x, "data", "embed"))(jnp.ones((4, 8)))
     assert y.sharding.spec == P("data", "model")
+
+
+def test_rules_are_isolated_between_threads_and_asyncio_tasks(mesh_2x4):
+    import asyncio
+    import threading
+
+    seen = {}
+
+    def worker(name, rules):
+        with use_rules(mesh_2x4, rules):
+            barrier.wait()  # both threads inside their contexts at once
+            seen[name] = active_rules()[1]
+            barrier.wait()
+
+    barrier = threading.Barrier(2)
+    a, b = MeshRules(data="data"), MeshRules(data="model")
+    threads = [threading.Thread(target=worker, args=(n, r)) for n, r in (("a", a), ("b", b))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == {"a": a, "b": b} and active_rules() is None
+
+    async def task(name, rules, started, other_started):
+        with use_rules(mesh_2x4, rules):
+            started.set()
+            await other_started.wait()
+            seen[name] = active_rules()[1]
+
+    async def both():
+        first, second = asyncio.Event(), asyncio.Event()
+        await asyncio.gather(task("x", a, first, second), task("y", b, second, first))
+
+    asyncio.run(both())
+    assert seen["x"] == a and seen["y"] == b and active_rules() is None
+
+
+def test_leaving_rule_contexts_out_of_order_restores_the_right_rules(mesh_2x4):
+    outer, inner = MeshRules(data="data"), MeshRules(data="model")
+    first, second = use_rules(mesh_2x4, outer), use_rules(mesh_2x4, inner)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # the outer one leaves first
+    assert active_rules() == (mesh_2x4, inner)
+    second.__exit__(None, None, None)
+    assert active_rules() is None  # nothing leaks after every context exited
+
+
+def test_a_jitted_function_is_traced_again_under_other_rules(mesh_2x4):
+    traces = []
+
+    @jax.jit
+    def f(x):
+        traces.append(1)
+        return constrain(x * 2, "data", None)
+
+    x = jnp.ones((8, 4))
+    with use_rules(mesh_2x4, MeshRules(data="data")):
+        assert f(x).sharding.spec[0] == "data"
+    with use_rules(mesh_2x4, MeshRules(data="model")):
+        assert f(x).sharding.spec[0] == "model"  # not the first trace's layout
+    with use_rules(mesh_2x4, MeshRules(data="data")):
+        f(x)
+    assert len(traces) == 2  # the first rules' trace is reused for the same rules

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import threading
+import contextvars
 from collections.abc import Iterator
 
 import jax
@@ -13,15 +13,25 @@ from substrax.mesh import MeshRules, partition_spec_for_names
 
 __all__ = ["active_rules", "constrain", "use_rules"]
 
-_ACTIVE = threading.local()
+# One stack of active (mesh, rules) entries per context: each thread and each asyncio task
+# sees its own (a task starts from a copy of its creator's context).
+_ACTIVE: contextvars.ContextVar[tuple] = contextvars.ContextVar("substrax_rules", default=())
+# The active rules are part of jax's tracing and compilation cache key: a function jitted and
+# traced under one set of rules is traced again under another, never reused.
+_TRACE_KEY = jax.make_user_context(default_value=())
 
 
 @contextlib.contextmanager
 def use_rules(mesh: Mesh, rules: MeshRules) -> Iterator[MeshRules]:
-    """Makes ``rules`` on ``mesh`` the active rules for :func:`constrain` in this thread.
+    """Makes ``rules`` on ``mesh`` the active rules for :func:`constrain` in this context.
 
     substrax's train steps activate their compute rules while tracing, so model code can call
-    :func:`constrain` without knowing the layout. Contexts nest; the innermost wins.
+    :func:`constrain` without knowing the layout. Contexts nest; the innermost wins. The state
+    lives in a ``contextvars.ContextVar``: threads and asyncio tasks do not see each other's
+    rules, and leaving contexts out of order removes exactly the entry that is left. The
+    active rules are also part of jax's tracing cache key (``jax.make_user_context``): a
+    jitted function that calls :func:`constrain` is traced again under other rules instead of
+    reusing the layout of the first.
 
     Args:
       mesh: The device mesh.
@@ -34,12 +44,18 @@ def use_rules(mesh: Mesh, rules: MeshRules) -> Iterator[MeshRules]:
       ValueError: If a rule names a mesh axis that ``mesh`` lacks.
     """
     rules.validate(mesh)
-    stack = getattr(_ACTIVE, "stack", [])
-    _ACTIVE.stack = [*stack, (mesh, rules)]
+    entry = (mesh, rules)
+    _ACTIVE.set((*_ACTIVE.get(), entry))
     try:
-        yield rules
+        with _TRACE_KEY(_ACTIVE.get()):
+            yield rules
     finally:
-        _ACTIVE.stack = stack
+        stack = list(_ACTIVE.get())
+        for i in range(len(stack) - 1, -1, -1):  # this entry, wherever it is now
+            if stack[i] is entry:
+                del stack[i]
+                break
+        _ACTIVE.set(tuple(stack))
 
 
 def active_rules() -> tuple[Mesh, MeshRules] | None:
@@ -48,7 +64,7 @@ def active_rules() -> tuple[Mesh, MeshRules] | None:
     Returns:
       The active mesh and rules, or None outside any :func:`use_rules` context.
     """
-    stack = getattr(_ACTIVE, "stack", [])
+    stack = _ACTIVE.get()
     return stack[-1] if stack else None
 
 
