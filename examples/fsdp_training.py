@@ -242,6 +242,12 @@ def resume(args, model, optimizer, primary):
         return None
     checkpointer = sf.Checkpointer(args.checkpoint_dir, keep=args.keep)
     if not (args.resume or args.resume_if_present):
+        if checkpointer.latest_step() is not None:
+            raise UsageError(
+                f"--checkpoint-dir {args.checkpoint_dir} already holds checkpoints (steps "
+                f"{checkpointer.all_steps()}): pass --resume to continue that run, or use another "
+                "directory"
+            )
         return checkpointer
     if checkpointer.latest_step() is None:
         if args.resume:

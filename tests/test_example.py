@@ -71,3 +71,12 @@ def test_example_rejects_bad_input_in_one_line(tmp_path, args, message):
     assert message in result.stderr
     assert "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    first = _run(*TINY, "--steps", "1", "--checkpoint-dir", ckpt, tmp_path=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = _run(*TINY, "--steps", "2", "--checkpoint-dir", ckpt, tmp_path=tmp_path)
+    assert again.returncode == 2
+    assert "already holds checkpoints (steps [1]): pass --resume" in again.stderr

@@ -135,3 +135,17 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.1), mesh, MeshRules(embed="data"))
     assert checkpointer.restore(model, optimizer) == {"step": 1}
     np.testing.assert_array_equal(np.asarray(model.w[...][:4]), np.load(first))
+
+
+def test_saving_at_an_old_step_is_an_error_unless_overwriting(tmp_path):
+    _, _, model, optimizer = _create("dp 8x1", seed=0)
+    checkpointer = sf.Checkpointer(tmp_path)
+    for step in (1, 2, 3):
+        checkpointer.save(model, optimizer, step, {"step": step})
+    for step in (3, 2):  # the same step, and one before the latest: never silently skipped
+        with pytest.raises(ValueError, match=rf"Cannot save step {step} .* latest checkpoint"):
+            checkpointer.save(model, optimizer, step, {"step": step})
+    assert checkpointer.all_steps() == [1, 2, 3]
+    checkpointer.save(model, optimizer, 2, {"step": 2, "again": True}, overwrite=True)
+    assert checkpointer.all_steps() == [1, 2]  # the rolled-back run's future is gone
+    assert checkpointer.restore(model, optimizer) == {"step": 2, "again": True}

@@ -92,25 +92,51 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(
-        self, model: nnx.Module, optimizer: nnx.Optimizer, step: int, metadata: dict | None = None
+        self,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        step: int,
+        metadata: dict | None = None,
+        *,
+        overwrite: bool = False,
     ) -> None:
         """Saves the model's and optimizer's state and ``metadata`` as checkpoint ``step``.
 
-        Takes its arguments in :meth:`restore`'s order: model, optimizer, step.
+        Takes its arguments in :meth:`restore`'s order: model, optimizer, step. Steps only move
+        forward: saving at a step that is not after the latest is an error, since it would
+        either keep the old data under that step or leave newer steps that a resume would pick
+        up instead. ``overwrite=True`` deletes every checkpoint at or after ``step`` first (a
+        rolled-back run that trains again).
 
         Args:
           model: The model.
           optimizer: Its optimizer.
           step: The step number (the checkpoint's name).
           metadata: JSON-serialisable run information (data position, configuration, ...).
+          overwrite: Delete checkpoints at or after ``step`` and save.
+
+        Raises:
+          ValueError: If ``step`` is not after the latest checkpoint and ``overwrite`` is False.
+          RuntimeError: If Orbax declines to save.
         """
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            if not overwrite:
+                raise ValueError(
+                    f"Cannot save step {step} in {self.directory}: the latest checkpoint there is "
+                    f"step {latest} (steps {self.all_steps()}). Save a later step, or pass "
+                    f"overwrite=True to delete steps >= {step} first."
+                )
+            for old in self.all_steps():
+                if old >= step:
+                    self._manager.delete(old)
         state = _storable(
             {
                 "model": nnx.to_pure_dict(nnx.state(model)),
                 "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
             }
         )
-        self._manager.save(
+        saved = self._manager.save(
             step,
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
@@ -118,6 +144,8 @@ class Checkpointer:
             ),
         )
         self._manager.wait_until_finished()
+        if not saved:
+            raise RuntimeError(f"Orbax did not save step {step} in {self.directory}.")
 
     def restore(self, model: nnx.Module, optimizer: nnx.Optimizer, step: int | None = None) -> dict:
         """Restores checkpoint ``step`` (the latest when None) into ``model`` and ``optimizer``.
