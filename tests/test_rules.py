@@ -138,3 +138,10 @@ def test_create_named_sharding(mesh_2x4):
     assert create_named_sharding(mesh_2x4, ("data", "model")).spec == P(("data", "model"))
     x = jax.device_put(np.ones((8, 4)), create_named_sharding(mesh_2x4, ("data", "model")))
     assert x.addressable_shards[0].data.shape == (1, 4)
+
+
+def test_a_tuple_entry_asks_for_each_names_axes_once():
+    rules = MeshRules(data=("data", "model"), embed="model")
+    resolved = rules.resolve(("data", "embed"), None, shape=(16, 4), mesh={"data": 2, "model": 4})
+    assert resolved.spec == P(("data", "model"), None)
+    assert resolved.requested == (("data", "model"), ())

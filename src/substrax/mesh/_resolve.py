@@ -265,8 +265,8 @@ def resolve_names(
             elif not as_axes(table[name]):
                 detail = "its rule maps it to no mesh axis"
                 reasons.append(Reason("unmapped", dim, name, (), detail))
-            else:
-                axes += as_axes(table[name])
+            else:  # a tuple entry may name one mesh axis twice: keep it once
+                axes += tuple(a for a in as_axes(table[name]) if a not in axes)
         requested.append(axes)
     labels = [None if e is None else "+".join(as_axes(e)) for e in names]
     return resolve_axes(requested, shape, mesh, names=labels, reasons=reasons)
