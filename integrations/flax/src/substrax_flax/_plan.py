@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from substrax.layout import Layout
 from substrax.mesh import MeshRules
@@ -20,6 +20,7 @@ from substrax_flax._resolve import (
     UnknownNames,
     VariableSharding,
     as_rules,
+    without_axes,
 )
 from substrax_flax._state import (
     constrain_state,
@@ -201,8 +202,7 @@ class ModelPlan:
         by_path = {row.path: row for row in self.rows}
 
         def gathered(path, _):
-            entries = (tuple(a for a in _axes(e) if a not in drop) for e in by_path[path].spec)
-            return NamedSharding(self.mesh, PartitionSpec(*(_entry(e) for e in entries)))
+            return NamedSharding(self.mesh, without_axes(by_path[path].spec, drop))
 
         return map_variables(gathered, state)
 
@@ -303,18 +303,6 @@ def _layers(graphdef: Any, state: Any) -> dict[str, str]:
 
 def _value(leaf: Any) -> Any:
     return leaf.get_value() if is_variable(leaf) else leaf
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _entry(axes: tuple[str, ...]) -> Any:
-    if not axes:
-        return None
-    return axes[0] if len(axes) == 1 else axes
 
 
 def plan_model(

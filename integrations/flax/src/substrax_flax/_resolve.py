@@ -21,7 +21,14 @@ from substrax.mesh import (
 )
 from substrax_flax._state import logical_names, shape_and_dtype, variables
 
-__all__ = ["Resolver", "VariableSharding", "as_rules", "make_row"]
+__all__ = [
+    "Resolver",
+    "VariableSharding",
+    "as_rules",
+    "entry_axes",
+    "make_row",
+    "without_axes",
+]
 
 Rules = MeshRules | Iterable[tuple[str, Any]] | None
 Strategy = ShardingStrategy | MultiDimensionalStrategy | None
@@ -73,7 +80,7 @@ def make_row(
     sizes = dict(mesh.shape)
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
     shard_shape = [
-        dim // math.prod(sizes[a] for a in _axes(entry))
+        dim // math.prod(sizes[a] for a in entry_axes(entry))
         for dim, entry in zip(shape, entries, strict=True)
     ]
     itemsize = getattr(dtype, "itemsize", 0)
@@ -118,10 +125,17 @@ def as_rules(rules: Rules, mesh: Any) -> MeshRules:
     return rules if mesh is None else rules.validate(mesh)
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
+def entry_axes(entry: Any) -> tuple[str, ...]:
+    """A spec entry (None, an axis name, or a tuple of names) as a tuple of axis names."""
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def without_axes(spec: PartitionSpec, drop: set[str]) -> PartitionSpec:
+    """``spec`` with the mesh axes in ``drop`` removed from every entry."""
+    kept = [tuple(a for a in entry_axes(e) if a not in drop) for e in spec]
+    return PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
 
 
 class Resolver:
@@ -250,5 +264,5 @@ class Resolver:
 
 def _rule_text(names: tuple[Any, ...], rules: MeshRules) -> str:
     table = rules.as_dict()
-    parts = [f"{name}->{table.get(name, '?')}" for entry in names for name in _axes(entry)]
+    parts = [f"{name}->{table.get(name, '?')}" for entry in names for name in entry_axes(entry)]
     return ", ".join(parts) or "none"
