@@ -1,21 +1,56 @@
-"""A launcher test program: behaves as argv[1] says, per process."""
+"""A launcher test program: behaves as argv[1] says, per process.
+
+Modes that fail do so in process 1, while process 0 waits in a collective (jax modes) or
+sleeps; every wait would hang the run without the launcher stopping it.
+"""
 
 import os
+import signal
 import sys
 import time
 
 mode = sys.argv[1]
 process_id = int(os.environ["SUBSTRAX_PROCESS_ID"])
+
+
+def _initialize():
+    import substrax.distributed
+
+    substrax.distributed.initialize()
+
+
+def _wait_in_a_collective():
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("waits for process 1 forever")
+    time.sleep(600)
+
+
 if mode == "hello":
     print(f"hello from {process_id} of {os.environ['SUBSTRAX_NUM_PROCESSES']}", flush=True)
 elif mode == "one-dies":
     if process_id == 1:
         sys.exit(3)
-    time.sleep(600)  # would hang without the launcher stopping it
+    time.sleep(600)
+elif mode == "sleep":
+    print(f"pid {os.getpid()}", flush=True)
+    time.sleep(600)
+elif mode == "killed":
+    if process_id == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(600)
+elif mode in ("raise", "exit0", "hang"):
+    _initialize()
+    if process_id == 1:
+        print("process 1 about to fail", flush=True)
+        if mode == "raise":
+            raise ValueError("worker 1 failed on purpose")
+        if mode == "exit0":
+            sys.exit(0)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    _wait_in_a_collective()
 elif mode == "devices":
-    import substrax.distributed
-
-    substrax.distributed.initialize()
+    _initialize()
     import jax
 
     from substrax.mesh import DeviceMeshManager

@@ -12,6 +12,8 @@ import os
 
 import jax
 
+from substrax import _worker
+
 __all__ = [
     "ENV_COORDINATOR",
     "ENV_CPU_DEVICES",
@@ -46,6 +48,11 @@ def initialize(
       heartbeat_timeout_seconds: How long the coordination service waits for a silent
         process before the others fail, so a dead process stops the run in bounded time.
 
+    In a multi-process run, an uncaught exception then ends this process at once with status 1
+    (jax would otherwise keep it at its exit barrier, waiting for peers blocked in a collective
+    with it, and its status would be lost). Under :mod:`substrax.launch` the process also sends
+    heartbeats and says when it starts to exit, so the launcher can stop the run and name it.
+
     Returns:
       The number of processes.
 
@@ -74,4 +81,6 @@ def initialize(
         )
     elif cluster:
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+    if all(launched) or cluster:
+        _worker.guard(jax.process_index())
     return jax.process_count()

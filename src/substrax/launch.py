@@ -4,24 +4,46 @@
 
 Each process gets the coordinator address, its process id, its simulated CPU device count and
 gloo CPU collectives through the environment (read by :func:`substrax.distributed.initialize`).
-Output is streamed with a ``[i]`` prefix. The launcher exits with the first non-zero status and
-stops the other processes (SIGTERM, then SIGKILL) when one fails; it never waits forever.
+Output is streamed with a ``[i]`` prefix (gloo's per-rank connection lines only with
+``--verbose``).
+
+The run fails fast and names the process that failed:
+
+- a process that exits with a non-zero status or is killed by a signal stops the run at once;
+- a process that starts to exit (``sys.exit``, even with status 0, or the end of its script)
+  while others keep running for more than ``--exit-timeout`` seconds stops the run;
+- a process that has called ``initialize`` and then sends no heartbeat for
+  ``--heartbeat-timeout`` seconds (stopped, or frozen with the interpreter lock held) stops it;
+- ``--timeout`` bounds the whole run. A process that is alive, beating and simply slow (a
+  ``time.sleep``, a long compile) is bounded only by ``--timeout``.
+
+Stopping means SIGTERM, then SIGKILL after ``--grace`` seconds. The launcher never leaves its
+processes behind: SIGTERM, SIGINT and SIGHUP stop them the same way, and on Linux each process
+gets a parent-death signal, so even a SIGKILL of the launcher ends them.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import ctypes
+import dataclasses
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
+from substrax import _worker
 from substrax.distributed import ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 __all__ = ["launch", "main"]
+
+_TAIL_LINES = 10
+_STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
 
 
 def _free_port() -> int:
@@ -35,23 +57,58 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _stream(process: subprocess.Popen, index: int) -> None:
-    for line in iter(process.stdout.readline, b""):
-        sys.stdout.write(f"[{index}] {line.decode(errors='replace')}")
-        sys.stdout.flush()
+@dataclasses.dataclass
+class _Worker:
+    """One launched process, the last lines it printed and when it was seen to end."""
+
+    index: int
+    process: subprocess.Popen
+    tail: collections.deque = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=_TAIL_LINES)
+    )
+    ended_at: float | None = None
 
 
-def _stop(processes: list[subprocess.Popen], grace: float) -> None:
-    for process in processes:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+class _Stopped(Exception):
+    """The launcher received a stop signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Asks Linux to SIGKILL this process when its parent dies (prctl PR_SET_PDEATHSIG)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)
+
+
+def _is_gloo_chatter(line: str) -> bool:
+    return line.startswith("[Gloo] Rank ")
+
+
+def _stream(worker: _Worker, verbose: bool) -> None:
+    for raw in iter(worker.process.stdout.readline, b""):
+        line = raw.decode(errors="replace")
+        worker.tail.append(line.rstrip("\n"))
+        if verbose or not _is_gloo_chatter(line):
+            sys.stdout.write(f"[{worker.index}] {line}")
+            sys.stdout.flush()
+    worker.process.stdout.close()
+
+
+def _stop(workers: list[_Worker], grace: float) -> None:
+    for worker in workers:
+        if worker.process.poll() is None:
+            worker.process.send_signal(signal.SIGTERM)
+            worker.process.send_signal(signal.SIGCONT)  # a stopped process must run to end
     deadline = time.monotonic() + grace
-    for process in processes:
+    for worker in workers:
         try:
-            process.wait(max(deadline - time.monotonic(), 0.1))
+            worker.process.wait(max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            worker.process.kill()
+            worker.process.wait()
 
 
 def launch(
@@ -61,8 +118,14 @@ def launch(
     *,
     timeout: float | None = None,
     grace: float = 10.0,
+    exit_timeout: float = 30.0,
+    heartbeat_timeout: float = 30.0,
+    verbose: bool = False,
 ) -> int:
     """Runs ``command`` as ``num_processes`` processes of one jax program on this machine.
+
+    When the run fails, one line on stderr names the process that failed and how, followed by
+    the last lines it printed; the other processes are stopped (SIGTERM, then SIGKILL).
 
     Args:
       command: The command each process runs, such as ``[sys.executable, "train.py"]``.
@@ -70,55 +133,218 @@ def launch(
       devices_per_process: Simulated CPU devices per process (None: jax's default).
       timeout: Seconds after which every process is stopped and the run fails (None: none).
       grace: Seconds between SIGTERM and SIGKILL when stopping processes.
+      exit_timeout: Seconds the other processes may keep running after one started to exit.
+      heartbeat_timeout: Seconds without a heartbeat after which a process counts as hung
+        (heartbeats start at :func:`substrax.distributed.initialize`).
+      verbose: Also print gloo's per-rank connection lines.
 
     Returns:
-      0 if every process succeeded, else the first non-zero exit status (124 on timeout).
+      0 if every process succeeded; else the failed process's status (128 + the signal number
+      for a signal), 1 for a process that exited early with status 0 or stopped beating, 124
+      on timeout, and 128 + the signal number when the launcher itself was stopped.
 
     Raises:
-      ValueError: If ``num_processes`` or ``devices_per_process`` is not positive.
+      ValueError: If ``num_processes`` or ``devices_per_process`` is not positive, or a
+        timeout is not positive.
     """
+    _check_arguments(num_processes, devices_per_process, timeout, exit_timeout, heartbeat_timeout)
+    with tempfile.TemporaryDirectory(prefix="substrax-launch-") as status_dir:
+        env = _environment(num_processes, devices_per_process, status_dir)
+        previous = _catch_stop_signals()
+        workers: list[_Worker] = []
+        try:
+            workers = _start(command, num_processes, env)
+            streams = [threading.Thread(target=_stream, args=(w, verbose)) for w in workers]
+            for thread in streams:
+                thread.start()
+            try:
+                status, failure = _watch(
+                    workers, status_dir, timeout, exit_timeout, heartbeat_timeout
+                )
+            except _Stopped as stopped:
+                name = signal.Signals(stopped.signum).name
+                status = 128 + stopped.signum
+                failure = _failure(None, f"the launcher received {name}")
+            _stop(workers, grace)
+            for thread in streams:
+                thread.join()
+        finally:
+            _stop(workers, grace)
+            _restore_signals(previous)
+    if failure is not None:
+        _report(*failure, others=[w.index for w in workers])
+    return status
+
+
+def _check_arguments(num_processes, devices_per_process, timeout, exit_timeout, heartbeat):
     if num_processes < 1 or (devices_per_process is not None and devices_per_process < 1):
         raise ValueError(
             f"num_processes and devices_per_process must be positive, got {num_processes} "
             f"and {devices_per_process}."
         )
-    base = {**os.environ, ENV_COORDINATOR: f"127.0.0.1:{_free_port()}"}
-    base[ENV_NUM_PROCESSES] = str(num_processes)
+    for name, value in (("timeout", timeout), ("exit_timeout", exit_timeout),
+                        ("heartbeat_timeout", heartbeat)):  # fmt: skip
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be a positive number of seconds, got {value}.")
+
+
+def _environment(num_processes: int, devices_per_process: int | None, status_dir: str) -> dict:
+    env = {**os.environ, ENV_COORDINATOR: f"127.0.0.1:{_free_port()}"}
+    env[ENV_NUM_PROCESSES] = str(num_processes)
     if devices_per_process is not None:
-        base[ENV_CPU_DEVICES] = str(devices_per_process)
-    base["PYTHONUNBUFFERED"] = "1"
-    processes = [
-        subprocess.Popen(
+        env[ENV_CPU_DEVICES] = str(devices_per_process)
+    env[_worker.ENV_LAUNCH_DIR] = status_dir
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _start(command: list[str], num_processes: int, env: dict) -> list[_Worker]:
+    preexec = _die_with_parent if sys.platform.startswith("linux") else None
+    workers = []
+    for index in range(num_processes):
+        process = subprocess.Popen(
             command,
-            env={**base, ENV_PROCESS_ID: str(index)},
+            env={**env, ENV_PROCESS_ID: str(index)},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            preexec_fn=preexec,
         )
-        for index in range(num_processes)
-    ]
-    streams = [threading.Thread(target=_stream, args=(p, i)) for i, p in enumerate(processes)]
-    for thread in streams:
-        thread.start()
-    status = _watch(processes, timeout, grace)
-    for thread in streams:
-        thread.join()
-    return status
+        workers.append(_Worker(index, process))
+    return workers
 
 
-def _watch(processes: list[subprocess.Popen], timeout: float | None, grace: float) -> int:
-    start = time.monotonic()
+def _catch_stop_signals() -> dict:
+    def handler(signum, frame):
+        raise _Stopped(signum)
+
+    previous = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous  # signal handlers can only be set from the main thread
+    for name in _STOP_SIGNALS:
+        number = getattr(signal, name, None)
+        if number is not None:
+            previous[number] = signal.signal(number, handler)
+    return previous
+
+
+def _restore_signals(previous: dict) -> None:
+    for number, handler in previous.items():
+        signal.signal(number, handler)
+
+
+def _watch(workers, status_dir, timeout, exit_timeout, heartbeat_timeout):
+    """Polls until every process succeeded or one failed.
+
+    Returns:
+      ``(status, failure)``: the launcher's exit status, and None or what :func:`_failure` says.
+    """
+    start = time.time()
     while True:
-        codes = [p.poll() for p in processes]
-        failed = [code for code in codes if code not in (None, 0)]
-        if failed:
-            _stop(processes, grace)
-            return failed[0]
-        if all(code == 0 for code in codes):
-            return 0
-        if timeout is not None and time.monotonic() - start > timeout:
-            _stop(processes, grace)
-            return 124
+        now = time.time()
+        for worker in workers:
+            if worker.ended_at is None and worker.process.poll() is not None:
+                worker.ended_at = now
+        if all(w.process.returncode == 0 for w in workers):
+            return 0, None
+        verdict = (
+            _failed(workers, status_dir)
+            or _exited_early(workers, status_dir, now, exit_timeout)
+            or _frozen(workers, status_dir, now, heartbeat_timeout)
+        )
+        if verdict is not None:
+            return verdict
+        if timeout is not None and now - start > timeout:
+            return 124, _failure(None, f"the run exceeded --timeout {timeout:g} s")
         time.sleep(0.05)
+
+
+def _failed(workers, status_dir):
+    """The first process to end with a non-zero status or a signal, if any."""
+    failed = [w for w in workers if w.process.returncode not in (None, 0)]
+    if not failed:
+        return None
+    culprit = min(failed, key=lambda w: _exit_time(w, status_dir))
+    return _status_of(culprit.process.returncode), _failure(culprit, _how(culprit, status_dir))
+
+
+def _exited_early(workers, status_dir, now, exit_timeout):
+    """A process that started to exit longer than ``exit_timeout`` ago while others run."""
+    early = _first_to_exit(workers, status_dir)
+    if early is None or now - _exit_time(early, status_dir) <= exit_timeout:
+        return None
+    running = [w.index for w in workers if w.process.returncode is None and w is not early]
+    text = (
+        f"{_how(early, status_dir)} (sys.exit or the end of its script) "
+        f"{now - _exit_time(early, status_dir):.0f} s ago, while processes {running} kept "
+        f"running (--exit-timeout {exit_timeout:g})"
+    )
+    return 1, _failure(early, text)
+
+
+def _frozen(workers, status_dir, now, heartbeat_timeout):
+    """A running process whose heartbeat is older than ``heartbeat_timeout``."""
+    for worker in workers:
+        silent = _silence(worker, status_dir, now)
+        if worker.process.returncode is None and silent > heartbeat_timeout:
+            text = f"sent no heartbeat for {silent:.0f} s: it is stopped or frozen"
+            return 1, _failure(worker, f"{text} (--heartbeat-timeout {heartbeat_timeout:g})")
+    return None
+
+
+def _failure(worker: _Worker | None, text: str) -> tuple:
+    """What to report: the process, how it failed, and its last lines as they were then."""
+    return worker, text, list(worker.tail) if worker is not None else []
+
+
+def _exit_time(worker: _Worker, status_dir: str) -> float:
+    """When the process said it was exiting, else when it was seen to end (else never)."""
+    try:
+        return os.stat(_worker.exit_path(status_dir, worker.index)).st_mtime
+    except OSError:
+        return worker.ended_at if worker.ended_at is not None else float("inf")
+
+
+def _first_to_exit(workers: list[_Worker], status_dir: str) -> _Worker | None:
+    exiting = [w for w in workers if _exit_time(w, status_dir) != float("inf")]
+    return min(exiting, key=lambda w: _exit_time(w, status_dir)) if exiting else None
+
+
+def _silence(worker: _Worker, status_dir: str, now: float) -> float:
+    try:
+        return now - os.stat(_worker.heartbeat_path(status_dir, worker.index)).st_mtime
+    except OSError:
+        return 0.0  # not beating yet: it has not called initialize
+
+
+def _status_of(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _how(worker: _Worker, status_dir: str) -> str:
+    code = worker.process.returncode
+    try:
+        said = _worker.exit_path(status_dir, worker.index).read_text()
+    except OSError:
+        said = ""
+    if code is None:
+        how = "started to exit"
+    elif code < 0:
+        how = f"was killed by {signal.Signals(-code).name}"
+    else:
+        how = f"exited with status {code}"
+    return f"{how} ({said})" if said.startswith("raised") else how
+
+
+def _report(worker: _Worker | None, text: str, tail: list[str], others: list[int]) -> None:
+    if worker is None:
+        print(f"substrax.launch: {text}; stopped processes {others}.", file=sys.stderr)
+        return
+    print(f"substrax.launch: process {worker.index} {text}.", file=sys.stderr)
+    if tail:
+        print(f"  last lines of process {worker.index}:", file=sys.stderr)
+        for line in tail:
+            print(f"  | {line}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,10 +356,21 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
       The exit status.
     """
-    parser = argparse.ArgumentParser(prog="python -m substrax.launch", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m substrax.launch",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--num-processes", type=int, required=True)
     parser.add_argument("--devices-per-process", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=None, help="seconds for the whole run")
+    parser.add_argument("--exit-timeout", type=float, default=30.0,
+                        help="seconds the others may run after one started to exit")  # fmt: skip
+    parser.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                        help="seconds without a heartbeat before a process is hung")  # fmt: skip
+    parser.add_argument("--grace", type=float, default=10.0,
+                        help="seconds between SIGTERM and SIGKILL when stopping")  # fmt: skip
+    parser.add_argument("--verbose", action="store_true", help="print gloo's connection lines")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -143,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             args.num_processes,
             args.devices_per_process,
             timeout=args.timeout,
+            grace=args.grace,
+            exit_timeout=args.exit_timeout,
+            heartbeat_timeout=args.heartbeat_timeout,
+            verbose=args.verbose,
         )
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -1,0 +1,99 @@
+"""How a process started by :mod:`substrax.launch` reports to its launcher.
+
+The launcher gives each process a status directory (``SUBSTRAX_LAUNCH_DIR``). Once the process
+has called :func:`substrax.distributed.initialize`, :func:`guard` makes it:
+
+- touch ``<id>.heartbeat`` from a daemon thread every ``interval`` seconds, so the launcher can
+  tell a frozen process (stopped, or deadlocked with the interpreter lock held) from a busy one;
+- write ``<id>.exit`` when it starts to exit (``sys.exit``, the end of the script), so the
+  launcher can bound how long the others may run after it;
+- on an uncaught exception, print the traceback, write ``<id>.exit`` and leave at once with
+  status 1 (130 for ``KeyboardInterrupt``) instead of waiting at jax's exit barrier for peers
+  that are blocked in a collective with it;
+- leave (status 1) when its parent is gone, should the parent-death signal not reach it.
+
+The exception hook is installed in every multi-process run, launched or not: a process that
+raised can never complete a collective again, so waiting at the barrier only hides its status.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import pathlib
+import sys
+import threading
+import time
+import traceback
+
+__all__ = ["ENV_LAUNCH_DIR", "exit_path", "guard", "heartbeat_path"]
+
+ENV_LAUNCH_DIR = "SUBSTRAX_LAUNCH_DIR"
+"""The launcher's status directory for its processes."""
+
+_guarded = False
+
+
+def heartbeat_path(directory: str | os.PathLike, process_id: int) -> pathlib.Path:
+    """The file a process touches while it is alive."""
+    return pathlib.Path(directory) / f"{process_id}.heartbeat"
+
+
+def exit_path(directory: str | os.PathLike, process_id: int) -> pathlib.Path:
+    """The file a process writes when it starts to exit, holding how it exits."""
+    return pathlib.Path(directory) / f"{process_id}.exit"
+
+
+def guard(process_id: int, *, interval: float = 1.0) -> None:
+    """Installs the exception hook and, under the launcher, the heartbeat and exit report.
+
+    Idempotent: a second call does nothing.
+
+    Args:
+      process_id: This process's id in the run.
+      interval: Seconds between heartbeats.
+    """
+    global _guarded
+    if _guarded:
+        return
+    _guarded = True
+    directory = os.environ.get(ENV_LAUNCH_DIR)
+    report = (lambda text: _write(exit_path(directory, process_id), text)) if directory else None
+    sys.excepthook = _exit_on_exception(sys.excepthook, report)
+    if directory is None:
+        return
+    atexit.register(report, "exit")
+    beat = heartbeat_path(directory, process_id)
+    thread = threading.Thread(
+        target=_beat, args=(beat, os.getppid(), interval), name="substrax-heartbeat", daemon=True
+    )
+    thread.start()
+
+
+def _write(path: pathlib.Path, text: str) -> None:
+    with contextlib.suppress(OSError):  # the launcher removed its directory: nobody listens
+        path.write_text(text)
+
+
+def _exit_on_exception(previous, report):
+    def hook(kind, value, tb):
+        previous(kind, value, tb)
+        if report is not None:
+            last = traceback.format_exception_only(kind, value)[-1].strip()
+            report(f"raised {last}")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if issubclass(kind, KeyboardInterrupt) else 1)
+
+    return hook
+
+
+def _beat(path: pathlib.Path, parent: int, interval: float) -> None:
+    while True:
+        if os.getppid() != parent:
+            print("substrax: the launcher is gone; exiting.", file=sys.stderr, flush=True)
+            os._exit(1)
+        with contextlib.suppress(OSError):
+            path.touch()
+        time.sleep(interval)

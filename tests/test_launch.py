@@ -1,0 +1,97 @@
+"""The launcher fails fast, names the process that failed and never leaves processes behind.
+
+Each test bounds its own wait; the failing process is always process 1.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from substrax.launch import launch
+
+WORKER = os.path.join(os.path.dirname(__file__), "launch_worker.py")
+FAST = ["--exit-timeout", "4", "--heartbeat-timeout", "4", "--grace", "2", "--timeout", "60"]
+
+
+def _launch(mode, *options):
+    command = [sys.executable, "-m", "substrax.launch", "--num-processes", "2",
+               "--devices-per-process", "1", *FAST, *options, WORKER, mode]  # fmt: skip
+    start = time.monotonic()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=90, check=False)
+    return result, time.monotonic() - start
+
+
+def _report_line(result):
+    return next(line for line in result.stderr.splitlines() if line.startswith("substrax.launch"))
+
+
+def test_a_raising_process_ends_the_run_with_its_own_status_and_message():
+    result, seconds = _launch("raise")
+    assert result.returncode == 1, result.stderr
+    line = _report_line(result)
+    assert "process 1 exited with status 1 (raised ValueError: worker 1 failed on purpose)" in line
+    assert "  | ValueError: worker 1 failed on purpose" in result.stderr
+    assert seconds < 30  # it did not wait at jax's exit barrier
+
+
+def test_a_process_that_exits_0_mid_run_fails_the_run():
+    result, seconds = _launch("exit0")
+    assert result.returncode == 1, result.stderr
+    assert "process 1 " in _report_line(result)
+    assert "while processes [0] kept running (--exit-timeout 4)" in _report_line(result)
+    assert seconds < 30
+
+
+def test_a_killed_process_is_named_with_its_signal():
+    result, seconds = _launch("killed")
+    assert result.returncode == 128 + signal.SIGKILL
+    assert _report_line(result) == "substrax.launch: process 1 was killed by SIGKILL."
+    assert seconds < 30
+
+
+def test_a_frozen_process_is_caught_by_its_heartbeat():
+    result, seconds = _launch("hang")
+    assert result.returncode == 1
+    assert "process 1 sent no heartbeat for" in _report_line(result)
+    assert seconds < 30
+
+
+def test_gloo_connection_lines_only_with_verbose(capfd):
+    chatter = "[Gloo] Rank 0 is connected to 7 peer ranks."
+    command = [sys.executable, "-c", f"print({chatter!r}); print('work')"]
+    assert launch(command, 1) == 0
+    assert capfd.readouterr().out == "[0] work\n"
+    assert launch(command, 1, verbose=True) == 0
+    assert capfd.readouterr().out == f"[0] {chatter}\n[0] work\n"
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL])
+def test_stopping_the_launcher_stops_its_processes(signum):
+    command = [sys.executable, "-m", "substrax.launch", "--num-processes", "2", "--grace", "2",
+               WORKER, "sleep"]  # fmt: skip
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    with subprocess.Popen(command, **pipes) as launcher:
+        pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
+        assert all(_alive(pid) for pid in pids)
+        launcher.send_signal(signum)
+        status = launcher.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids), f"{signum!r} left {pids} running"
+        if signum != signal.SIGKILL:
+            assert status == 128 + signum
+            assert f"the launcher received {signum.name}" in launcher.stderr.read()
