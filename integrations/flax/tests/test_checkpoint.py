@@ -123,8 +123,11 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
         process.wait(30)
         process.stdout.close()
     assert process.returncode == -signal.SIGKILL
-    checkpointer = sf.Checkpointer(directory)
+    assert any(".orbax-checkpoint-tmp" in p.name for p in directory.iterdir())
+    with pytest.warns(sf.CheckpointWarning, match=r"Removed 2.orbax-checkpoint-tmp\S* in "):
+        checkpointer = sf.Checkpointer(directory)
     assert checkpointer.latest_step() == 1
+    assert [p.name for p in directory.iterdir() if not p.name.startswith(".")] == ["1"]
 
     class Big(nnx.Module):
         def __init__(self, rngs):

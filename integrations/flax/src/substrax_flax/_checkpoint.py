@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
+import shutil
+import zlib
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
-__all__ = ["Checkpointer"]
+from substrax import warn_user
+
+__all__ = ["CheckpointWarning", "Checkpointer"]
+
+# Files every complete step holds (Orbax's layout for the items below).
+_REQUIRED = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt", "metadata/metadata")
+# Size and CRC-32 of every file of a step, written once Orbax has finished the step.
+_CHECKSUMS = "substrax-checksums.json"
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped, cast or is not finite: the run goes on, the user is told."""
 
 
 def _abstract(tree: Any) -> Any:
@@ -35,9 +53,71 @@ def _keys_back(restored: Any, like: Any) -> Any:
     )
 
 
-def _flat_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+def _flat(tree: Any) -> dict[str, Any]:
     leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return {jax.tree_util.keystr(p, simple=True, separator="/"): tuple(x.shape) for p, x in leaves}
+    return {jax.tree_util.keystr(p, simple=True, separator="/"): x for p, x in leaves}
+
+
+@jax.jit
+def _finite(leaves: list[jax.Array]) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def _all_finite(tree: Any) -> bool:
+    """Whether every floating-point value in ``tree`` is finite (one reduction, any mesh)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return bool(_finite(leaves)) if leaves else True
+
+
+def _files(step_dir: pathlib.Path) -> dict[str, list[int]]:
+    """``{relative path: [size, crc32]}`` of every file of a step but the checksum file."""
+    sums = {}
+    for path in sorted(step_dir.rglob("*")):
+        if path.is_file() and path.name != _CHECKSUMS:
+            data = path.read_bytes()
+            sums[path.relative_to(step_dir).as_posix()] = [len(data), zlib.crc32(data)]
+    return sums
+
+
+def _write_checksums(step_dir: pathlib.Path) -> None:
+    if jax.process_index() == 0:
+        (step_dir / _CHECKSUMS).write_text(json.dumps(_files(step_dir)))
+
+
+def _damage(step_dir: pathlib.Path) -> str | None:
+    """Why a step cannot be restored (missing files, sizes, checksums), or None.
+
+    Only process 0 reads the files; :func:`_everywhere` tells the others. A step saved
+    without checksums (by an older version) is checked for its required files only.
+    """
+    if jax.process_index() != 0:
+        return None
+    if not any(step_dir.iterdir()):
+        return "its directory is empty"
+    missing = [name for name in _REQUIRED if not (step_dir / name).is_file()]
+    if missing:
+        return f"it lacks {', '.join(missing)}"
+    try:
+        recorded = json.loads((step_dir / _CHECKSUMS).read_text())
+    except (OSError, ValueError):
+        return None
+    found = _files(step_dir)
+    for name, (size, crc) in recorded.items():
+        if name not in found:
+            return f"it lacks {name}"
+        if found[name][0] != size:
+            return f"{name} has {found[name][0]} of its {size} bytes (truncated)"
+        if found[name][1] != crc:
+            return f"{name} fails its CRC-32 check (corrupted)"
+    return None
+
+
+def _everywhere(problem: str | None) -> str | None:
+    """The problem as every process sees it: one process failing to read fails them all."""
+    if jax.process_count() == 1:
+        return problem
+    ok = multihost_utils.process_allgather(np.asarray(problem is None))
+    return problem if problem is not None or bool(np.all(ok)) else "unreadable on another process"
 
 
 class Checkpointer:
@@ -45,51 +125,85 @@ class Checkpointer:
 
     Every process writes only its own shards; a restore reads each array straight into the
     sharding of the target model and optimizer, whatever mesh, layout or number of processes
-    saved it. Saves are atomic (Orbax writes a temporary directory and renames it when every
-    process is done), so a run killed mid-save leaves the previous checkpoint intact, and only
-    the last ``keep`` checkpoints are kept.
+    saved it.
+
+    Nothing is lost or kept silently:
+
+    - saves are atomic (Orbax writes a temporary directory and renames it when every process
+      is done); temporary directories left by killed saves are removed when the directory is
+      opened, and the directory is checked for writability then, before any training;
+    - steps only move forward (:meth:`save` raises on a step that is not after the latest);
+    - the last ``keep`` checkpoints are kept, and also the newest one whose values are all
+      finite, so a run that diverged never rotates its last good state out;
+    - each step records the size and CRC-32 of its files; :meth:`restore` without a step
+      restores the newest intact checkpoint: a step whose files are missing, empty, truncated,
+      corrupted or otherwise unreadable is skipped with one
+      :class:`CheckpointWarning` naming it and why, and renamed ``<step>.corrupt`` so that the
+      run can save that step again;
+    - restoring values of another dtype is an error unless ``cast=True`` (then a warning).
     """
 
     def __init__(self, directory: str | pathlib.Path, *, keep: int = 3):
-        """Opens (or creates) a checkpoint directory.
+        """Opens (or creates) a checkpoint directory and checks that it is writable.
 
         Args:
           directory: Where checkpoints go, one subdirectory per step.
-          keep: How many checkpoints to keep.
+          keep: How many of the latest checkpoints to keep (the newest finite one is kept
+            besides).
 
         Raises:
           ValueError: If ``keep`` is smaller than 1.
+          PermissionError: If the directory cannot be created or written.
         """
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}.")
         self.directory = pathlib.Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, enable_async_checkpointing=False, create=True
-        )
+        self.keep = keep
+        _check_writable(self.directory)
+        _remove_unfinished(self.directory)
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=options,
             item_handlers={
                 "state": ocp.StandardCheckpointHandler(),
                 "metadata": ocp.JsonCheckpointHandler(),
+                "status": ocp.JsonCheckpointHandler(),
             },
         )
 
     def latest_step(self) -> int | None:
-        """The step of the newest complete checkpoint.
+        """The step of the newest checkpoint (see :meth:`restore` for which one it restores).
 
         Returns:
-          The step, or None when the directory holds no complete checkpoint.
+          The step, or None when the directory holds no checkpoint.
         """
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        """Steps of every complete checkpoint, oldest first.
+        """Steps of every checkpoint, oldest first.
 
         Returns:
           The steps.
         """
         return sorted(self._manager.all_steps())
+
+    def is_finite(self, step: int) -> bool | None:
+        """Whether every value saved at ``step`` was finite.
+
+        Args:
+          step: A saved step.
+
+        Returns:
+          True or False, or None for a checkpoint saved without this record.
+        """
+        try:
+            restored = self._manager.restore(
+                step, args=ocp.args.Composite(status=ocp.args.JsonRestore())
+            )
+        except Exception:  # an older or damaged checkpoint has no record
+            return None
+        return bool(restored.status["finite"])
 
     def save(
         self,
@@ -106,7 +220,9 @@ class Checkpointer:
         forward: saving at a step that is not after the latest is an error, since it would
         either keep the old data under that step or leave newer steps that a resume would pick
         up instead. ``overwrite=True`` deletes every checkpoint at or after ``step`` first (a
-        rolled-back run that trains again).
+        rolled-back run that trains again). Whether every value is finite is recorded with the
+        checkpoint; older checkpoints beyond ``keep`` are then deleted, except the newest
+        finite one.
 
         Args:
           model: The model.
@@ -141,51 +257,77 @@ class Checkpointer:
             args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state),
                 metadata=ocp.args.JsonSave(dict(metadata or {})),
+                status=ocp.args.JsonSave({"finite": _all_finite(state)}),
             ),
         )
         self._manager.wait_until_finished()
         if not saved:
             raise RuntimeError(f"Orbax did not save step {step} in {self.directory}.")
+        _write_checksums(self.directory / str(step))
+        self._rotate()
 
-    def restore(self, model: nnx.Module, optimizer: nnx.Optimizer, step: int | None = None) -> dict:
-        """Restores checkpoint ``step`` (the latest when None) into ``model`` and ``optimizer``.
+    def _rotate(self) -> None:
+        """Deletes checkpoints beyond the last ``keep``, keeping the newest finite one."""
+        steps = self.all_steps()
+        old = steps[: -self.keep]
+        if not old:
+            return
+        if not all(self.is_finite(step) is not False for step in steps[-self.keep :]):
+            finite = [step for step in old if self.is_finite(step) is not False]
+            old = [step for step in old if step != (finite[-1] if finite else None)]
+        for step in old:
+            self._manager.delete(step)
+
+    def restore(
+        self,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        step: int | None = None,
+        *,
+        cast: bool = False,
+    ) -> dict:
+        """Restores a checkpoint into ``model`` and ``optimizer``.
 
         Each array is read directly into the sharding that the array of ``model`` or
         ``optimizer`` has now, so a model created by substrax under another mesh or strategy
-        is restored in its own layout.
+        is restored in its own layout. Without ``step``, the newest intact checkpoint is
+        restored: each newer step that is incomplete or unreadable is skipped with a
+        :class:`CheckpointWarning` and renamed ``<step>.corrupt``. Restoring a checkpoint
+        whose values are not all finite warns and names the newest finite step.
 
         Args:
           model: The target model, created (sharded) as the run wants it.
           optimizer: Its optimizer.
-          step: The checkpoint to restore; the latest when None.
+          step: The checkpoint to restore; the newest intact one when None.
+          cast: Allow values saved in another dtype, cast to the target's (with a warning).
 
         Returns:
           The metadata saved with the checkpoint.
 
         Raises:
-          FileNotFoundError: If there is no checkpoint (or no such step) in the directory.
-          ValueError: If the checkpoint's shapes or paths differ from the targets'; the message
-            names every mismatched path.
+          FileNotFoundError: If there is no checkpoint (or no such step, or no intact one).
+          ValueError: If the checkpoint's shapes or paths differ from the targets' (every
+            mismatched path is named), its dtypes differ and ``cast`` is False, or the
+            requested ``step`` is incomplete or unreadable.
         """
-        step = self.latest_step() if step is None else step
-        if step is None or step not in self._manager.all_steps():
-            raise FileNotFoundError(
-                f"No checkpoint {'' if step is None else f'for step {step} '}in "
-                f"{self.directory}; steps there: {self.all_steps()}."
-            )
         target = {
             "model": nnx.to_pure_dict(nnx.state(model)),
             "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
         }
         stored = _storable(target)
-        self._check_shapes(step, stored)
-        restored = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(stored)),
-                metadata=ocp.args.JsonRestore(),
-            ),
-        )
+        if step is None:
+            step, restored = self._restore_newest(stored, cast)
+        else:
+            restored = self._restore_step(step, stored, cast)
+        finite = self.is_finite(step)
+        if finite is False:
+            good = [s for s in self.all_steps() if s < step and self.is_finite(s) is not False]
+            warn_user(
+                f"Checkpoint step {step} in {self.directory} holds non-finite values (NaN or "
+                f"inf); the newest finite one is "
+                + (f"step {good[-1]}: restore(..., step={good[-1]})." if good else "none."),
+                CheckpointWarning,
+            )
         state = _keys_back(dict(restored.state), target)
         model_state, optimizer_state = nnx.state(model), nnx.state(optimizer)
         nnx.replace_by_pure_dict(model_state, state["model"])
@@ -194,21 +336,137 @@ class Checkpointer:
         nnx.update(optimizer, optimizer_state)
         return dict(restored.metadata)
 
-    def _check_shapes(self, step: int, target: dict) -> None:
-        saved_tree = self._manager.item_metadata(step).state
-        saved = {path: tuple(shape) for path, shape in _flat_shapes(saved_tree).items()}
-        wanted = _flat_shapes(target)
+    def _restore_step(self, step: int, stored: dict, cast: bool) -> Any:
+        if step not in self._manager.all_steps():
+            raise FileNotFoundError(
+                f"No checkpoint for step {step} in {self.directory}; steps there: "
+                f"{self.all_steps()}."
+            )
+        restored, problem = self._attempt(step, stored, cast)
+        if problem is not None:
+            raise ValueError(f"Checkpoint step {step} in {self.directory} is unusable: {problem}.")
+        return restored
+
+    def _restore_newest(self, stored: dict, cast: bool) -> tuple[int, Any]:
+        skipped = []
+        for step in reversed(self.all_steps()):
+            restored, problem = self._attempt(step, stored, cast)
+            if problem is None:
+                return step, restored
+            skipped.append(f"step {step}: {problem}")
+            self._set_aside(step, problem)
+        if not skipped:
+            raise FileNotFoundError(f"No checkpoint in {self.directory}; steps there: [].")
+        raise FileNotFoundError(
+            f"No intact checkpoint in {self.directory} (skipped {'; '.join(skipped)})."
+        )
+
+    def _attempt(self, step: int, stored: dict, cast: bool) -> tuple[Any, str | None]:
+        """Reads ``step``: ``(restored, None)``, or ``(None, why it is unusable)``.
+
+        A target that does not fit the checkpoint (shapes, paths, dtypes) raises instead: that
+        is the caller's mistake, not damage, and an older step would not fit either.
+        """
+        problem = _everywhere(_damage(self.directory / str(step)))
+        if problem is not None:
+            return None, problem
+        saved, problem = _guarded(lambda: self._manager.item_metadata(step).state)
+        if (problem := _everywhere(problem)) is not None:
+            return None, problem
+        self._check_target(step, saved, stored, cast)
+        args = ocp.args.Composite(
+            state=ocp.args.StandardRestore(_abstract(stored)), metadata=ocp.args.JsonRestore()
+        )
+        restored, problem = _guarded(lambda: self._manager.restore(step, args=args))
+        return restored, _everywhere(problem)
+
+    def _set_aside(self, step: int, problem: str) -> None:
+        """Renames a skipped step to ``<step>.corrupt`` (kept for inspection, out of the way)."""
+        warn_user(
+            f"Skipped checkpoint step {step} in {self.directory}: {problem}; it is kept as "
+            f"{step}.corrupt.",
+            CheckpointWarning,
+        )
+        if jax.process_index() == 0:
+            source = self.directory / str(step)
+            target = self.directory / f"{step}.corrupt"
+            while target.exists():
+                target = target.with_name(target.name + "+")
+            source.rename(target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"substrax checkpoint set aside {step}")
+        self._manager.reload()
+
+    def _check_target(self, step: int, saved_tree: Any, target: dict, cast: bool) -> None:
+        saved, wanted = _flat(saved_tree), _flat(target)
+
+        def shape(tree, path):
+            return tuple(tree[path].shape) if path in tree else "missing"
+
         problems = [
-            f"{path}: checkpoint {saved.get(path, 'missing')}, target {wanted.get(path, 'missing')}"
+            f"{path}: checkpoint {shape(saved, path)}, target {shape(wanted, path)}"
             for path in sorted(set(saved) | set(wanted))
-            if saved.get(path) != wanted.get(path)
+            if shape(saved, path) != shape(wanted, path)
         ]
         if problems:
             raise ValueError(
                 f"Checkpoint step {step} in {self.directory} does not match the target model: "
                 + "; ".join(problems)
             )
+        casts = [
+            f"{path}: checkpoint {np.dtype(saved[path].dtype)}, target {np.dtype(x.dtype)}"
+            for path, x in sorted(wanted.items())
+            if np.dtype(saved[path].dtype) != np.dtype(x.dtype)
+        ]
+        if casts and not cast:
+            raise ValueError(
+                f"Checkpoint step {step} in {self.directory} holds other dtypes than the target "
+                f"model: {'; '.join(casts)}. Create the model in the saved dtypes, or pass "
+                "cast=True to cast them."
+            )
+        if casts:
+            warn_user(f"Casting checkpoint step {step}: {'; '.join(casts)}.", CheckpointWarning)
 
     def close(self) -> None:
         """Waits for pending work and releases the manager."""
         self._manager.close()
+
+
+def _remove_unfinished(directory: pathlib.Path) -> None:
+    """Removes the temporary directories of saves that never finished (killed runs)."""
+    if jax.process_index() == 0:
+        for path in sorted(directory.glob("*.orbax-checkpoint-tmp*")):
+            shutil.rmtree(path)
+            warn_user(
+                f"Removed {path.name} in {directory}: a save that did not finish.",
+                CheckpointWarning,
+            )
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("substrax checkpoint directory cleaned")
+
+
+def _guarded(read) -> tuple[Any, str | None]:
+    """``(read(), None)``, or ``(None, "unreadable (...)")`` with the error's first line."""
+    try:
+        return read(), None
+    except Exception as error:  # any read failure makes the step unusable
+        lines = str(error).strip().splitlines()
+        return None, f"unreadable ({type(error).__name__}: {lines[0][:300] if lines else ''})"
+
+
+def _check_writable(directory: pathlib.Path) -> None:
+    """Creates ``directory`` and writes a probe file in it, so a bad path fails before training.
+
+    Raises:
+      PermissionError: If it cannot be created or written.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".substrax-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise PermissionError(
+            f"Checkpoint directory {directory} is not writable: {error.strerror or error}. "
+            "Pass a directory this process can create and write."
+        ) from error
