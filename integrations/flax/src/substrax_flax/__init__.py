@@ -9,6 +9,7 @@ report take it from there. ``substrax_flax.planner`` plans your own models for t
 
 from substrax_flax._checkpoint import Checkpointer as Checkpointer
 from substrax_flax._checkpoint import CheckpointWarning as CheckpointWarning
+from substrax_flax._nonfinite import NonFiniteWarning as NonFiniteWarning
 from substrax_flax._optimizer import create_sharded_optimizer as create_sharded_optimizer
 from substrax_flax._pipeline_step import PipelineTrainStep as PipelineTrainStep
 from substrax_flax._pipeline_step import make_pipeline_train_step as make_pipeline_train_step
@@ -27,6 +28,7 @@ __all__ = [
     "CheckpointWarning",
     "Checkpointer",
     "ModelPlan",
+    "NonFiniteWarning",
     "PipelineTrainStep",
     "ShardingReport",
     "TrainStep",

@@ -11,10 +11,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax.mesh import PipelineParallelStrategy
 from substrax.pipeline import Pipeline
+from substrax_flax._nonfinite import NonFinite, all_finite, check_policy
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
 from substrax_flax._resolve import Rules, as_rules
 from substrax_flax._state import constrain_state
-from substrax_flax._train import Built, JittedStep, optimizer_shardings
+from substrax_flax._train import Built, JittedStep, guarded, optimizer_shardings
 
 __all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
 
@@ -52,6 +53,7 @@ class PipelineTrainStep(JittedStep):
         layout: LayoutLike,
         stack: str,
         data_axes: Sequence[str],
+        on_nonfinite: NonFinite = "skip",
     ):
         """Stores the configuration; see :func:`make_pipeline_train_step`.
 
@@ -65,8 +67,9 @@ class PipelineTrainStep(JittedStep):
           layout: The layout, for a model substrax did not place.
           stack: The attribute holding the stacked layers.
           data_axes: Mesh axes of the batch.
+          on_nonfinite: ``"skip"``, ``"raise"`` or ``"apply"`` (see :func:`make_train_step`).
         """
-        super().__init__()
+        super().__init__(on_nonfinite)
         self.make_pipeline = make_pipeline
         self.embed_fn, self.user_layer_fn, self.head_fn = embed_fn, layer_fn, head_fn
         self.mesh, self.rules, self.layout = mesh, rules, layout
@@ -130,13 +133,16 @@ class PipelineTrainStep(JittedStep):
             (dembed,) = embed_vjp(dinputs)
             drest = jax.tree.map(lambda a, b: a + b, dhead, dembed)
             grads = nnx.State({**dict(drest), self.stack: pipeline.unstack(dpadded, num_layers)})
+            old = jax.tree.leaves((model_state, opt_state))
+            finite = all_finite(loss, grads)
             model = nnx.merge(model_def, model_state)
             optimizer = nnx.merge(opt_def, opt_state)
             optimizer.update(model, grads)
+            new_model, new_opt = guarded(finite, model, optimizer, old, self._guard.on_nonfinite)
             return (
-                constrain_state(nnx.state(model), model_shardings),
-                constrain_state(nnx.state(optimizer), opt_shardings),
-                {"loss": loss},
+                constrain_state(new_model, model_shardings),
+                constrain_state(new_opt, opt_shardings),
+                {"loss": loss, "finite": finite},
             )
 
         replicated = NamedSharding(plan.mesh, PartitionSpec())
@@ -164,6 +170,7 @@ def make_pipeline_train_step(
     repeats: int = 1,
     remat: bool = False,
     data_axes: Sequence[str] | None = None,
+    on_nonfinite: NonFinite = "skip",
 ) -> PipelineTrainStep:
     """Builds a training step that runs a model's layer stack as a pipeline.
 
@@ -193,14 +200,18 @@ def make_pipeline_train_step(
       remat: Recompute stages in the backward pass (GPipe, circular).
       data_axes: Mesh axes of the batch; by default the layout's batch axes, or every axis
         but ``stage_axis`` that the rules' ``data`` names.
+      on_nonfinite: A step with a NaN or inf loss or gradient: ``"skip"`` its update (and
+        warn), ``"raise"``, or ``"apply"`` it; as for :func:`make_train_step`.
 
     Returns:
       A :class:`PipelineTrainStep`.
 
     Raises:
-      ValueError: As :class:`substrax.pipeline.Pipeline`, or when the model holds variables
-        other than ``nnx.Param`` (checked on the first call).
+      ValueError: As :class:`substrax.pipeline.Pipeline`, for an unknown ``on_nonfinite``,
+        or when the model holds variables other than ``nnx.Param`` (checked on the first
+        call).
     """
+    check_policy(on_nonfinite)
     if stage_axis not in mesh.axis_names:
         raise ValueError(
             f"stage_axis {stage_axis!r} is not a mesh axis; the mesh has {tuple(mesh.axis_names)}."
@@ -217,7 +228,8 @@ def make_pipeline_train_step(
         return Pipeline(layer_fn, loss_fn, mesh, strategy, **options)
 
     return PipelineTrainStep(make_pipeline, embed_fn, layer_fn, head_fn, mesh=mesh, rules=rules,
-                             layout=layout, stack=stack, data_axes=data_axes)  # fmt: skip
+                             layout=layout, stack=stack, data_axes=data_axes,
+                             on_nonfinite=on_nonfinite)  # fmt: skip
 
 
 def _data_axes(mesh: Any, rules: Rules, layout: LayoutLike, stage_axis: str) -> tuple[str, ...]:

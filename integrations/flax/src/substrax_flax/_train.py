@@ -16,6 +16,7 @@ from substrax import ShardingWarning
 from substrax.layout import Layout
 from substrax.mesh import MeshRules
 from substrax.spmd import shard_batch, use_rules
+from substrax_flax._nonfinite import Guard, NonFinite, all_finite, check_policy, keep_if
 from substrax_flax._optimizer import optimizer_rows
 from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, plan_of, shardings_of
 from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules
@@ -45,14 +46,30 @@ def optimizer_shardings(optimizer: nnx.Optimizer, plan: ModelPlan) -> Any:
     return shardings_of(rows, opt_state, plan.mesh)
 
 
-class JittedStep:
-    """What every substrax step shares: batch placement, the call, lowering, the jit cache.
+def guarded(finite, model, optimizer, old, on_nonfinite: NonFinite) -> tuple[Any, Any]:
+    """The updated model and optimizer states, or ``old`` (their leaves) when not ``finite``.
 
-    Subclasses implement ``_build(model, optimizer) -> Built``.
+    With ``on_nonfinite="apply"``, the updated states as they are.
+    """
+    new = (nnx.state(model), nnx.state(optimizer))
+    if on_nonfinite == "apply":
+        return new
+    leaves, treedef = jax.tree.flatten(new)
+    return jax.tree.unflatten(treedef, keep_if(finite, leaves, old))
+
+
+class JittedStep:
+    """What every substrax step shares: batch placement, calls, lowering, jit cache, guard.
+
+    The non-finite guard is :mod:`substrax_flax._nonfinite`'s.
+
+    Subclasses implement ``_build(model, optimizer) -> Built``; their jitted step returns
+    ``metrics["finite"]`` and keeps the old state when it is False (:func:`guarded`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_nonfinite: NonFinite = "skip") -> None:
         self._compiled: dict[Any, Built] = {}
+        self._guard = Guard(on_nonfinite)
 
     def _build(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Built:
         raise NotImplementedError
@@ -86,7 +103,13 @@ class JittedStep:
             process passes its local slice) or ``jax.Array``s already on the mesh.
 
         Returns:
-          The metrics: ``{"loss": ...}`` plus ``loss_fn``'s aux (a dict's items, or ``"aux"``).
+          The metrics: ``{"loss": ..., "finite": ...}`` plus ``loss_fn``'s aux (a dict's
+          items, or ``"aux"``). ``finite`` is False when the loss or a gradient was NaN or
+          inf; the update was then skipped (a :class:`NonFiniteWarning` says so).
+
+        Raises:
+          FloatingPointError: With ``on_nonfinite="raise"``, when the loss or a gradient was
+            not finite (the model and optimizer are unchanged).
         """
         built = self._built(model, optimizer)
         with jax.set_mesh(built.mesh):  # model code may use bare PartitionSpecs
@@ -95,6 +118,7 @@ class JittedStep:
             )
         nnx.update(model, model_state)
         nnx.update(optimizer, opt_state)
+        self._guard.after(metrics)
         return metrics
 
     def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> jax.stages.Lowered:
@@ -139,6 +163,7 @@ class TrainStep(JittedStep):
         gather: Gather,
         data_axes: tuple[str, ...] | None,
         donate: bool,
+        on_nonfinite: NonFinite = "skip",
     ):
         """Stores the configuration; compilation happens on the first call.
 
@@ -155,8 +180,9 @@ class TrainStep(JittedStep):
           gather: ``"keep"`` or ``"regather"`` (see :func:`make_train_step`).
           data_axes: Mesh axes of the batch's leading dimension (None: the plan's).
           donate: Donate the model and optimizer buffers to the step.
+          on_nonfinite: ``"skip"`` or ``"raise"`` (see :func:`make_train_step`).
         """
-        super().__init__()
+        super().__init__(on_nonfinite)
         self.loss_fn, self.has_aux, self.wrt = loss_fn, has_aux, wrt
         self.mesh, self.rules, self.layout, self.strategy = mesh, rules, layout, strategy
         self.compute_rules, self.gather = compute_rules, gather
@@ -196,21 +222,26 @@ class TrainStep(JittedStep):
     def _step_fn(self, model_def, opt_def, compute_shardings, rules, model_sh, opt_sh, mesh):
         def step(model_state, opt_state, batch):
             with use_rules(mesh, rules), nnx.use_eager_sharding(False):
+                old = jax.tree.leaves((model_state, opt_state))
                 model = nnx.merge(model_def, model_state)
                 _, params, rest = nnx.split(model, self.wrt, ...)
                 rest_leaves, rest_def = jax.tree.flatten(rest)
                 loss_of = self._loss_fn(model_def, compute_shardings, rest_def)
                 grad_fn = jax.value_and_grad(loss_of, has_aux=True)
                 (loss, (aux, rest)), grads = grad_fn(params, rest_leaves, batch)
+                finite = all_finite(loss, grads)
                 nnx.update(model, rest)
                 optimizer = nnx.merge(opt_def, opt_state)
                 optimizer.update(model, grads)
-                metrics = {"loss": loss}
+                new_model, new_opt = guarded(
+                    finite, model, optimizer, old, self._guard.on_nonfinite
+                )
+                metrics = {"loss": loss, "finite": finite}
                 if aux is not None:
                     metrics.update(aux if isinstance(aux, dict) else {"aux": aux})
                 return (
-                    constrain_state(nnx.state(model), model_sh),
-                    constrain_state(nnx.state(optimizer), opt_sh),
+                    constrain_state(new_model, model_sh),
+                    constrain_state(new_opt, opt_sh),
                     metrics,
                 )
 
@@ -261,6 +292,7 @@ def make_train_step(
     gather: Gather = "keep",
     data_axes: Sequence[str] | str | None = None,
     donate: bool = True,
+    on_nonfinite: NonFinite = "skip",
 ) -> TrainStep:
     """Builds a jitted training step that realises the model's layout, at its best by default.
 
@@ -297,16 +329,26 @@ def make_train_step(
       data_axes: The mesh axes of the batch's leading dimension; by default the layout's
         batch axes, or the rules' ``batch`` / ``data`` axes.
       donate: Donate the model and optimizer buffers to the step.
+      on_nonfinite: What a step whose loss or gradients hold a NaN or inf does; it always
+        returns ``metrics["finite"] == False``. ``"skip"`` (the default) leaves the model
+        and optimizer state unchanged and emits a :class:`NonFiniteWarning` naming the step
+        (once the flag is ready, at the latest during the next call, so the host never waits
+        for the device); ``"raise"`` leaves them unchanged, waits for the flag and raises
+        ``FloatingPointError``; ``"apply"`` applies the update anyway and warns. The guard's
+        update waits for every gradient, which costs temporary memory of up to one set of
+        gradients in their sharded layout: ``"apply"`` saves it.
 
     Returns:
       A :class:`TrainStep`.
 
     Raises:
-      ValueError: If ``gather`` is not ``"keep"`` or ``"regather"``, or no data axes are
-        known (here when ``rules`` are given, else at the first call).
+      ValueError: If ``gather`` is not ``"keep"`` or ``"regather"``, ``on_nonfinite`` is not
+        ``"skip"``, ``"raise"`` or ``"apply"``, or no data axes are known (here when
+        ``rules`` are given, else at the first call).
     """
     if gather not in ("keep", "regather"):
         raise ValueError(f"gather must be 'keep' or 'regather', got {gather!r}.")
+    check_policy(on_nonfinite)
     compute = as_rules(compute_rules, mesh) if compute_rules is not None else None
     axes = _axes(data_axes)
     if axes is None and rules is not None and layout is None:
@@ -322,4 +364,5 @@ def make_train_step(
     return TrainStep(
         loss_fn, mesh=mesh, rules=rules, layout=layout, strategy=strategy, compute_rules=compute,
         has_aux=has_aux, wrt=wrt, gather=gather, data_axes=axes, donate=donate,
+        on_nonfinite=on_nonfinite,
     )  # fmt: skip

@@ -1,0 +1,109 @@
+"""The non-finite guard of the train steps: a NaN or inf never reaches the weights silently.
+
+Inside the jitted step, :func:`all_finite` checks the loss and every gradient and
+:func:`keep_if` keeps the old model and optimizer state when they are not finite. The update
+then waits for every gradient (the flag needs them all), which costs temporary memory of up
+to one set of gradients in their sharded layout; ``"apply"`` opts out. Outside,
+:class:`Guard` reads the flag without stalling the pipeline of dispatched steps, and warns or
+raises naming the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+
+from substrax import warn_user
+
+__all__ = ["NONFINITE", "Guard", "NonFinite", "NonFiniteWarning", "all_finite", "keep_if"]
+
+NonFinite = Literal["skip", "raise", "apply"]
+NONFINITE = ("skip", "raise", "apply")
+
+
+class NonFiniteWarning(RuntimeWarning):
+    """A training step saw a non-finite loss or gradient (and skipped its update)."""
+
+
+def all_finite(*trees: Any) -> jax.Array:
+    """A scalar: whether every floating-point value in ``trees`` is finite."""
+    leaves = [x for x in jax.tree.leaves(trees) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    if not leaves:
+        return jnp.array(True)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def keep_if(finite: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``finite``, else ``old`` (trees of the same structure).
+
+    An element-wise select, which XLA fuses into the update that computes ``new``, so the
+    donated buffers are still updated in place (a ``lax.cond`` would keep a second copy).
+    """
+    return jax.tree.map(lambda n, o: _select(finite, n, o), new, old)
+
+
+def _select(finite: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
+    if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
+        data = jnp.where(finite, jax.random.key_data(new), jax.random.key_data(old))
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
+    return jnp.where(finite, new, old)
+
+
+def check_policy(on_nonfinite: str) -> None:
+    """Raises ValueError for a policy other than ``NONFINITE``'s."""
+    if on_nonfinite not in NONFINITE:
+        raise ValueError(f"on_nonfinite must be one of {NONFINITE}, got {on_nonfinite!r}.")
+
+
+class Guard:
+    """Counts a step's calls and reports the ones whose update was skipped.
+
+    With ``"raise"`` each call waits for its own flag and raises ``FloatingPointError``. With
+    ``"skip"`` a call's flag is read when it is ready, at the latest during the next call,
+    after that call has been dispatched, so the host never stalls the device for it.
+    """
+
+    def __init__(self, on_nonfinite: NonFinite):
+        check_policy(on_nonfinite)
+        self.on_nonfinite = on_nonfinite
+        self.calls = 0
+        self._pending: tuple[int, dict] | None = None
+
+    def after(self, metrics: dict) -> None:
+        """Notes one call's metrics; reports any finished call that skipped its update.
+
+        Raises:
+          FloatingPointError: With ``"raise"``, when this call's loss or gradients were not
+            finite (the model and optimizer are unchanged).
+        """
+        self.calls += 1
+        current = (self.calls, metrics)
+        if self.on_nonfinite == "raise":
+            self._report(current)
+            return
+        previous, self._pending = self._pending, current
+        if previous is not None:
+            self._report(previous)
+        if metrics["finite"].is_ready():
+            self._pending = None
+            self._report(current)
+
+    def _report(self, call: tuple[int, dict]) -> None:
+        number, metrics = call
+        if bool(metrics["finite"]):
+            return
+        loss = float(metrics["loss"])
+        what = f"loss ({loss})" if not jnp.isfinite(loss) else "gradient (the loss was finite)"
+        done = (
+            "it was applied (on_nonfinite='apply')"
+            if self.on_nonfinite == "apply"
+            else "its update was skipped, the model and optimizer state are unchanged"
+        )
+        message = (
+            f"Step {number} (call {number} of this train step) has a non-finite {what}: {done}."
+        )
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(message)
+        warn_user(message, NonFiniteWarning)

@@ -1,0 +1,95 @@
+"""The non-finite guard: a NaN batch never reaches the weights, the optimizer or batch stats."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import substrax_flax as sf
+from substrax.mesh import DeviceMeshManager, MeshRules
+
+RULES = MeshRules(data="data", embed="data")
+
+
+class Normed(nnx.Module):
+    def __init__(self, rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", None))
+        self.dense = nnx.Linear(8, 4, kernel_init=init, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.norm(self.dense(x))
+
+
+def _loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _batch(seed, poison=False):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(16, 8)).astype(np.float32)
+    if poison:
+        x[3, 5] = np.nan
+    return {"x": x, "y": rng.normal(size=(16, 4)).astype(np.float32)}
+
+
+def _setup(**kwargs):
+    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    model = sf.create_sharded_model(lambda: Normed(nnx.Rngs(0)), mesh, RULES)
+    optimizer = sf.create_sharded_optimizer(model, optax.adam(1e-2))
+    return model, optimizer, sf.make_train_step(_loss, **kwargs)
+
+
+def _leaves(model, optimizer):
+    return [np.asarray(x) for x in jax.tree.leaves((nnx.state(model), nnx.state(optimizer)))]
+
+
+def test_a_nan_batch_is_skipped_with_a_warning_naming_the_step():
+    model, optimizer, step = _setup()
+    assert bool(step(model, optimizer, _batch(0))["finite"])
+    before = _leaves(model, optimizer)
+    with pytest.warns(sf.NonFiniteWarning, match=r"Step 2 .* non-finite loss \(nan\).*skipped"):
+        metrics = step(model, optimizer, _batch(1, poison=True))
+        step(model, optimizer, _batch(2))  # the warning comes at the latest with the next call
+    assert not bool(metrics["finite"]) and np.isnan(float(metrics["loss"]))
+    # The poisoned step changed nothing (params, adam state, batch stats): the run equals one
+    # that never saw that batch.
+    clean_model, clean_optimizer, clean_step = _setup()
+    clean_step(clean_model, clean_optimizer, _batch(0))
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(before, _leaves(clean_model, clean_optimizer), strict=True)
+    )
+    clean_step(clean_model, clean_optimizer, _batch(2))
+    expected = _leaves(clean_model, clean_optimizer)
+    for got, want in zip(_leaves(model, optimizer), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert int(optimizer.step[...]) == 2
+
+
+def test_raise_mode_stops_at_the_step_and_changes_nothing():
+    model, optimizer, step = _setup(on_nonfinite="raise")
+    step(model, optimizer, _batch(0))
+    before = _leaves(model, optimizer)
+    with pytest.raises(FloatingPointError, match=r"Step 2 .* non-finite loss"):
+        step(model, optimizer, _batch(1, poison=True))
+    for got, want in zip(_leaves(model, optimizer), before, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_apply_mode_applies_the_update_and_says_so():
+    model, optimizer, step = _setup(on_nonfinite="apply")
+    step(model, optimizer, _batch(0))
+    with pytest.warns(sf.NonFiniteWarning, match=r"Step 2 .* it was applied"):
+        step(model, optimizer, _batch(1, poison=True))
+        step(model, optimizer, _batch(2))
+    assert np.isnan(np.asarray(model.dense.kernel[...])).all()
+
+
+def test_an_unknown_policy_is_a_clear_error():
+    with pytest.raises(
+        ValueError, match=r"on_nonfinite must be one of \('skip', 'raise', 'apply'\), got"
+    ):
+        sf.make_train_step(_loss, on_nonfinite="ignore")
