@@ -11,8 +11,6 @@ import time
 
 import pytest
 
-from substrax.launch import launch
-
 WORKER = os.path.join(os.path.dirname(__file__), "launch_worker.py")
 FAST = ["--exit-timeout", "4", "--heartbeat-timeout", "4", "--grace", "2", "--timeout", "60"]
 
@@ -60,13 +58,16 @@ def test_a_frozen_process_is_caught_by_its_heartbeat():
     assert seconds < 30
 
 
-def test_gloo_connection_lines_only_with_verbose(capfd):
+def test_gloo_connection_lines_only_with_verbose(tmp_path):
     chatter = "[Gloo] Rank 0 is connected to 7 peer ranks."
-    command = [sys.executable, "-c", f"print({chatter!r}); print('work')"]
-    assert launch(command, 1) == 0
-    assert capfd.readouterr().out == "[0] work\n"
-    assert launch(command, 1, verbose=True) == 0
-    assert capfd.readouterr().out == f"[0] {chatter}\n[0] work\n"
+    script = tmp_path / "chatty.py"
+    script.write_text(f"print({chatter!r})\nprint('work')\n")
+    command = [sys.executable, "-m", "substrax.launch", "--num-processes", "1"]
+    quiet = subprocess.run([*command, str(script)], capture_output=True, text=True, timeout=60)
+    assert quiet.returncode == 0 and quiet.stdout == "[0] work\n"
+    loud = subprocess.run([*command, "--verbose", str(script)], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert loud.stdout == f"[0] {chatter}\n[0] work\n"
 
 
 def _alive(pid):

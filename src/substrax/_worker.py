@@ -25,10 +25,28 @@ import pathlib
 import sys
 import threading
 import time
-import traceback
 
-__all__ = ["ENV_LAUNCH_DIR", "exit_path", "guard", "heartbeat_path"]
+__all__ = [
+    "ENV_COORDINATOR",
+    "ENV_CPU_DEVICES",
+    "ENV_LAUNCH_DIR",
+    "ENV_NUM_PROCESSES",
+    "ENV_PROCESS_ID",
+    "exit_path",
+    "guard",
+    "heartbeat_path",
+]
 
+# The launcher's variables, read by substrax.distributed.initialize (defined here, without jax,
+# so that the launcher itself starts without importing jax).
+ENV_COORDINATOR = "SUBSTRAX_COORDINATOR"
+"""Coordinator address (``host:port``) set by :mod:`substrax.launch`."""
+ENV_NUM_PROCESSES = "SUBSTRAX_NUM_PROCESSES"
+"""Number of processes set by :mod:`substrax.launch`."""
+ENV_PROCESS_ID = "SUBSTRAX_PROCESS_ID"
+"""This process's id set by :mod:`substrax.launch`."""
+ENV_CPU_DEVICES = "SUBSTRAX_CPU_DEVICES"
+"""Simulated CPU devices per process (set by :mod:`substrax.launch`, or by hand)."""
 ENV_LAUNCH_DIR = "SUBSTRAX_LAUNCH_DIR"
 """The launcher's status directory for its processes."""
 
@@ -65,6 +83,8 @@ def guard(process_id: int, *, interval: float = 1.0) -> None:
         return
     atexit.register(report, "exit")
     beat = heartbeat_path(directory, process_id)
+    with contextlib.suppress(OSError):
+        beat.touch()  # now, not when the thread first runs: a process may freeze before that
     thread = threading.Thread(
         target=_beat, args=(beat, os.getppid(), interval), name="substrax-heartbeat", daemon=True
     )
@@ -80,8 +100,8 @@ def _exit_on_exception(previous, report):
     def hook(kind, value, tb):
         previous(kind, value, tb)
         if report is not None:
-            last = traceback.format_exception_only(kind, value)[-1].strip()
-            report(f"raised {last}")
+            lines = str(value).strip().splitlines()
+            report(f"raised {kind.__name__}" + (f": {lines[0]}" if lines else ""))
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130 if issubclass(kind, KeyboardInterrupt) else 1)

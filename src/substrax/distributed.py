@@ -13,6 +13,10 @@ import os
 import jax
 
 from substrax import _worker
+from substrax._worker import ENV_COORDINATOR as ENV_COORDINATOR
+from substrax._worker import ENV_CPU_DEVICES as ENV_CPU_DEVICES
+from substrax._worker import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
+from substrax._worker import ENV_PROCESS_ID as ENV_PROCESS_ID
 
 __all__ = [
     "ENV_COORDINATOR",
@@ -21,15 +25,6 @@ __all__ = [
     "ENV_PROCESS_ID",
     "initialize",
 ]
-
-ENV_COORDINATOR = "SUBSTRAX_COORDINATOR"
-"""Coordinator address (``host:port``) set by :mod:`substrax.launch`."""
-ENV_NUM_PROCESSES = "SUBSTRAX_NUM_PROCESSES"
-"""Number of processes set by :mod:`substrax.launch`."""
-ENV_PROCESS_ID = "SUBSTRAX_PROCESS_ID"
-"""This process's id set by :mod:`substrax.launch`."""
-ENV_CPU_DEVICES = "SUBSTRAX_CPU_DEVICES"
-"""Simulated CPU devices per process (set by :mod:`substrax.launch`, or by hand)."""
 
 
 def initialize(

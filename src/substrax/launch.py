@@ -38,7 +38,7 @@ import threading
 import time
 
 from substrax import _worker
-from substrax.distributed import ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from substrax._worker import ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 __all__ = ["launch", "main"]
 
@@ -385,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_timeout=args.heartbeat_timeout,
             verbose=args.verbose,
         )
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # bad arguments, or a command that cannot start
         print(f"error: {error}", file=sys.stderr)
         return 2
 
