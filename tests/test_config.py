@@ -51,7 +51,6 @@ def test_parallelism_config_from_sharding_config_builds_a_mesh():
 @pytest.mark.parametrize(
     ("shape", "names"),
     [
-        ((2, 4), ("data",)),
         ((2, 2), ("data", "model")),
         ((4, 2), ("data", "model")),
         ((8, 1), ("data", "data")),
@@ -61,6 +60,13 @@ def test_parallelism_config_from_sharding_config_builds_a_mesh():
 )
 def test_is_valid_rejects_mismatches(shape, names):
     assert not ParallelismConfig(shape, names, ShardingConfig(2, 4)).is_valid()
+
+
+def test_a_config_that_cannot_describe_a_mesh_is_rejected_at_construction():
+    # is_valid() judges whether a mesh realises the sharding config; these are not meshes.
+    for shape, names in [((2, 4), ("data",)), ("24", ("a", "b")), (None, ("a",)), ((2.0,), ("a",))]:
+        with pytest.raises(ValueError, match="mesh_shape"):
+            ParallelismConfig(shape, names, ShardingConfig(2, 4))
 
 
 def test_is_valid_accepts_other_axis_names_with_the_right_product():

@@ -19,6 +19,7 @@ from substrax.mesh import (
     fsdp_rules,
     partition_spec_for_names,
 )
+from substrax.spmd import check_batch
 
 create = DeviceMeshManager.create_device_mesh
 
@@ -27,7 +28,80 @@ def _mesh():
     return create({"data": 2, "model": 4})
 
 
+SC = ShardingConfig(2, 4)
+
 CASES = [
+    (
+        "device ids",
+        lambda: create({"data": 8}, devices=list(range(8))),
+        TypeError,
+        "devices[0] is 0 (int), not a jax device",
+    ),
+    (
+        "duplicate devices",
+        lambda: create({"data": 8}, devices=[jax.devices()[0]] * 8),
+        ValueError,
+        "twice (at 0 and 1); each device may appear once",
+    ),
+    (
+        "mesh as a dict",
+        lambda: create_named_sharding({"data": 8}, "data"),
+        TypeError,
+        "mesh must be a jax.sharding.Mesh, got dict. Build one with",
+    ),
+    (
+        "rule pair with an int name",
+        lambda: MeshRules.from_pairs([(3, "model")]),
+        ValueError,
+        "logical name must be a non-empty string, got 3 in (3, 'model')",
+    ),
+    (
+        "an int as a logical name",
+        lambda: partition_spec_for_names(MeshRules(data="data"), 5),
+        TypeError,
+        "logical names must be strings or None (or tuples of strings), got 5 (int) for dim 0",
+    ),
+    (
+        "config names fewer than sizes",
+        lambda: ParallelismConfig((2, 4), ("data",), SC),
+        ValueError,
+        "mesh_shape (2, 4) has 2 axes but mesh_axis_names ('data',) names 1",
+    ),
+    (
+        "config shape as a string",
+        lambda: ParallelismConfig("24", ("data", "model"), SC),
+        ValueError,
+        "mesh_shape must be a tuple of axis sizes such as (2, 4), got str '24'",
+    ),
+    (
+        "config shape None",
+        lambda: ParallelismConfig(None, ("data",), SC),
+        ValueError,
+        "got NoneType None",
+    ),
+    (
+        "multi config disagrees with the mesh",
+        lambda: MultiDimensionalStrategy(
+            {"dp": DataParallelStrategy("data", 0)},
+            ParallelismConfig((2, 4), ("data", "model"), SC),
+        ).resolve((8, 8), create({"data": 4, "model": 2})),
+        ValueError,
+        "The mesh {'data': 4, 'model': 2} is not the mesh of this strategy's config",
+    ),
+    ("batch is a string", lambda: check_batch("hello"), TypeError, "The batch is a str"),
+    (
+        "batch as rows",
+        lambda: check_batch([[1.0, 2.0]] * 8),
+        TypeError,
+        "Batch leaf [0][0] is a float (1.0), not an array",
+    ),
+    (
+        "batch leaves of different sizes",
+        lambda: check_batch({"x": np.ones((8, 2)), "y": np.ones(16)}),
+        ValueError,
+        """different leading sizes {"['x']": 8, "['y']": 16}""",
+    ),
+    ("batch of 0 rows", lambda: check_batch(np.ones((0, 4))), ValueError, "0 rows"),
     ("product != devices", lambda: create({"data": 3}), ValueError, "needs 3 devices, but 8"),
     ("product > devices", lambda: create({"a": 4, "b": 4}), ValueError, "needs 16 devices"),
     ("zero size", lambda: create({"data": 0}), ValueError, "'data' has size 0"),

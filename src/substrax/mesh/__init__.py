@@ -14,6 +14,7 @@ Three layers, from low to high:
 from substrax.mesh._config import ParallelismConfig as ParallelismConfig
 from substrax.mesh._config import ShardingConfig as ShardingConfig
 from substrax.mesh._devices import DeviceMeshManager as DeviceMeshManager
+from substrax.mesh._devices import check_mesh as check_mesh
 from substrax.mesh._multi import MultiDimensionalStrategy as MultiDimensionalStrategy
 from substrax.mesh._resolve import REASON_KINDS as REASON_KINDS
 from substrax.mesh._resolve import Reason as Reason
@@ -43,6 +44,7 @@ __all__ = [
     "ShardingConfig",
     "ShardingStrategy",
     "TensorParallelStrategy",
+    "check_mesh",
     "create_named_sharding",
     "data_parallel_rules",
     "fsdp_rules",

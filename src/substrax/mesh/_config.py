@@ -107,8 +107,26 @@ class ParallelismConfig:
     sharding_config: ShardingConfig
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mesh_shape", tuple(self.mesh_shape))
-        object.__setattr__(self, "mesh_axis_names", tuple(self.mesh_axis_names))
+        shape, names = self.mesh_shape, self.mesh_axis_names
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, (tuple, list)):
+            raise ValueError(
+                f"mesh_shape must be a tuple of axis sizes such as (2, 4), got "
+                f"{type(shape).__name__} {shape!r}."
+            )
+        if isinstance(names, str) or not isinstance(names, (tuple, list)):
+            raise ValueError(
+                f"mesh_axis_names must be a tuple of names such as ('data', 'model'), got "
+                f"{type(names).__name__} {names!r}."
+            )
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in shape):
+            raise ValueError(f"mesh_shape must hold integer sizes, got {tuple(shape)!r}.")
+        if len(shape) != len(names):
+            raise ValueError(
+                f"mesh_shape {tuple(shape)} has {len(shape)} axes but mesh_axis_names "
+                f"{tuple(names)} names {len(names)}: give one name per axis."
+            )
+        object.__setattr__(self, "mesh_shape", tuple(shape))
+        object.__setattr__(self, "mesh_axis_names", tuple(names))
         if not isinstance(self.sharding_config, ShardingConfig):
             raise ValueError(
                 f"sharding_config must be a ShardingConfig, got {type(self.sharding_config)}."

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh
 
 MeshShape = Mapping[str, int] | Sequence[tuple[str, int]]
 
@@ -100,6 +100,61 @@ def _check_axis_types(axis_types: Sequence[AxisType] | None, names: list[str]) -
     return axis_types
 
 
+def _check_devices(devices: Any) -> list[Any]:
+    """``devices`` as a list of distinct jax devices.
+
+    Raises:
+      TypeError: If it is not a sequence of ``jax.Device``.
+      ValueError: If it is empty or holds a device twice.
+    """
+    if isinstance(devices, (str, bytes, Mapping)) or not isinstance(devices, Iterable):
+        raise TypeError(
+            f"devices must be a sequence of jax devices such as jax.devices()[:8], got "
+            f"{type(devices).__name__} {devices!r}."
+        )
+    devices = list(devices)
+    if not devices:
+        raise ValueError("devices is empty: pass at least one device, or None for all.")
+    for index, device in enumerate(devices):
+        if not isinstance(device, jax.Device):
+            raise TypeError(
+                f"devices[{index}] is {device!r} ({type(device).__name__}), not a jax device: "
+                "pass devices such as jax.devices()[:8], not device ids."
+            )
+    seen: dict[Any, int] = {}
+    for index, device in enumerate(devices):
+        if device in seen:
+            raise ValueError(
+                f"devices holds {device} twice (at {seen[device]} and {index}); each device may "
+                "appear once in a mesh."
+            )
+        seen[device] = index
+    return devices
+
+
+def check_mesh(mesh: Any, *, argument: str = "mesh") -> Mesh:
+    """``mesh`` itself if it is a ``jax.sharding.Mesh`` (or ``AbstractMesh``); else a clear error.
+
+    Args:
+      mesh: The value passed as a mesh.
+      argument: The argument's name, for the message.
+
+    Returns:
+      The mesh.
+
+    Raises:
+      TypeError: If ``mesh`` is not a ``jax.sharding.Mesh`` (a dict of axis sizes, say).
+    """
+    if isinstance(mesh, (Mesh, AbstractMesh)):
+        return mesh
+    hint = (
+        f" Build one with DeviceMeshManager.create_device_mesh({mesh!r})."
+        if isinstance(mesh, Mapping)
+        else " Build one with DeviceMeshManager.create_device_mesh({'data': -1})."
+    )
+    raise TypeError(f"{argument} must be a jax.sharding.Mesh, got {type(mesh).__name__}.{hint}")
+
+
 def _take_devices(num_devices: int | None, what: str) -> list[Any]:
     """The first ``num_devices`` visible devices (all when None), validated."""
     available = jax.devices()
@@ -155,14 +210,14 @@ class DeviceMeshManager:
 
         Raises:
           ValueError: If the mesh shape is incompatible with the number of devices, a size or
-            name is invalid, or ``axis_types`` does not name one type per axis.
+            name is invalid, ``axis_types`` does not name one type per axis, ``devices`` is
+            empty or holds a device twice.
+          TypeError: If ``devices`` holds something other than jax devices.
         """
         pairs = _normalize_shape(mesh_shape)
         names = [name for name, _ in pairs]
         types = _check_axis_types(axis_types, names)
-        devices = list(jax.devices() if devices is None else devices)
-        if not devices:
-            raise ValueError("devices is empty: pass at least one device, or None for all.")
+        devices = _check_devices(jax.devices() if devices is None else devices)
         pairs = _resolve_inferred(pairs, len(devices))
         sizes = tuple(size for _, size in pairs)
         if math.prod(sizes) != len(devices):

@@ -8,7 +8,7 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from substrax.mesh._config import ParallelismConfig
-from substrax.mesh._resolve import Resolution, as_axes, resolve_axes, spec_entry
+from substrax.mesh._resolve import Resolution, as_axes, axis_sizes, resolve_axes, spec_entry
 from substrax.mesh._strategy import ShardingStrategy
 
 __all__ = ["MultiDimensionalStrategy"]
@@ -122,6 +122,15 @@ class MultiDimensionalStrategy:
                         used.add(axis)
         return PartitionSpec(*(spec_entry(axes) for axes in merged))
 
+    def _check_mesh(self, mesh: Any) -> None:
+        have = axis_sizes(mesh)
+        if have != self.config.axis_sizes:
+            raise ValueError(
+                f"The mesh {have} is not the mesh of this strategy's config "
+                f"{self.config.axis_sizes}; build the mesh from the config "
+                "(DeviceMeshManager.create_device_mesh(config.axis_sizes)) or fix the config."
+            )
+
     def resolve(
         self, shape: Sequence[int], mesh: Any, *, name: str | None = None, layer: str | None = None
     ) -> Resolution:
@@ -141,7 +150,12 @@ class MultiDimensionalStrategy:
 
         Returns:
           A :class:`~substrax.mesh.Resolution`, with every strategy's reasons.
+
+        Raises:
+          ValueError: If ``mesh`` is not the mesh of the strategy's config (axis names and
+            sizes).
         """
+        self._check_mesh(mesh)
         shape = tuple(int(d) for d in shape)
         proposals, reasons = {}, []
         for key, strategy in self.strategies.items():

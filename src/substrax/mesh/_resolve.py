@@ -232,11 +232,19 @@ def resolve_names(
     Raises:
       ValueError: If a name is repeated, unknown (with ``unknown_names="error"``), or the
         names and shape differ in length.
+      TypeError: If a name is not a string, None or a tuple of strings.
     """
     if unknown_names not in ("error", "replicate"):
         raise ValueError(f"unknown_names must be 'error' or 'replicate', got {unknown_names!r}.")
     names = tuple(names)
     prefix = f"{where}: " if where else ""
+    for dim, entry in enumerate(names):
+        parts = entry if isinstance(entry, tuple) else (entry,)
+        if not all(part is None or isinstance(part, str) for part in parts):
+            raise TypeError(
+                f"{prefix}logical names must be strings or None (or tuples of strings), got "
+                f"{entry!r} ({type(entry).__name__}) for dim {dim} of {names}."
+            )
     if shape is not None and len(names) != len(shape):
         raise ValueError(
             f"{prefix}{len(names)} logical names {names} for shape {tuple(shape)} "

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from substrax.mesh._devices import check_mesh
 from substrax.mesh._resolve import Resolution, UnknownNames, as_axes, resolve_names
 
 MeshAxes = str | tuple[str, ...] | None
@@ -155,6 +156,11 @@ class MeshRules:
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
                 raise ValueError(f"Rule pairs must be (logical_name, mesh_axes), got {pair!r}.")
             name, axes = pair
+            if not isinstance(name, str) or not name:
+                raise ValueError(
+                    f"A rule pair's logical name must be a non-empty string, got {name!r} in "
+                    f"{tuple(pair)!r}; pairs are (logical_name, mesh_axes)."
+                )
             if name in table:
                 raise ValueError(
                     f"Logical axis {name!r} appears twice in the rule pairs "
@@ -292,7 +298,9 @@ def create_named_sharding(mesh: Mesh, *axis_names: MeshAxes) -> NamedSharding:
 
     Raises:
       ValueError: If a name is not an axis of ``mesh`` or a mesh axis is used twice.
+      TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``.
     """
+    check_mesh(mesh)
     used: list[str] = []
     for entry in axis_names:
         for axis in as_axes(_check_mesh_axes("dimension", entry)):

@@ -5,6 +5,7 @@ data-parallel step needs for XLA to insert the gradient all-reduce.
 """
 
 from substrax.spmd._batch import batch_sharding as batch_sharding
+from substrax.spmd._batch import check_batch as check_batch
 from substrax.spmd._batch import replicate as replicate
 from substrax.spmd._batch import shard_batch as shard_batch
 from substrax.spmd._constrain import active_rules as active_rules
@@ -14,6 +15,7 @@ from substrax.spmd._constrain import use_rules as use_rules
 __all__ = [
     "active_rules",
     "batch_sharding",
+    "check_batch",
     "constrain",
     "replicate",
     "shard_batch",

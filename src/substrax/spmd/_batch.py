@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-__all__ = ["batch_sharding", "replicate", "shard_batch"]
+__all__ = ["batch_sharding", "check_batch", "replicate", "shard_batch"]
 
 DataAxes = str | Sequence[str]
 
@@ -45,6 +45,53 @@ def batch_sharding(mesh: Mesh, data_axes: DataAxes = "data") -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))
 
 
+def check_batch(batch: Any) -> int:
+    """The number of rows of a batch, after checking that it is one.
+
+    A batch is a pytree (dict, tuple, list, dataclass, ...) of arrays (numpy or jax) that
+    share a leading batch dimension of at least one row.
+
+    Args:
+      batch: The batch.
+
+    Returns:
+      The shared leading size (this process's rows, in a multi-process run).
+
+    Raises:
+      TypeError: If a leaf is not an array (a string, a Python number, a list of rows: convert
+        those with ``np.asarray``), or the batch has no leaves.
+      ValueError: If a leaf is a scalar array, the leaves' leading sizes differ, or the batch
+        has no rows.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    if not leaves:
+        raise TypeError(f"The batch holds no arrays: got {type(batch).__name__} {batch!r}.")
+    sizes: dict[str, int] = {}
+    for path, leaf in leaves:
+        where = f"Batch leaf {jax.tree_util.keystr(path)}" if path else "The batch"
+        if not isinstance(leaf, (np.ndarray, np.generic, jax.Array)):
+            raise TypeError(
+                f"{where} is a {type(leaf).__name__} ({leaf!r:.60}), not an array. A batch is a "
+                "pytree of arrays with a leading batch dimension; convert rows or lists with "
+                "np.asarray."
+            )
+        if np.ndim(leaf) == 0:
+            raise ValueError(
+                f"{where} is a scalar; every leaf needs a leading batch dimension (replicate "
+                "scalars with substrax.spmd.replicate)."
+            )
+        sizes[jax.tree_util.keystr(path) or "batch"] = np.shape(leaf)[0]
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"The batch's leaves have different leading sizes {sizes}; every leaf needs the "
+            "same number of rows."
+        )
+    rows = next(iter(sizes.values()))
+    if rows == 0:
+        raise ValueError(f"The batch has 0 rows (leading sizes {sizes}); pass at least one row.")
+    return rows
+
+
 def shard_batch(batch: Any, mesh: Mesh, data_axes: DataAxes = "data") -> Any:
     """Puts a host batch on the mesh, split along its leading dimension.
 
@@ -61,9 +108,11 @@ def shard_batch(batch: Any, mesh: Mesh, data_axes: DataAxes = "data") -> Any:
       The same pytree of global ``jax.Array``s, sharded along their leading dimension.
 
     Raises:
-      ValueError: If a leaf is a scalar, or the global batch size does not divide the product
-        of the data axes' sizes.
+      TypeError: If a leaf is not an array (see :func:`check_batch`).
+      ValueError: If a leaf is a scalar, the leaves' leading sizes differ, the batch has no
+        rows, or the global batch size does not divide the product of the data axes' sizes.
     """
+    check_batch(batch)
     sharding = batch_sharding(mesh, data_axes)
     axes = _axes(data_axes)
     devices = math.prod(dict(mesh.shape)[a] for a in axes)
@@ -71,11 +120,6 @@ def shard_batch(batch: Any, mesh: Mesh, data_axes: DataAxes = "data") -> Any:
 
     def place(path, leaf):
         local = np.asarray(leaf)
-        if local.ndim == 0:
-            raise ValueError(
-                f"Batch leaf {jax.tree_util.keystr(path)} is a scalar; every leaf needs a "
-                "leading batch dimension (replicate scalars with substrax.spmd.replicate)."
-            )
         global_size = local.shape[0] * processes
         if global_size % devices:
             raise ValueError(
