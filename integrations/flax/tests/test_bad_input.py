@@ -2,7 +2,9 @@
 
 import warnings
 
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from flax_test_models import Transformer
@@ -134,3 +136,101 @@ def test_logical_names_without_rules_are_not_replicated_quietly(mesh):
     assert sf.plan_model(_one((8, 4), ("model", None)), mesh).report().row("w").spec == P(
         "model", None
     )  # a mesh axis name is honoured as given
+
+
+class _Small(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 2, rngs=rngs)
+        self.count = nnx.Param(np.ones((8,), np.int32))
+
+    def __call__(self, x):
+        return self.dense(x)
+
+
+def _small(mesh, seed=0, with_count=False):
+    def factory():
+        model = _Small(nnx.Rngs(seed))
+        if not with_count:
+            del model.count
+        return model
+
+    model = sf.create_sharded_model(factory, mesh, MeshRules(data=("data", "model")))
+    return model, sf.create_sharded_optimizer(model, optax.sgd(0.1))
+
+
+def _mean_loss(model, batch):
+    return jnp.mean(model(batch) ** 2)
+
+
+X = np.ones((8, 4), np.float32)
+
+STEP_CASES = {
+    "aux asked, scalar given": (
+        lambda m, o: sf.make_train_step(_mean_loss, has_aux=True)(m, o, X),
+        TypeError,
+        "has_aux=True, so loss_fn must return (loss, aux); it returned an array of shape ()",
+    ),
+    "aux given, not asked": (
+        lambda m, o: sf.make_train_step(lambda m, b: (_mean_loss(m, b), {}))(m, o, X),
+        TypeError,
+        "loss_fn returned a tuple of 2; for (loss, aux) pass has_aux=True",
+    ),
+    "loss not a scalar": (
+        lambda m, o: sf.make_train_step(lambda m, b: m(b))(m, o, X),
+        TypeError,
+        "The loss must be a scalar; loss_fn returned an array of shape (8, 2)",
+    ),
+    "string batch": (
+        lambda m, o: sf.make_train_step(_mean_loss)(m, o, "tokens"),
+        TypeError,
+        "The batch is a str ('tokens'), not an array",
+    ),
+    "list of rows": (
+        lambda m, o: sf.make_train_step(_mean_loss)(m, o, [[1.0] * 4] * 8),
+        TypeError,
+        "Batch leaf [0][0] is a float (1.0), not an array",
+    ),
+    "leaves of different sizes": (
+        lambda m, o: sf.make_train_step(lambda m, b: _mean_loss(m, b["x"]))(
+            m, o, {"x": X, "y": np.ones(16, np.float32)}
+        ),
+        ValueError,
+        "different leading sizes",
+    ),
+    "no rows": (
+        lambda m, o: sf.make_train_step(_mean_loss)(m, o, np.ones((0, 4), np.float32)),
+        ValueError,
+        "The batch has 0 rows",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
+def test_bad_step_input_raises_a_clear_error(mesh, case):
+    call, exception, fragment = STEP_CASES[case]
+    model, optimizer = _small(mesh)
+    with pytest.raises(exception) as info:
+        call(model, optimizer)
+    assert fragment in str(info.value)
+
+
+def test_an_optimizer_made_for_another_model_is_refused(mesh):
+    model, _ = _small(mesh)
+    _, other_optimizer = _small(mesh, seed=1)
+    with pytest.raises(ValueError, match="an optimizer that create_sharded_optimizer made for"):
+        sf.make_train_step(_mean_loss)(model, other_optimizer, X)
+
+
+def test_an_integer_param_is_named(mesh):
+    model, optimizer = _small(mesh, with_count=True)
+    with pytest.raises(TypeError, match=r"not floating point: count \(int32\)"):
+        sf.make_train_step(_mean_loss)(model, optimizer, X)
+
+
+def test_bad_creation_input_raises_a_clear_error(mesh):
+    with pytest.raises(TypeError, match=r"factory must return an nnx.Module, got dict"):
+        sf.create_sharded_model(lambda: {"w": np.ones(3)}, mesh, RULES)
+    with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh, got dict"):
+        sf.create_sharded_model(lambda: _Small(nnx.Rngs(0)), {"data": 8}, RULES)
+    with pytest.raises(TypeError, match=r"loss_fn must be a function .* got NoneType None"):
+        sf.make_train_step(None)

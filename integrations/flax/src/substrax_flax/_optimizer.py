@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
@@ -127,4 +128,25 @@ def create_sharded_optimizer(
 
     optimizer = nnx.merge(opt_graphdef, jax.jit(init, out_shardings=shardings)(model_state))
     remember(optimizer, rows)
+    _OWNERS[optimizer] = weakref.ref(model)
     return optimizer
+
+
+# The model each optimizer from create_sharded_optimizer was made for.
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check_owner(optimizer: nnx.Optimizer, model: nnx.Module, what: str) -> None:
+    """Raises if ``optimizer`` was created by substrax for another model than ``model``.
+
+    Raises:
+      ValueError: If it was (its state would silently train the wrong parameters).
+    """
+    owner = _OWNERS.get(optimizer)
+    if owner is not None and owner() is not model:
+        raise ValueError(
+            f"{what} was given an optimizer that create_sharded_optimizer made for another "
+            f"model ({type(owner()).__name__} at {id(owner()):#x}, not this "
+            f"{type(model).__name__} at {id(model):#x}); pass the optimizer created from this "
+            "model."
+        )

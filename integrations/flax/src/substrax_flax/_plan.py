@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from substrax.layout import Layout
-from substrax.mesh import MeshRules
+from substrax.mesh import MeshRules, check_mesh
 from substrax_flax._resolve import (
     Resolver,
     Rules,
@@ -95,6 +95,8 @@ def make_resolver(
     unknown_names: UnknownNames = "error",
 ) -> tuple[Resolver, Layout | None]:
     """The resolver of a plan: the layout's mesh, rules and strategy unless given explicitly."""
+    if mesh is not None:
+        check_mesh(mesh)
     layout = as_layout(layout, mesh)
     if layout is not None:
         mesh = mesh if mesh is not None else layout.make_mesh()
@@ -374,15 +376,29 @@ def _abstract_split(factory: Callable[[], nnx.Module], mesh: Any) -> tuple[Any, 
     factories are traced without one, so that on an Explicit mesh jax still partitions their
     initializers instead of building each parameter whole first.
     """
+    if not callable(factory):
+        raise TypeError(
+            f"factory must be a function of no arguments that builds the model, such as "
+            f"lambda: Model(rngs=nnx.Rngs(0)); got {type(factory).__name__} {factory!r:.80}."
+        )
+
+    def split():
+        model = factory()
+        if not isinstance(model, nnx.Module):
+            raise TypeError(
+                f"factory must return an nnx.Module, got {type(model).__name__} {model!r:.80}."
+            )
+        return nnx.split(model)
+
     with nnx.use_eager_sharding(False):
         try:
-            graphdef, state = jax.eval_shape(lambda: nnx.split(factory()))
+            graphdef, state = jax.eval_shape(split)
             return graphdef, state, False
         except ValueError as error:
             if "mesh" not in str(error):
                 raise
         with jax.set_mesh(mesh):
-            graphdef, state = jax.eval_shape(lambda: nnx.split(factory()))
+            graphdef, state = jax.eval_shape(split)
     return graphdef, state, True
 
 
@@ -539,6 +555,8 @@ def model_plan(
     Raises:
       ValueError: If the model remembers a plan and the arguments disagree with it.
     """
+    if mesh is not None:
+        check_mesh(mesh)
     plan = plan_of(model)
     if isinstance(plan, ModelPlan):
         plan.check_arguments(mesh, rules, strategy, what)
