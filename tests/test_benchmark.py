@@ -28,8 +28,10 @@ def test_benchmark_runs_at_a_tiny_size(tmp_path):
     assert fsdp["substrax"]["traffic_bytes"] == pytest.approx(
         fsdp["theory_traffic_bytes"], rel=0.05
     )
+    flag = 64  # bytes: the non-finite guard's all-reduced flag, which Flax's recipe lacks
     for row in report["rows"]:  # the default path (a named layout, nothing else) beats the recipe
-        assert row["substrax"]["traffic_bytes"] <= row["flax"]["traffic_bytes"], row["layout"]
+        assert row["substrax"]["traffic_bytes"] <= row["flax"]["traffic_bytes"] + flag, row
+
         assert row["substrax"]["peak_bytes"] <= row["flax"]["peak_bytes"], row["layout"]
 
 

@@ -1,5 +1,7 @@
 """Planner estimates against XLA on compiled twins trained through substrax's default step."""
 
+import functools
+
 import pytest
 from flax_test_models import tokens  # noqa: F401  (imports the conftest device setup first)
 
@@ -16,16 +18,26 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("name", ["llama3-8b", "gpt2-small"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.label)
+# Every layout on one architecture, two on the other (the twins dominate this file's time).
+TWINS = [("llama3-8b", layout) for layout in LAYOUTS] + [
+    ("gpt2-small", layout) for layout in LAYOUTS[:3:2]
+]
+
+
+@functools.cache
+def _validated(name, layout):
+    return _validate_layout(architecture(name), layout)
+
+
+@pytest.mark.parametrize(("name", "layout"), TWINS, ids=lambda v: getattr(v, "label", v))
 def test_state_is_exact_and_flops_are_close_on_twins(name, layout):
-    result = _validate_layout(architecture(name), layout)
+    result = _validated(name, layout)
     estimate, compiled = result["state_bytes"]
     assert estimate == compiled
     estimate, compiled = result["arguments_bytes"]
     assert estimate == compiled
     estimate, compiled = result["flops"]
-    assert abs(compiled / estimate - 1) < 0.05  # measured 2.2% to 4.4% over the estimate
+    assert abs(compiled / estimate - 1) < 0.05  # measured 2.9% to 4.9% over the estimate
     estimate, compiled = result["peak_bytes"]
     assert abs(compiled / estimate - 1) < 0.25  # measured -3.5% to +7.5%
 
@@ -34,7 +46,7 @@ def test_state_is_exact_and_flops_are_close_on_twins(name, layout):
     "layout", [Layout.from_degrees(dp=64), Layout.from_degrees(dp=8, fsdp=64)], ids=str
 )
 def test_fsdp_and_data_parallel_traffic_match_the_hlo(layout):
-    estimate, compiled = _validate_layout(architecture("llama3-8b"), layout)["traffic_bytes"]
+    estimate, compiled = _validated("llama3-8b", layout)["traffic_bytes"]
     assert abs(compiled / estimate - 1) < 0.01
 
 

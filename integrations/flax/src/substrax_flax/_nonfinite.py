@@ -1,11 +1,11 @@
 """The non-finite guard of the train steps: a NaN or inf never reaches the weights silently.
 
-Inside the jitted step, :func:`all_finite` checks the loss and every gradient and
-:func:`keep_if` keeps the old model and optimizer state when they are not finite. The update
-then waits for every gradient (the flag needs them all), which costs temporary memory of up
-to one set of gradients in their sharded layout; ``"apply"`` opts out. Outside,
-:class:`Guard` reads the flag without stalling the pipeline of dispatched steps, and warns or
-raises naming the step.
+Inside the jitted step, :func:`all_finite` checks the loss and every gradient, and the step
+runs its optimizer update inside ``lax.cond`` on that flag
+(:func:`substrax_flax._train.guarded_update`): a skipped step leaves the model and optimizer
+state as they were, and the taken branch still updates the donated buffers in place (measured:
+the same temporary memory as an unguarded step). Outside, :class:`Guard` reads the flag
+without stalling the pipeline of dispatched steps, and warns or raises naming the step.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from substrax import warn_user
 
-__all__ = ["NONFINITE", "Guard", "NonFinite", "NonFiniteWarning", "all_finite", "keep_if"]
+__all__ = ["NONFINITE", "Guard", "NonFinite", "NonFiniteWarning", "all_finite", "check_policy"]
 
 NonFinite = Literal["skip", "raise", "apply"]
 NONFINITE = ("skip", "raise", "apply")
@@ -33,22 +33,6 @@ def all_finite(*trees: Any) -> jax.Array:
     if not leaves:
         return jnp.array(True)
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
-
-
-def keep_if(finite: jax.Array, new: Any, old: Any) -> Any:
-    """``new`` where ``finite``, else ``old`` (trees of the same structure).
-
-    An element-wise select, which XLA fuses into the update that computes ``new``, so the
-    donated buffers are still updated in place (a ``lax.cond`` would keep a second copy).
-    """
-    return jax.tree.map(lambda n, o: _select(finite, n, o), new, old)
-
-
-def _select(finite: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
-    if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
-        data = jnp.where(finite, jax.random.key_data(new), jax.random.key_data(old))
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(new))
-    return jnp.where(finite, new, old)
 
 
 def check_policy(on_nonfinite: str) -> None:

@@ -15,7 +15,7 @@ from substrax_flax._nonfinite import NonFinite, all_finite, check_policy
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
 from substrax_flax._resolve import Rules, as_rules
 from substrax_flax._state import constrain_state
-from substrax_flax._train import Built, JittedStep, guarded, optimizer_shardings
+from substrax_flax._train import Built, JittedStep, guarded_update, optimizer_shardings
 
 __all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
 
@@ -133,12 +133,11 @@ class PipelineTrainStep(JittedStep):
             (dembed,) = embed_vjp(dinputs)
             drest = jax.tree.map(lambda a, b: a + b, dhead, dembed)
             grads = nnx.State({**dict(drest), self.stack: pipeline.unstack(dpadded, num_layers)})
-            old = jax.tree.leaves((model_state, opt_state))
             finite = all_finite(loss, grads)
-            model = nnx.merge(model_def, model_state)
-            optimizer = nnx.merge(opt_def, opt_state)
-            optimizer.update(model, grads)
-            new_model, new_opt = guarded(finite, model, optimizer, old, self._guard.on_nonfinite)
+            new_model, new_opt = guarded_update(
+                model_def, opt_def, model_state, opt_state, None, grads, finite,
+                self._guard.on_nonfinite,
+            )  # fmt: skip
             return (
                 constrain_state(new_model, model_shardings),
                 constrain_state(new_opt, opt_shardings),

@@ -15,9 +15,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax import ShardingWarning
 from substrax.layout import Layout
 from substrax.mesh import MeshRules
-from substrax.spmd import shard_batch, use_rules
-from substrax_flax._nonfinite import Guard, NonFinite, all_finite, check_policy, keep_if
-from substrax_flax._optimizer import optimizer_rows
+from substrax.spmd import check_batch, shard_batch, use_rules
+from substrax_flax._nonfinite import Guard, NonFinite, all_finite, check_policy
+from substrax_flax._optimizer import check_owner, optimizer_rows
 from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, plan_of, shardings_of
 from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules
 from substrax_flax._state import constrain_state
@@ -46,16 +46,31 @@ def optimizer_shardings(optimizer: nnx.Optimizer, plan: ModelPlan) -> Any:
     return shardings_of(rows, opt_state, plan.mesh)
 
 
-def guarded(finite, model, optimizer, old, on_nonfinite: NonFinite) -> tuple[Any, Any]:
-    """The updated model and optimizer states, or ``old`` (their leaves) when not ``finite``.
+def guarded_update(
+    model_def, opt_def, model_state, opt_state, rest, grads, finite, on_nonfinite: NonFinite
+) -> tuple[Any, Any]:
+    """The model and optimizer states after the update, or as they were when not ``finite``.
 
-    With ``on_nonfinite="apply"``, the updated states as they are.
+    ``rest`` (the new non-differentiated state: batch statistics, rng counts) or None is part
+    of the update. The update runs inside ``lax.cond``, so a skipped step does no update work
+    and, on the taken branch, the donated buffers are still updated in place.
+    ``on_nonfinite="apply"`` updates unconditionally.
     """
-    new = (nnx.state(model), nnx.state(optimizer))
+
+    def update(model_state, opt_state, rest, grads):
+        model = nnx.merge(model_def, model_state)
+        if rest is not None:
+            nnx.update(model, rest)
+        optimizer = nnx.merge(opt_def, opt_state)
+        optimizer.update(model, grads)
+        return nnx.state(model), nnx.state(optimizer)
+
+    def keep(model_state, opt_state, rest, grads):
+        return model_state, opt_state
+
     if on_nonfinite == "apply":
-        return new
-    leaves, treedef = jax.tree.flatten(new)
-    return jax.tree.unflatten(treedef, keep_if(finite, leaves, old))
+        return update(model_state, opt_state, rest, grads)
+    return jax.lax.cond(finite, update, keep, model_state, opt_state, rest, grads)
 
 
 class JittedStep:
@@ -64,7 +79,7 @@ class JittedStep:
     The non-finite guard is :mod:`substrax_flax._nonfinite`'s.
 
     Subclasses implement ``_build(model, optimizer) -> Built``; their jitted step returns
-    ``metrics["finite"]`` and keeps the old state when it is False (:func:`guarded`).
+    ``metrics["finite"]`` and keeps the old state when it is False (:func:`guarded_update`).
     """
 
     def __init__(self, on_nonfinite: NonFinite = "skip") -> None:
@@ -82,6 +97,7 @@ class JittedStep:
 
     @staticmethod
     def _batch(batch: Any, built: Built) -> Any:
+        check_batch(batch)
         if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(batch)):
             return batch
         return shard_batch(batch, built.mesh, built.data_axes)
@@ -210,8 +226,7 @@ class TrainStep(JittedStep):
             # and becomes Variables here, at the trace level that may mutate them.
             rest = jax.tree.unflatten(rest_def, rest_leaves)
             model = nnx.merge(model_def, params, rest)
-            out = self.loss_fn(model, batch)
-            loss, aux = out if self.has_aux else (out, None)
+            loss, aux = _loss_and_aux(self.loss_fn(model, batch), self.has_aux)
             return loss, (aux, nnx.state(model, nnx.Not(self.wrt)))
 
         if self.gather == "regather":
@@ -222,7 +237,6 @@ class TrainStep(JittedStep):
     def _step_fn(self, model_def, opt_def, compute_shardings, rules, model_sh, opt_sh, mesh):
         def step(model_state, opt_state, batch):
             with use_rules(mesh, rules), nnx.use_eager_sharding(False):
-                old = jax.tree.leaves((model_state, opt_state))
                 model = nnx.merge(model_def, model_state)
                 _, params, rest = nnx.split(model, self.wrt, ...)
                 rest_leaves, rest_def = jax.tree.flatten(rest)
@@ -230,12 +244,10 @@ class TrainStep(JittedStep):
                 grad_fn = jax.value_and_grad(loss_of, has_aux=True)
                 (loss, (aux, rest)), grads = grad_fn(params, rest_leaves, batch)
                 finite = all_finite(loss, grads)
-                nnx.update(model, rest)
-                optimizer = nnx.merge(opt_def, opt_state)
-                optimizer.update(model, grads)
-                new_model, new_opt = guarded(
-                    finite, model, optimizer, old, self._guard.on_nonfinite
-                )
+                new_model, new_opt = guarded_update(
+                    model_def, opt_def, model_state, opt_state, rest, grads, finite,
+                    self._guard.on_nonfinite,
+                )  # fmt: skip
                 metrics = {"loss": loss, "finite": finite}
                 if aux is not None:
                     metrics.update(aux if isinstance(aux, dict) else {"aux": aux})
@@ -248,9 +260,11 @@ class TrainStep(JittedStep):
         return step
 
     def _build(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Built:
+        check_owner(optimizer, model, "The train step")
         plan = model_plan(
             model, self.mesh, self.rules, self.strategy, self.layout, what="make_train_step"
         )
+        _check_differentiable(model, self.wrt)
         data_axes = self.data_axes or plan.batch_axes
         if not data_axes:
             raise ValueError(
@@ -271,6 +285,57 @@ class TrainStep(JittedStep):
             donate_argnums=(0, 1) if self.donate else (),
         )
         return Built(jitted, plan.mesh, tuple(data_axes))
+
+
+def _loss_and_aux(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
+    """``(loss, aux)`` from what ``loss_fn`` returned, with errors that say what is wrong.
+
+    Raises:
+      TypeError: If ``out`` does not match ``has_aux``, or the loss is not a scalar.
+    """
+    if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+            f"has_aux=True, so loss_fn must return (loss, aux); it returned {_describe(out)}. "
+            "Return a pair, or leave has_aux out."
+        )
+    if not has_aux and isinstance(out, (tuple, list)):
+        raise TypeError(
+            f"loss_fn returned {_describe(out)}; for (loss, aux) pass has_aux=True to "
+            "make_train_step, else return the scalar loss alone."
+        )
+    loss, aux = out if has_aux else (out, None)
+    if getattr(loss, "shape", None) != ():
+        raise TypeError(f"The loss must be a scalar; loss_fn returned {_describe(loss)}.")
+    return loss, aux
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if hasattr(value, "shape"):
+        return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    return f"a {type(value).__name__}"
+
+
+def _check_differentiable(model: nnx.Module, wrt: Any) -> None:
+    """Raises if a variable to differentiate is not floating point (jax's error lacks its name).
+
+    Raises:
+      TypeError: Naming each such variable, and what to do.
+    """
+    bad = [
+        f"{jax.tree_util.keystr(path, simple=True, separator='/').removesuffix('/value')} "
+        f"({leaf.dtype})"
+        for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, wrt))
+        if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)
+    ]
+    if bad:
+        name = getattr(wrt, "__name__", repr(wrt))
+        raise TypeError(
+            f"These variables are differentiated (wrt={name}) but are not floating point: "
+            f"{', '.join(bad)}. Hold integer state in an nnx.Variable subclass other than "
+            "nnx.Param (or pass a wrt that leaves it out)."
+        )
 
 
 def _axes(value: Sequence[str] | str | None) -> tuple[str, ...] | None:
@@ -334,18 +399,27 @@ def make_train_step(
         and optimizer state unchanged and emits a :class:`NonFiniteWarning` naming the step
         (once the flag is ready, at the latest during the next call, so the host never waits
         for the device); ``"raise"`` leaves them unchanged, waits for the flag and raises
-        ``FloatingPointError``; ``"apply"`` applies the update anyway and warns. The guard's
-        update waits for every gradient, which costs temporary memory of up to one set of
-        gradients in their sharded layout: ``"apply"`` saves it.
+        ``FloatingPointError``; ``"apply"`` applies the update anyway and warns (for a run
+        that handles non-finite values itself, such as dynamic loss scaling). The guard runs
+        the update inside ``lax.cond``: measured, it costs no temporary memory and no
+        traffic beyond one all-reduced flag.
 
     Returns:
       A :class:`TrainStep`.
 
     Raises:
+      TypeError: If ``loss_fn`` is not callable; on the first call, if ``loss_fn``'s result
+        does not match ``has_aux`` or is not a scalar, or a differentiated variable is not
+        floating point.
       ValueError: If ``gather`` is not ``"keep"`` or ``"regather"``, ``on_nonfinite`` is not
         ``"skip"``, ``"raise"`` or ``"apply"``, or no data axes are known (here when
         ``rules`` are given, else at the first call).
     """
+    if not callable(loss_fn):
+        raise TypeError(
+            f"loss_fn must be a function loss_fn(model, batch) -> loss, got "
+            f"{type(loss_fn).__name__} {loss_fn!r:.80}."
+        )
     if gather not in ("keep", "regather"):
         raise ValueError(f"gather must be 'keep' or 'regather', got {gather!r}.")
     check_policy(on_nonfinite)
