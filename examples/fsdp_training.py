@@ -98,11 +98,18 @@ def build(args):
         raise UsageError(f"--vocab {args.vocab}: the byte-level data needs at least 128")
     if args.d_model % args.heads:
         raise UsageError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
-    if args.steps < 1 or args.batch_size < 1 or args.save_every < 1:
-        raise UsageError("--steps, --batch-size and --save-every must be positive")
+    check_numbers(args)
     if (args.resume or args.resume_if_present) and args.checkpoint_dir is None:
         raise UsageError("--resume needs --checkpoint-dir")
+    check_writable(args.output_dir, "--output-dir")
+    if args.checkpoint_dir is not None:
+        check_writable(args.checkpoint_dir, "--checkpoint-dir")
     shape = parse_mesh(args.mesh)
+    if args.strategy == "pp" and "pipe" not in shape:
+        raise UsageError(
+            f"--strategy pp needs a pipe= axis in --mesh (got {args.mesh!r}), e.g. "
+            "--mesh pipe=4,data=2"
+        )
     try:
         mesh = DeviceMeshManager.create_device_mesh(shape)
         layout = Layout.named(args.strategy, mesh)
@@ -121,6 +128,31 @@ def build(args):
         layers=args.layers, seq=args.seq,
     )  # fmt: skip
     return mesh, layout, config
+
+
+POSITIVE = ("steps", "batch_size", "save_every", "keep", "microbatches", "repeats", "vocab",
+            "d_model", "heads", "mlp", "layers", "seq")  # fmt: skip
+
+
+def check_numbers(args) -> None:
+    """One-line errors for numeric flags out of range, before anything is built."""
+    for name in POSITIVE:
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{flag} must be a positive integer, got {getattr(args, name)}")
+    if not args.learning_rate > 0:
+        raise UsageError(f"--learning-rate must be positive, got {args.learning_rate}")
+
+
+def check_writable(directory: pathlib.Path, flag: str) -> None:
+    """Creates ``directory`` and writes a probe file there, so a bad path fails before training."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise UsageError(f"{flag} {directory} is not writable: {error.strerror or error}") from None
 
 
 def check_pipeline(args, stages: int, data_devices: int) -> None:
@@ -180,14 +212,17 @@ def train(args) -> dict:
     step_fn = make_step(args, mesh)
     checkpointer = resume(args, model, optimizer, primary)
     start_step = int(optimizer.step[...])
-    losses, progress = [], Progress(args.steps, start_step)
+    losses, skipped, progress = [], [], Progress(args.steps, start_step)
     tokens = args.batch_size * config.seq
     started = time.perf_counter()
     for step in range(start_step, args.steps):
         batch = gpt.batch_at(step, args.batch_size, config.seq, args.seed)
         tick = time.perf_counter()
-        loss = float(step_fn(model, optimizer, local_rows(batch))["loss"])
+        metrics = step_fn(model, optimizer, local_rows(batch))
+        loss = float(metrics["loss"])
         losses.append(loss)
+        if not bool(metrics["finite"]):  # the step skipped its update (and warned)
+            skipped.append(step + 1)
         if primary:
             progress.update(step + 1, loss, tokens / (time.perf_counter() - tick))
         if checkpointer and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
@@ -207,6 +242,7 @@ def train(args) -> dict:
         "seed": args.seed,
         "tokens_per_second": tokens * len(losses) / elapsed,
         "state_bytes_per_device": state,
+        "skipped_steps": skipped,
     }
     if primary:
         args.output_dir.mkdir(parents=True, exist_ok=True)

@@ -13,9 +13,9 @@ TINY = ["--vocab", "128", "--d-model", "32", "--heads", "4", "--mlp", "64", "--l
 
 
 def _run(*args, tmp_path):
+    output = [] if "--output-dir" in args else ["--output-dir", str(tmp_path)]
     return subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "fsdp_training.py"), *args,
-         "--output-dir", str(tmp_path)],
+        [sys.executable, str(ROOT / "examples" / "fsdp_training.py"), *args, *output],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
 
@@ -31,19 +31,25 @@ def test_example_trains_and_writes_metrics(tmp_path, strategy):
     assert "loss" in result.stdout and "MiB per device" in result.stdout
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule):
-    layers = [*TINY, "--layers", "4", "--steps", "4"]
-    pipelined = _run(*layers, "--strategy", "pp", "--mesh", "pipe=4,data=2", "--schedule",
-                     schedule, "--microbatches", "2", tmp_path=tmp_path / "pp")  # fmt: skip
-    assert pipelined.returncode == 0, pipelined.stderr
-    plain = _run(*layers, "--strategy", "dp", "--stacked", "--mesh", "data=8",
-                 tmp_path=tmp_path / "dp")  # fmt: skip
+PIPELINE_SIZE = [*TINY, "--layers", "4", "--steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def unpipelined_losses(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("dp")
+    plain = _run(*PIPELINE_SIZE, "--strategy", "dp", "--stacked", "--mesh", "data=8",
+                 tmp_path=directory)  # fmt: skip
     assert plain.returncode == 0, plain.stderr
-    losses = [
-        json.loads((tmp_path / d / "metrics.json").read_text())["losses"] for d in ("pp", "dp")
-    ]
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    return json.loads((directory / "metrics.json").read_text())["losses"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelined_losses):
+    pipelined = _run(*PIPELINE_SIZE, "--strategy", "pp", "--mesh", "pipe=4,data=2", "--schedule",
+                     schedule, "--microbatches", "2", tmp_path=tmp_path)  # fmt: skip
+    assert pipelined.returncode == 0, pipelined.stderr
+    losses = json.loads((tmp_path / "metrics.json").read_text())["losses"]
+    assert losses == pytest.approx(unpipelined_losses, rel=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -53,7 +59,10 @@ def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule):
         (["--strategy", "zero3"], "Unknown layout 'zero3'; choose one of dp, fsdp"),
         (["--batch-size", "7"], "--batch-size 7 does not divide the 2 devices"),
         (["--mesh", "data"], "expected name=size pairs"),
-        (["--strategy", "pp", "--mesh", "data=8"], "Layout 'pp' needs a mesh of at least two axes"),
+        (["--strategy", "pp", "--mesh", "data=8"], "--strategy pp needs a pipe= axis in --mesh"),
+        (["--microbatches", "0"], "--microbatches must be a positive integer, got 0"),
+        (["--output-dir", "/dev/null/out"], "--output-dir /dev/null/out is not writable"),
+        (["--checkpoint-dir", "/dev/null/ckpt"], "--checkpoint-dir /dev/null/ckpt is not writable"),
         (
             ["--strategy", "pp", "--mesh", "pipe=4,data=2", "--microbatches", "3", "--layers", "4"],
             "does not split into --microbatches 3 x 2 data devices",
