@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
-import shutil
-import zlib
 from typing import Any
 
 import jax
@@ -17,13 +13,14 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from substrax import warn_user
+from substrax_flax._checkpoint_files import (
+    check_writable,
+    damage,
+    remove_unfinished,
+    write_checksums,
+)
 
 __all__ = ["CheckpointWarning", "Checkpointer"]
-
-# Files every complete step holds (Orbax's layout for the items below).
-_REQUIRED = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt", "metadata/metadata")
-# Size and CRC-32 of every file of a step, written once Orbax has finished the step.
-_CHECKSUMS = "substrax-checksums.json"
 
 
 class CheckpointWarning(UserWarning):
@@ -67,49 +64,6 @@ def _all_finite(tree: Any) -> bool:
     """Whether every floating-point value in ``tree`` is finite (one reduction, any mesh)."""
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return bool(_finite(leaves)) if leaves else True
-
-
-def _files(step_dir: pathlib.Path) -> dict[str, list[int]]:
-    """``{relative path: [size, crc32]}`` of every file of a step but the checksum file."""
-    sums = {}
-    for path in sorted(step_dir.rglob("*")):
-        if path.is_file() and path.name != _CHECKSUMS:
-            data = path.read_bytes()
-            sums[path.relative_to(step_dir).as_posix()] = [len(data), zlib.crc32(data)]
-    return sums
-
-
-def _write_checksums(step_dir: pathlib.Path) -> None:
-    if jax.process_index() == 0:
-        (step_dir / _CHECKSUMS).write_text(json.dumps(_files(step_dir)))
-
-
-def _damage(step_dir: pathlib.Path) -> str | None:
-    """Why a step cannot be restored (missing files, sizes, checksums), or None.
-
-    Only process 0 reads the files; :func:`_everywhere` tells the others. A step saved
-    without checksums (by an older version) is checked for its required files only.
-    """
-    if jax.process_index() != 0:
-        return None
-    if not any(step_dir.iterdir()):
-        return "its directory is empty"
-    missing = [name for name in _REQUIRED if not (step_dir / name).is_file()]
-    if missing:
-        return f"it lacks {', '.join(missing)}"
-    try:
-        recorded = json.loads((step_dir / _CHECKSUMS).read_text())
-    except (OSError, ValueError):
-        return None
-    found = _files(step_dir)
-    for name, (size, crc) in recorded.items():
-        if name not in found:
-            return f"it lacks {name}"
-        if found[name][0] != size:
-            return f"{name} has {found[name][0]} of its {size} bytes (truncated)"
-        if found[name][1] != crc:
-            return f"{name} fails its CRC-32 check (corrupted)"
-    return None
 
 
 def _everywhere(problem: str | None) -> str | None:
@@ -159,8 +113,14 @@ class Checkpointer:
             raise ValueError(f"keep must be at least 1, got {keep}.")
         self.directory = pathlib.Path(directory).absolute()
         self.keep = keep
-        _check_writable(self.directory)
-        _remove_unfinished(self.directory)
+        check_writable(self.directory)
+        for name in remove_unfinished(self.directory):
+            warn_user(
+                f"Removed {name} in {self.directory}: a save that did not finish.",
+                CheckpointWarning,
+            )
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("substrax checkpoint directory cleaned")
         options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -263,7 +223,7 @@ class Checkpointer:
         self._manager.wait_until_finished()
         if not saved:
             raise RuntimeError(f"Orbax did not save step {step} in {self.directory}.")
-        _write_checksums(self.directory / str(step))
+        write_checksums(self.directory / str(step))
         self._rotate()
 
     def _rotate(self) -> None:
@@ -367,7 +327,7 @@ class Checkpointer:
         A target that does not fit the checkpoint (shapes, paths, dtypes) raises instead: that
         is the caller's mistake, not damage, and an older step would not fit either.
         """
-        problem = _everywhere(_damage(self.directory / str(step)))
+        problem = _everywhere(damage(self.directory / str(step)))
         if problem is not None:
             return None, problem
         saved, problem = _guarded(lambda: self._manager.item_metadata(step).state)
@@ -432,19 +392,6 @@ class Checkpointer:
         self._manager.close()
 
 
-def _remove_unfinished(directory: pathlib.Path) -> None:
-    """Removes the temporary directories of saves that never finished (killed runs)."""
-    if jax.process_index() == 0:
-        for path in sorted(directory.glob("*.orbax-checkpoint-tmp*")):
-            shutil.rmtree(path)
-            warn_user(
-                f"Removed {path.name} in {directory}: a save that did not finish.",
-                CheckpointWarning,
-            )
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices("substrax checkpoint directory cleaned")
-
-
 def _guarded(read) -> tuple[Any, str | None]:
     """``(read(), None)``, or ``(None, "unreadable (...)")`` with the error's first line."""
     try:
@@ -452,21 +399,3 @@ def _guarded(read) -> tuple[Any, str | None]:
     except Exception as error:  # any read failure makes the step unusable
         lines = str(error).strip().splitlines()
         return None, f"unreadable ({type(error).__name__}: {lines[0][:300] if lines else ''})"
-
-
-def _check_writable(directory: pathlib.Path) -> None:
-    """Creates ``directory`` and writes a probe file in it, so a bad path fails before training.
-
-    Raises:
-      PermissionError: If it cannot be created or written.
-    """
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".substrax-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise PermissionError(
-            f"Checkpoint directory {directory} is not writable: {error.strerror or error}. "
-            "Pass a directory this process can create and write."
-        ) from error
