@@ -1,4 +1,4 @@
-"""How fast the planner is: a Llama-3-405B sweep on 4096 devices, and per-candidate time.
+"""How fast the planner is: Llama-3 sweeps, with the workload fixed and with remat searched.
 
 Run: ``python benchmarks/planner.py [--repeats N] [--output-dir DIR]``; writes ``planner.json``.
 """
@@ -6,6 +6,7 @@ Run: ``python benchmarks/planner.py [--repeats N] [--output-dir DIR]``; writes `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -21,21 +22,25 @@ def main(argv=None):
     args = parser.parse_args(argv)
     hardware = Hardware(memory_bytes=80 * 10**9, flops=989e12, intra_host_bandwidth=450e9,
                         inter_host_bandwidth=50e9)  # fmt: skip
-    workload = Workload(batch_tokens=16 * 2**20, seq=8192, microbatches=16)
+    fixed = Workload(batch_tokens=16 * 2**20, seq=8192, microbatches=16)
+    searched = dataclasses.replace(fixed, remat=None, microbatches=None)
     rows = {}
-    for model, devices in (("llama3-405b", 4096), ("llama3-70b", 512), ("llama3-8b", 64)):
+    sweeps = [(m, d, w) for m, d in (("llama3-405b", 4096), ("llama3-70b", 512),
+                                     ("llama3-8b", 64)) for w in (fixed, searched)]  # fmt: skip
+    for model, devices, workload in sweeps:
+        label = f"{model} on {devices}, {'searched' if workload is searched else 'fixed'}"
         times, count = [], 0
         for _ in range(args.repeats):
             start = time.perf_counter()
             count = len(plan(model, devices, hardware, workload).candidates)
             times.append(time.perf_counter() - start)
         sweep = statistics.median(times)
-        rows[f"{model} on {devices}"] = {
+        rows[label] = {
             "candidates": count,
             "sweep_s": sweep,
             "per_candidate_ms": 1000 * sweep / count,
         }
-        print(f"{model} on {devices}: {count} candidates in {sweep * 1000:.1f} ms "
+        print(f"{label}: {count} candidates in {sweep * 1000:.1f} ms "
               f"({1000 * sweep / count:.3f} ms each)")  # fmt: skip
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "planner.json").write_text(json.dumps(rows, indent=2))

@@ -81,8 +81,9 @@ def test_a_planned_config_comes_from_the_planners_best_layout():
     best = plan("llama3-8b", 64, Hardware(memory_bytes=80 * 10**9), work).best.layout
     config = best.sharding_config()
     assert config.get_total_device_count() == 64
-    assert config.fsdp_enabled and config.tensor_parallel_size > 1
+    assert config.fsdp_enabled == (best.fsdp > 1) and config.tensor_parallel_size == best.tp
     assert config.data_parallel_size == best.dp * best.fsdp
+    assert config.pipeline_parallel_size == best.pp
 
 
 def test_the_mesh_layer_does_not_reach_up_to_the_planner():

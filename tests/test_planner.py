@@ -12,11 +12,14 @@ from jax.sharding import PartitionSpec as P
 from substrax import planner as plan_cli
 from substrax.layout import Layout
 from substrax.planner import (
+    HARDWARE,
+    REMAT,
     Hardware,
     TransformerConfig,
     Workload,
     architecture,
     evaluate,
+    main,
     plan,
     transformer_leaves,
 )
@@ -95,8 +98,13 @@ def test_ranking_puts_layouts_that_fit_first():
     fits = [c.fits for c in result.candidates]
     assert fits[0] and fits == sorted(fits, reverse=True)
     assert all(c.layout.devices == 64 for c in result.candidates)
-    peaks = [c.bytes_per_device["peak"] for c in result.candidates if c.fits]
-    assert peaks == sorted(peaks)
+    # without hardware speeds: FLOPs over the pipeline's busy fraction, then peak memory
+    keys = [
+        (c.flops_per_device / (1 - c.bubble), c.bytes_per_device["peak"])
+        for c in result.candidates
+        if c.fits
+    ]
+    assert keys == sorted(keys)
 
 
 def test_a_model_that_fits_nowhere_says_what_dominates():
@@ -166,7 +174,8 @@ def test_planner_benchmark_runs(tmp_path):
     import planner as planner_benchmark
 
     rows = planner_benchmark.main(["--repeats", "1", "--output-dir", str(tmp_path)])
-    assert rows["llama3-405b on 4096"]["candidates"] > 200
+    fixed, searched = rows["llama3-405b on 4096, fixed"], rows["llama3-405b on 4096, searched"]
+    assert fixed["candidates"] == searched["candidates"] > 200
     assert (tmp_path / "planner.json").exists()
 
 
@@ -175,3 +184,45 @@ def test_command_line_rejects_nonsense_in_one_line(capsys):
                             "--batch-tokens", "4M", "--seq", "8192"])  # fmt: skip
     assert status == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+def test_the_planner_searches_remat_and_microbatches_when_left_open():
+    fixed = Workload(batch_tokens=4 * 10**6, seq=8192, remat="none", microbatches=1)
+    assert not any(c.fits for c in plan("llama3-70b", 512, H100, fixed).candidates)
+    open_ = Workload(batch_tokens=4 * 10**6, seq=8192, remat=None, microbatches=None)
+    best = plan("llama3-70b", 512, H100, open_).best
+    assert best.fits and best.workload.remat in REMAT and best.workload.microbatches >= 1
+    # what was chosen is what evaluate() says of that setting
+    again = evaluate(architecture("llama3-70b"), transformer_leaves(architecture("llama3-70b")),
+                     best.layout, best.workload, H100)  # fmt: skip
+    assert again.bytes_per_device == best.bytes_per_device
+    with pytest.raises(ValueError, match="plan\\(\\) searches them"):
+        evaluate(architecture("llama3-70b"), [], best.layout, open_, H100)
+
+
+def test_layouts_with_more_data_replicas_than_sequences_are_left_out():
+    result = plan("gpt2-small", 64, H100, Workload(batch_tokens=8 * 1024, seq=1024))
+    assert result.candidates and all(c.layout.dp * c.layout.fsdp <= 8 for c in result.candidates)
+
+
+def test_named_hardware_fills_the_time_column_and_flags_override_it(capsys):
+    base = ["--model", "llama3-70b", "--devices", "512", "--batch-tokens", "4M", "--seq", "8192"]
+    assert main([*base, "--memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "remat and microbatches chosen by the planner" in out
+    first = out.splitlines()[3]
+    assert first.split()[-2] == "yes" and first.split()[-1] == "-"  # fits; no speed, no time
+    assert main([*base, "--hardware", "h100"]) == 0
+    first = capsys.readouterr().out.splitlines()[3]
+    assert float(first.split()[-1]) > 0
+    assert main([*base, "--hardware", "h100", "--memory", "1GB"]) == 0
+    assert "warning: No layout of llama3-70b fits" in capsys.readouterr().out
+    assert HARDWARE["h200"].memory_bytes == 141 * 10**9
+
+
+def test_memory_or_hardware_is_required(capsys):
+    argv = ["--model", "gpt2-small", "--devices", "8", "--batch-tokens", "64K", "--seq", "1024"]
+    assert main(argv) == 2
+    assert "give the memory per device: --memory (e.g. 80GB) or --hardware" in (
+        capsys.readouterr().err
+    )

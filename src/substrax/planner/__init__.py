@@ -13,17 +13,23 @@ from substrax.planner._architectures import architecture as architecture
 from substrax.planner._architectures import config_from_leaves as config_from_leaves
 from substrax.planner._architectures import transformer_leaves as transformer_leaves
 from substrax.planner._cli import main as main
+from substrax.planner._estimate import REMAT as REMAT
 from substrax.planner._estimate import Candidate as Candidate
 from substrax.planner._estimate import Hardware as Hardware
 from substrax.planner._estimate import LeafPlan as LeafPlan
 from substrax.planner._estimate import Workload as Workload
 from substrax.planner._estimate import evaluate as evaluate
 from substrax.planner._estimate import layouts as layouts
+from substrax.planner._hardware import HARDWARE as HARDWARE
+from substrax.planner._rank import MICROBATCH_CHOICES as MICROBATCH_CHOICES
 from substrax.planner._rank import Plan as Plan
 from substrax.planner._rank import plan as plan
 
 __all__ = [
     "ARCHITECTURES",
+    "HARDWARE",
+    "MICROBATCH_CHOICES",
+    "REMAT",
     "Candidate",
     "Hardware",
     "Leaf",

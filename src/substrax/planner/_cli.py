@@ -1,9 +1,10 @@
 """``python -m substrax.planner``: rank the layouts of a model on a device count, without devices.
 
-    python -m substrax.planner --model llama3-70b --devices 512 --memory 80GB
+    python -m substrax.planner --model llama3-70b --devices 512 --hardware h100
         --batch-tokens 4M --seq 8192 [--json plan.json]
 
-Prints the ranked candidates, the chosen layout's memory breakdown and its warnings. A framework
+Prints the ranked candidates, the chosen layout's memory breakdown and its warnings. Without
+``--remat`` / ``--microbatches``, each layout gets the cheapest setting that fits. A framework
 adapter plans its users' own models through :func:`main`'s ``load_factory``, which adds
 ``--factory module:function`` to the command line (the core never imports an adapter).
 """
@@ -19,7 +20,8 @@ import sys
 from collections.abc import Callable, Sequence
 
 from substrax.planner._architectures import ARCHITECTURES, Leaf, config_from_leaves
-from substrax.planner._estimate import Hardware, Workload
+from substrax.planner._estimate import REMAT, Hardware, Workload
+from substrax.planner._hardware import HARDWARE
 from substrax.planner._rank import plan
 
 __all__ = ["main"]
@@ -72,14 +74,21 @@ def _gib(value: float) -> str:
     return f"{value / 2**30:.2f}"
 
 
-def _table(result, top: int) -> str:
-    head = f"{'#':>3}  {'layout':28} {'params/dev':>14} {'peak GiB':>9} {'fits':>5} {'time s':>8}"
+def _table(result, top: int, timed: bool) -> str:
+    shown = result.candidates[:top]
+    width = max([len("layout"), *(len(c.layout.label) for c in shown)])
+    head = (
+        f"{'#':>3}  {'layout':{width}} {'remat':>9} {'micro':>5} {'params/dev':>14} "
+        f"{'peak GiB':>9} {'fits':>5} {'time s':>8}"
+    )
     lines = [head, "-" * len(head)]
-    for rank, c in enumerate(result.candidates[:top], 1):
+    for rank, c in enumerate(shown, 1):
+        time = f"{c.time_s:>8.3f}" if timed else f"{'-':>8}"
         lines.append(
-            f"{rank:>3}  {c.layout.label:28} {c.params_per_device:>14,} "
-            f"{_gib(c.bytes_per_device['peak']):>9} {'yes' if c.fits else 'no':>5} "
-            f"{c.time_s:>8.3f}"
+            f"{rank:>3}  {c.layout.label:{width}} {c.workload.remat:>9} "
+            f"{c.workload.microbatches:>5} "
+            f"{c.params_per_device:>14,} {_gib(c.bytes_per_device['peak']):>9} "
+            f"{'yes' if c.fits else 'no':>5} {time}"
         )
     return "\n".join(lines)
 
@@ -96,10 +105,15 @@ def _leaf_table(candidate, workload) -> str:
     return "\n".join(lines)
 
 
-def _breakdown(candidate) -> str:
+def _breakdown(candidate, searched: list[str]) -> str:
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in candidate.bytes_per_device.items())
+    work = candidate.workload
+    setting = f"remat {work.remat}, {work.microbatches} microbatches"
+    if searched:
+        setting += f" ({' and '.join(searched)} chosen by the planner)"
     return (
-        f"chosen: {candidate.layout.label} (mesh {candidate.layout.shape}); GiB per device: {parts}"
+        f"chosen: {candidate.layout.label} (mesh {candidate.layout.shape}), {setting}; "
+        f"GiB per device: {parts}"
     )
 
 
@@ -116,27 +130,62 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
     if factories:
         source.add_argument("--factory", help="module:function building your model")
     parser.add_argument("--devices", required=True)
-    parser.add_argument("--memory", required=True, help="per device, e.g. 80GB or 96GiB")
+    parser.add_argument(
+        "--hardware", choices=sorted(HARDWARE), help="a named device: fills the next five"
+    )
+    parser.add_argument("--memory", help="per device, e.g. 80GB or 96GiB")
     parser.add_argument("--batch-tokens", required=True, help="tokens per step, e.g. 4M")
     parser.add_argument("--seq", required=True)
-    parser.add_argument("--devices-per-host", default="8")
-    parser.add_argument("--flops", default="0", help="peak FLOP/s per device, e.g. 989T")
-    parser.add_argument("--intra-host-bandwidth", default="0", help="bytes/s, e.g. 450GB")
-    parser.add_argument("--inter-host-bandwidth", default="0", help="bytes/s, e.g. 50GB")
+    parser.add_argument("--devices-per-host", default=None, help="default 8")
+    parser.add_argument("--flops", default=None, help="peak FLOP/s per device, e.g. 989T")
+    parser.add_argument("--intra-host-bandwidth", default=None, help="bytes/s, e.g. 450GB")
+    parser.add_argument("--inter-host-bandwidth", default=None, help="bytes/s, e.g. 50GB")
     parser.add_argument("--precision", default="bf16")
     parser.add_argument("--optimizer", default="adamw")
-    parser.add_argument("--remat", default="selective")
+    parser.add_argument(
+        "--remat", default=None, help=f"one of {', '.join(REMAT)}; searched when left out"
+    )
     parser.add_argument(
         "--microbatches",
         type=int,
-        default=0,
-        help="pipeline microbatches, or gradient-accumulation steps without a pipeline",
+        default=None,
+        help="pipeline microbatches, or gradient-accumulation steps without a pipeline; "
+        "searched when left out",
     )
     parser.add_argument("--strategies", default="dp,fsdp,tp,pp")
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--leaves", action="store_true", help="per-parameter table of the best")
     parser.add_argument("--json", type=pathlib.Path, default=None)
     return parser
+
+
+def _hardware(args) -> Hardware:
+    """The device: a named profile, with any figure given on the command line instead.
+
+    Raises:
+      ValueError: Without ``--memory`` or ``--hardware``, or for a figure that is not valid.
+    """
+    base = HARDWARE.get(args.hardware, Hardware(memory_bytes=0))
+    if args.memory is None and args.hardware is None:
+        raise ValueError(
+            f"give the memory per device: --memory (e.g. 80GB) or --hardware (one of "
+            f"{', '.join(sorted(HARDWARE))})."
+        )
+
+    def given(text, default, parse):
+        return default if text is None else parse(text)
+
+    return Hardware(
+        memory_bytes=given(args.memory, base.memory_bytes, parse_bytes),
+        devices_per_host=given(args.devices_per_host, base.devices_per_host, parse_count),
+        flops=given(args.flops, base.flops, _optional),
+        intra_host_bandwidth=given(
+            args.intra_host_bandwidth, base.intra_host_bandwidth, lambda t: _optional(t, True)
+        ),
+        inter_host_bandwidth=given(
+            args.inter_host_bandwidth, base.inter_host_bandwidth, lambda t: _optional(t, True)
+        ),
+    )
 
 
 def _model(args, load_factory) -> tuple:
@@ -174,13 +223,7 @@ def main(
     """
     args = _parser(prog, load_factory is not None).parse_args(argv)
     try:
-        hardware = Hardware(
-            memory_bytes=parse_bytes(args.memory),
-            devices_per_host=parse_count(args.devices_per_host),
-            flops=_optional(args.flops),
-            intra_host_bandwidth=_optional(args.intra_host_bandwidth, unit=True),
-            inter_host_bandwidth=_optional(args.inter_host_bandwidth, unit=True),
-        )
+        hardware = _hardware(args)
         workload = Workload(
             batch_tokens=parse_count(args.batch_tokens),
             seq=parse_count(args.seq),
@@ -200,8 +243,9 @@ def main(
         f"{result.model}: {result.total_params:,} parameters on {result.devices} devices, "
         f"{len(result.candidates)} candidates"
     )
-    print(_table(result, args.top))
-    print(_breakdown(result.best))
+    print(_table(result, args.top, timed=hardware.flops > 0))
+    searched = [name for name in ("remat", "microbatches") if getattr(args, name) is None]
+    print(_breakdown(result.best, searched))
     message = result.no_fit_message()
     if message:
         print(f"warning: {message}")

@@ -10,6 +10,7 @@ activations); traffic uses ring volumes per mesh axis, as :mod:`substrax.hlo` co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -17,13 +18,23 @@ from substrax.layout import Layout
 from substrax.mesh._resolve import as_axes, resolve_names
 from substrax.planner._architectures import Leaf, TransformerConfig
 
-__all__ = ["Candidate", "Hardware", "LeafPlan", "Workload", "evaluate", "layouts"]
+__all__ = [
+    "REMAT",
+    "Candidate",
+    "Hardware",
+    "LeafPlan",
+    "Workload",
+    "evaluate",
+    "layouts",
+    "leaf_plans",
+]
 
 _OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "momentum": 4}
 _UPDATE_FLOPS = {"adam": 12, "adamw": 14, "sgd": 2, "momentum": 4}
 _ELEMENTWISE = 10  # FLOPs per element, forward and backward: softmax, norms, activations, loss
 _PRECISION_BYTES = {"fp32": 4, "bf16": 2}
-_REMAT = ("none", "selective", "full")
+REMAT = ("none", "selective", "full")
+"""Remat policies, cheapest in FLOPs first."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,24 +47,24 @@ class Workload:
       precision: ``"fp32"`` or ``"bf16"`` parameters, gradients and activations.
       optimizer: ``"adam"``/``"adamw"`` (two fp32 moments), ``"momentum"`` or ``"sgd"``.
       remat: ``"none"``, ``"selective"`` (attention recomputed) or ``"full"`` (layer input
-        only).
+        only); None lets :func:`~substrax.planner.plan` choose per layout.
       gather: FSDP parameters gathered once per step and kept for the backward pass
         (``"keep"``, substrax's default) or gathered again there (``"regather"``).
       microbatches: Pipeline microbatches (1F1B), or gradient-accumulation steps without a
         pipeline: each device holds one microbatch's activations at a time (0: the pipeline
-        depth, or 1).
+        depth, or 1); None lets :func:`~substrax.planner.plan` choose per layout.
     """
 
     batch_tokens: int
     seq: int
     precision: str = "bf16"
     optimizer: str = "adamw"
-    remat: str = "selective"
-    microbatches: int = 0
+    remat: str | None = "selective"
+    microbatches: int | None = 0
     gather: str = "keep"
 
     def __post_init__(self) -> None:
-        if self.microbatches < 0:
+        if self.microbatches is not None and self.microbatches < 0:
             raise ValueError(f"microbatches must be >= 0, got {self.microbatches}.")
         if self.batch_tokens < self.seq or self.seq < 1:
             raise ValueError(
@@ -62,7 +73,7 @@ class Workload:
             )
         for value, options, what in ((self.precision, _PRECISION_BYTES, "precision"),
                                      (self.optimizer, _OPTIMIZER_BYTES, "optimizer"),
-                                     (self.remat, _REMAT, "remat"),
+                                     (self.remat or "none", REMAT, "remat"),
                                      (self.gather, ("keep", "regather"), "gather")):  # fmt: skip
             if value not in options:
                 raise ValueError(f"Unknown {what} {value!r}; choose one of {', '.join(options)}.")
@@ -129,6 +140,8 @@ class Candidate:
       headroom_bytes: Device memory left at the peak (negative when it does not fit).
       fits: Whether the peak fits the device memory.
       warnings: Indivisible dimensions, uneven stages, large replicated parameters.
+      workload: The workload estimated, with the remat policy and microbatch count that
+        :func:`~substrax.planner.plan` chose when it searched them.
     """
 
     layout: Layout
@@ -142,6 +155,7 @@ class Candidate:
     headroom_bytes: float
     fits: bool
     warnings: tuple[str, ...]
+    workload: Workload | None = None
 
     def as_dict(self) -> dict:
         """A JSON-ready summary (without the per-leaf table).
@@ -149,11 +163,13 @@ class Candidate:
         Returns:
           ``mesh``, ``strategy``, ``bytes_per_device``, ``params_per_device``,
           ``traffic_bytes_per_step``, ``flops_per_device``, ``time_s``, ``bubble``,
-          ``headroom_bytes``, ``fits`` and ``warnings``.
+          ``headroom_bytes``, ``fits``, ``warnings``, ``remat`` and ``microbatches``.
         """
         return {
             "mesh": self.layout.shape,
             "strategy": self.layout.label,
+            "remat": self.workload.remat if self.workload else None,
+            "microbatches": self.workload.microbatches if self.workload else None,
             "bytes_per_device": self.bytes_per_device,
             "params_per_device": self.params_per_device,
             "traffic_bytes_per_step": self.traffic_bytes_per_step,
@@ -193,6 +209,17 @@ def _activations(c: TransformerConfig, w: Workload, layout: Layout, act: int) ->
     return per_layer * act / 2 * math.ceil(c.layers / layout.pp) * in_flight
 
 
+def leaf_plans(leaves: Sequence[Leaf], layout: Layout) -> tuple[LeafPlan, ...]:
+    """Every parameter's plan under ``layout`` (cached: it does not depend on the workload)."""
+    return _leaf_plans(tuple(leaves), layout)
+
+
+@functools.lru_cache(maxsize=4096)
+def _leaf_plans(leaves: tuple[Leaf, ...], layout: Layout) -> tuple[LeafPlan, ...]:
+    sizes, rules = layout.shape, layout.param_rules.as_dict()
+    return tuple(_leaf_plan(leaf, rules, sizes) for leaf in leaves)
+
+
 def evaluate(
     config: TransformerConfig,
     leaves: Sequence[Leaf],
@@ -211,9 +238,16 @@ def evaluate(
 
     Returns:
       The :class:`Candidate`.
+
+    Raises:
+      ValueError: If ``workload`` leaves ``remat`` or ``microbatches`` to be searched (that
+        is :func:`~substrax.planner.plan`'s job).
     """
-    sizes, rules = layout.shape, layout.param_rules.as_dict()
-    plans = tuple(_leaf_plan(leaf, rules, sizes) for leaf in leaves)
+    if workload.remat is None or workload.microbatches is None:
+        raise ValueError(
+            "evaluate() needs a workload with remat and microbatches set; plan() searches them."
+        )
+    plans = leaf_plans(leaves, layout)
     per_device = sum(p.params_per_device for p in plans)
     width = _PRECISION_BYTES[workload.precision]
     rows = workload.batch / (layout.dp * layout.fsdp)
@@ -256,6 +290,7 @@ def evaluate(
         headroom_bytes=hardware.memory_bytes - memory["peak"],
         fits=memory["peak"] <= hardware.memory_bytes,
         warnings=_warnings(config, plans, layout, per_device),
+        workload=workload,
     )
 
 

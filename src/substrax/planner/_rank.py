@@ -12,9 +12,12 @@ from substrax.planner._architectures import (
     architecture,
     transformer_leaves,
 )
-from substrax.planner._estimate import Candidate, Hardware, Workload, evaluate, layouts
+from substrax.planner._estimate import REMAT, Candidate, Hardware, Workload, evaluate, layouts
 
-__all__ = ["Plan", "plan"]
+__all__ = ["MICROBATCH_CHOICES", "Plan", "plan"]
+
+MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
+"""Microbatch counts :func:`plan` tries when the workload leaves them open."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +93,23 @@ def plan(
       leaves: The parameters, for a model that is not a built-in transformer (its closed
         forms still use ``model``'s configuration).
 
+    Layouts with more data-parallel devices than the batch has sequences are left out.
+    Candidates that fit come first, then by estimated time when the hardware's speeds are
+    known, else by FLOPs per device over the pipeline's busy fraction. Each candidate's remat
+    policy and microbatch count are ``workload``'s, or, where it leaves
+    them None, searched: per layout, the cheapest setting that fits (by estimated time when
+    the hardware's speeds are known, else by FLOPs over the pipeline's busy fraction; then less
+    recomputation, fewer microbatches), or the one with the smallest peak when none fits.
+    Microbatches are searched among :data:`MICROBATCH_CHOICES` up to the sequences of one
+    data-parallel replica (a count that does not divide them means uneven microbatches, as
+    estimated).
+
     Returns:
       The :class:`Plan`.
 
     Raises:
-      ValueError: For an unknown architecture, a non-positive device count, or no layout.
+      ValueError: For an unknown architecture, a non-positive device count, or no layout
+        (or none that splits the batch).
     """
     name = model if isinstance(model, str) else "custom"
     config = architecture(model) if isinstance(model, str) else model
@@ -102,12 +117,46 @@ def plan(
     options = layouts(
         devices, config, devices_per_host=hardware.devices_per_host, strategies=strategies
     )
-    candidates = [evaluate(config, leaves, layout, workload, hardware) for layout in options]
-    if not candidates:
+    if not options:
         raise ValueError(f"No layout of {devices} devices uses only {list(strategies)}.")
+    feasible = [o for o in options if o.dp * o.fsdp <= workload.batch]
+    if not feasible:
+        raise ValueError(
+            f"Every layout of {devices} devices has more data-parallel devices than the batch "
+            f"has sequences ({workload.batch}); use a larger batch, or allow tp/pp in "
+            "strategies."
+        )
     timed = hardware.flops > 0
-    candidates.sort(
-        key=lambda c: (not c.fits, c.time_s if timed else 0.0, c.bytes_per_device["peak"])
-    )
+    candidates = [
+        _cheapest(config, leaves, layout, workload, hardware, timed) for layout in feasible
+    ]
+    candidates.sort(key=lambda c: (not c.fits, *_cost(c, timed), c.bytes_per_device["peak"]))
     total = sum(math.prod(leaf.shape) for leaf in leaves)
     return Plan(name, devices, total, tuple(candidates))
+
+
+def _settings(workload: Workload, layout) -> list[Workload]:
+    """The workloads to try on ``layout``: ``workload`` with each open choice filled in."""
+    remats = REMAT if workload.remat is None else (workload.remat,)
+    if workload.microbatches is None:
+        rows = max(workload.batch // (layout.dp * layout.fsdp), 1)
+        micros = tuple(m for m in MICROBATCH_CHOICES if m <= rows) or (1,)
+    else:
+        micros = (workload.microbatches,)
+    return [dataclasses.replace(workload, remat=r, microbatches=m) for r in remats for m in micros]
+
+
+def _cheapest(config, leaves, layout, workload, hardware, timed: bool) -> Candidate:
+    """The cheapest setting of ``layout`` that fits, else the one with the smallest peak."""
+    options = [evaluate(config, leaves, layout, w, hardware) for w in _settings(workload, layout)]
+    fitting = [c for c in options if c.fits]
+    if not fitting:
+        return min(options, key=lambda c: c.bytes_per_device["peak"])
+
+    return min(fitting, key=lambda c: _cost(c, timed))
+
+
+def _cost(c: Candidate, timed: bool) -> tuple:
+    """Estimated time (else FLOPs over the pipeline's busy fraction), then less recompute."""
+    work = c.time_s if timed else c.flops_per_device / (1 - c.bubble)
+    return (work, REMAT.index(c.workload.remat), c.workload.microbatches)

@@ -1,0 +1,45 @@
+"""Named accelerators for the planner: memory, peak FLOP/s and link bandwidths per device.
+
+Figures are the vendors' published numbers; bandwidths are per device and per direction
+(half the bidirectional figure a datasheet quotes):
+
+- H100 SXM (NVIDIA H100 Tensor Core GPU datasheet): 80 GB HBM3; 989 TFLOP/s dense BF16
+  (1,979 with sparsity); NVLink 900 GB/s bidirectional -> 450 GB/s; 8 GPUs per NVLink domain;
+  across hosts one 400 Gb/s NDR InfiniBand port per GPU -> 50 GB/s.
+- H200 SXM (NVIDIA H200 Tensor Core GPU datasheet): 141 GB HBM3e; the H100's 989 TFLOP/s
+  dense BF16 and 900 GB/s NVLink; 400 Gb/s per GPU across hosts.
+- TPU v5p (Google Cloud TPU v5p documentation): 95 GB HBM2e; 459 TFLOP/s BF16; inter-chip
+  interconnect 4,800 Gb/s per chip -> 300 GB/s per direction, between hosts of a pod too; 4
+  chips per host.
+"""
+
+from __future__ import annotations
+
+from substrax.planner._estimate import Hardware
+
+__all__ = ["HARDWARE"]
+
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware(
+        memory_bytes=80 * 10**9,
+        devices_per_host=8,
+        flops=989e12,
+        intra_host_bandwidth=450e9,
+        inter_host_bandwidth=50e9,
+    ),
+    "h200": Hardware(
+        memory_bytes=141 * 10**9,
+        devices_per_host=8,
+        flops=989e12,
+        intra_host_bandwidth=450e9,
+        inter_host_bandwidth=50e9,
+    ),
+    "tpu-v5p": Hardware(
+        memory_bytes=95 * 10**9,
+        devices_per_host=4,
+        flops=459e12,
+        intra_host_bandwidth=300e9,
+        inter_host_bandwidth=300e9,
+    ),
+}
+"""Named hardware profiles: ``--hardware h100`` on the command line."""
