@@ -43,6 +43,7 @@ import gpt
 import substrax_flax as sf
 from substrax.layout import LAYOUTS, Layout
 from substrax.mesh import DeviceMeshManager
+from substrax.spmd import REMAT
 
 
 class UsageError(Exception):
@@ -79,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quiet", action="store_true", help="no sharding report")
     parser.add_argument("--stacked", action="store_true", help="layers stacked with nnx.vmap")
     parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches")
+    parser.add_argument(
+        "--remat", default="none", choices=REMAT, help="recompute blocks in the backward pass"
+    )
     parser.add_argument("--schedule", default="1f1b", help="pipeline: gpipe, 1f1b or circular")
     parser.add_argument("--repeats", type=int, default=1, help="circular pipeline rounds")
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None)
@@ -105,6 +109,8 @@ def build(args):
     if args.checkpoint_dir is not None:
         check_writable(args.checkpoint_dir, "--checkpoint-dir")
     shape = parse_mesh(args.mesh)
+    if args.strategy == "pp" and args.remat == "selective":
+        raise UsageError("--strategy pp recomputes whole stages: use --remat none or full")
     if args.strategy == "pp" and "pipe" not in shape:
         raise UsageError(
             f"--strategy pp needs a pipe= axis in --mesh (got {args.mesh!r}), e.g. "
@@ -243,6 +249,7 @@ def train(args) -> dict:
         "tokens_per_second": tokens * len(losses) / elapsed,
         "state_bytes_per_device": state,
         "skipped_steps": skipped,
+        "remat": args.remat,
     }
     if primary:
         args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -261,12 +268,12 @@ def make_step(args, mesh):
     Both take the layout from the model's plan (each parameter gathered once per step).
     """
     if args.strategy != "pp":
-        return sf.make_train_step(gpt.loss_fn)
+        return sf.make_train_step(gpt.loss_fn, remat=args.remat)
     try:
         return sf.make_pipeline_train_step(
             gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh,
             layout=Layout.named("pp", mesh), stack="blocks", num_microbatches=args.microbatches,
-            schedule=args.schedule, repeats=args.repeats,
+            schedule=args.schedule, repeats=args.repeats, remat=args.remat == "full",
         )  # fmt: skip
     except ValueError as error:
         raise UsageError(str(error)) from None

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import substrax_flax as sf
 from substrax.spmd import constrain
 
 
@@ -57,6 +58,7 @@ class Block(nnx.Module):
         self.up = _param(rngs, (d, m), ("embed", "mlp"))
         self.down = _param(rngs, (m, d), ("mlp", "embed"))
 
+    @sf.remat  # recomputed in the backward pass under make_train_step(remat=...)
     def __call__(self, x):
         h = _rms_norm(x, self.attn_norm[...])
         q = constrain(jnp.einsum("bte,ehk->bthk", h, self.wq[...]), "data", None, "heads", "kv")

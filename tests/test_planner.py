@@ -13,7 +13,6 @@ from substrax import planner as plan_cli
 from substrax.layout import Layout
 from substrax.planner import (
     HARDWARE,
-    REMAT,
     Hardware,
     TransformerConfig,
     Workload,
@@ -24,6 +23,7 @@ from substrax.planner import (
     transformer_leaves,
 )
 from substrax.planner._cli import parse_bytes, parse_count
+from substrax.spmd import REMAT
 
 WORK = Workload(batch_tokens=4 * 2**20, seq=8192)
 H100 = Hardware(memory_bytes=80 * 10**9)

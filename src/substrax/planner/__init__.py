@@ -13,7 +13,6 @@ from substrax.planner._architectures import architecture as architecture
 from substrax.planner._architectures import config_from_leaves as config_from_leaves
 from substrax.planner._architectures import transformer_leaves as transformer_leaves
 from substrax.planner._cli import main as main
-from substrax.planner._estimate import REMAT as REMAT
 from substrax.planner._estimate import Candidate as Candidate
 from substrax.planner._estimate import Hardware as Hardware
 from substrax.planner._estimate import LeafPlan as LeafPlan
@@ -29,7 +28,6 @@ __all__ = [
     "ARCHITECTURES",
     "HARDWARE",
     "MICROBATCH_CHOICES",
-    "REMAT",
     "Candidate",
     "Hardware",
     "Leaf",

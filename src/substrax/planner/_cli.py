@@ -20,9 +20,10 @@ import sys
 from collections.abc import Callable, Sequence
 
 from substrax.planner._architectures import ARCHITECTURES, Leaf, config_from_leaves
-from substrax.planner._estimate import REMAT, Hardware, Workload
+from substrax.planner._estimate import Hardware, Workload
 from substrax.planner._hardware import HARDWARE
 from substrax.planner._rank import plan
+from substrax.spmd import REMAT
 
 __all__ = ["main"]
 

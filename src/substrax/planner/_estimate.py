@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from substrax.layout import Layout
 from substrax.mesh._resolve import as_axes, resolve_names
 from substrax.planner._architectures import Leaf, TransformerConfig
+from substrax.spmd import REMAT
 
 __all__ = [
-    "REMAT",
     "Candidate",
     "Hardware",
     "LeafPlan",
@@ -33,8 +33,6 @@ _OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "momentum": 4}
 _UPDATE_FLOPS = {"adam": 12, "adamw": 14, "sgd": 2, "momentum": 4}
 _ELEMENTWISE = 10  # FLOPs per element, forward and backward: softmax, norms, activations, loss
 _PRECISION_BYTES = {"fp32": 4, "bf16": 2}
-REMAT = ("none", "selective", "full")
-"""Remat policies, cheapest in FLOPs first."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,11 +11,15 @@ from substrax.spmd._batch import shard_batch as shard_batch
 from substrax.spmd._constrain import active_rules as active_rules
 from substrax.spmd._constrain import constrain as constrain
 from substrax.spmd._constrain import use_rules as use_rules
+from substrax.spmd._remat import REMAT as REMAT
+from substrax.spmd._remat import checkpoint_policy as checkpoint_policy
 
 __all__ = [
+    "REMAT",
     "active_rules",
     "batch_sharding",
     "check_batch",
+    "checkpoint_policy",
     "constrain",
     "replicate",
     "shard_batch",

@@ -18,6 +18,7 @@ from substrax_flax._plan import create_sharded_model as create_sharded_model
 from substrax_flax._plan import get_shardings as get_shardings
 from substrax_flax._plan import plan_model as plan_model
 from substrax_flax._plan import shard_model as shard_model
+from substrax_flax._remat import remat as remat
 from substrax_flax._report import ShardingReport as ShardingReport
 from substrax_flax._report import sharding_report as sharding_report
 from substrax_flax._resolve import VariableSharding as VariableSharding
@@ -39,6 +40,7 @@ __all__ = [
     "make_pipeline_train_step",
     "make_train_step",
     "plan_model",
+    "remat",
     "shard_model",
     "sharding_report",
 ]

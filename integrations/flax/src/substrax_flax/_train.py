@@ -12,13 +12,14 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax import ShardingWarning
+from substrax import ShardingWarning, warn_user
 from substrax.layout import Layout
 from substrax.mesh import MeshRules
-from substrax.spmd import check_batch, shard_batch, use_rules
+from substrax.spmd import check_batch, checkpoint_policy, shard_batch, use_rules
 from substrax_flax._nonfinite import Guard, NonFinite, all_finite, check_policy
 from substrax_flax._optimizer import check_owner, optimizer_rows
 from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, plan_of, shardings_of
+from substrax_flax._remat import Marked, use_remat
 from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules
 from substrax_flax._state import constrain_state
 
@@ -180,6 +181,7 @@ class TrainStep(JittedStep):
         data_axes: tuple[str, ...] | None,
         donate: bool,
         on_nonfinite: NonFinite = "skip",
+        remat: str = "none",
     ):
         """Stores the configuration; compilation happens on the first call.
 
@@ -196,9 +198,11 @@ class TrainStep(JittedStep):
           gather: ``"keep"`` or ``"regather"`` (see :func:`make_train_step`).
           data_axes: Mesh axes of the batch's leading dimension (None: the plan's).
           donate: Donate the model and optimizer buffers to the step.
-          on_nonfinite: ``"skip"`` or ``"raise"`` (see :func:`make_train_step`).
+          on_nonfinite: ``"skip"``, ``"raise"`` or ``"apply"`` (see :func:`make_train_step`).
+          remat: One of :data:`substrax.spmd.REMAT` (see :func:`make_train_step`).
         """
         super().__init__(on_nonfinite)
+        self.remat = remat
         self.loss_fn, self.has_aux, self.wrt = loss_fn, has_aux, wrt
         self.mesh, self.rules, self.layout, self.strategy = mesh, rules, layout, strategy
         self.compute_rules, self.gather = compute_rules, gather
@@ -242,7 +246,9 @@ class TrainStep(JittedStep):
                 rest_leaves, rest_def = jax.tree.flatten(rest)
                 loss_of = self._loss_fn(model_def, compute_shardings, rest_def)
                 grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-                (loss, (aux, rest)), grads = grad_fn(params, rest_leaves, batch)
+                with use_remat(self.remat) as marked:
+                    (loss, (aux, rest)), grads = grad_fn(params, rest_leaves, batch)
+                _check_marked(marked)
                 finite = all_finite(loss, grads)
                 new_model, new_opt = guarded_update(
                     model_def, opt_def, model_state, opt_state, rest, grads, finite,
@@ -285,6 +291,16 @@ class TrainStep(JittedStep):
             donate_argnums=(0, 1) if self.donate else (),
         )
         return Built(jitted, plan.mesh, tuple(data_axes))
+
+
+def _check_marked(marked: Marked) -> None:
+    """Warns when a remat policy was asked for but no block was marked to apply it to."""
+    if marked.remat != "none" and marked.blocks == 0:
+        warn_user(
+            f"make_train_step(remat={marked.remat!r}) found no block marked with "
+            "@substrax_flax.remat: nothing is recomputed. Decorate your blocks' __call__.",
+            RuntimeWarning,
+        )
 
 
 def _loss_and_aux(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
@@ -358,6 +374,7 @@ def make_train_step(
     data_axes: Sequence[str] | str | None = None,
     donate: bool = True,
     on_nonfinite: NonFinite = "skip",
+    remat: str = "none",
 ) -> TrainStep:
     """Builds a jitted training step that realises the model's layout, at its best by default.
 
@@ -404,6 +421,13 @@ def make_train_step(
         the update inside ``lax.cond``: measured, it costs no temporary memory and no
         traffic beyond one all-reduced flag.
 
+      remat: Which activations of the blocks marked with :func:`remat` the backward pass
+        keeps, as the planner names it: ``"none"`` (all: no recomputation, the fastest),
+        ``"selective"`` (the outputs of products with the weights; element-wise work and
+        attention scores are recomputed) or ``"full"`` (only each block's input: the block
+        is recomputed). Blocks are recomputed one at a time. With no marked block a
+        ``RuntimeWarning`` says that nothing is recomputed.
+
     Returns:
       A :class:`TrainStep`.
 
@@ -412,8 +436,8 @@ def make_train_step(
         does not match ``has_aux`` or is not a scalar, or a differentiated variable is not
         floating point.
       ValueError: If ``gather`` is not ``"keep"`` or ``"regather"``, ``on_nonfinite`` is not
-        ``"skip"``, ``"raise"`` or ``"apply"``, or no data axes are known (here when
-        ``rules`` are given, else at the first call).
+        ``"skip"``, ``"raise"`` or ``"apply"``, ``remat`` is not one of ``REMAT``, or no data
+        axes are known (here when ``rules`` are given, else at the first call).
     """
     if not callable(loss_fn):
         raise TypeError(
@@ -423,6 +447,7 @@ def make_train_step(
     if gather not in ("keep", "regather"):
         raise ValueError(f"gather must be 'keep' or 'regather', got {gather!r}.")
     check_policy(on_nonfinite)
+    checkpoint_policy(remat)  # raises for an unknown name
     compute = as_rules(compute_rules, mesh) if compute_rules is not None else None
     axes = _axes(data_axes)
     if axes is None and rules is not None and layout is None:
@@ -438,5 +463,5 @@ def make_train_step(
     return TrainStep(
         loss_fn, mesh=mesh, rules=rules, layout=layout, strategy=strategy, compute_rules=compute,
         has_aux=has_aux, wrt=wrt, gather=gather, data_axes=axes, donate=donate,
-        on_nonfinite=on_nonfinite,
+        on_nonfinite=on_nonfinite, remat=remat,
     )  # fmt: skip
