@@ -14,7 +14,7 @@ import layouts  # noqa: E402
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_benchmark_runs_at_a_tiny_size(tmp_path):
     report = layouts.main(
-        ["--size", "tiny", "--steps", "2", "--layouts", "FSDP 8", "TP 4 x DP 2",
+        ["--size", "tiny", "--steps", "1", "--layouts", "FSDP 8", "TP 4 x DP 2",
          "--output-dir", str(tmp_path)]
     )  # fmt: skip
     assert (tmp_path / "layouts.json").exists()
@@ -22,7 +22,7 @@ def test_benchmark_runs_at_a_tiny_size(tmp_path):
     fsdp = report["rows"][0]
     for name in ("substrax", "flax"):
         assert fsdp[name]["bytes_per_device"] > 0
-        assert len(fsdp[name]["losses"]) == 3
+        assert len(fsdp[name]["losses"]) == 2
     assert fsdp["max_loss_difference"] < 1e-4
     assert fsdp["substrax"]["full_size_init_buffers"] == []
     assert fsdp["substrax"]["traffic_bytes"] == pytest.approx(
@@ -31,7 +31,6 @@ def test_benchmark_runs_at_a_tiny_size(tmp_path):
     flag = 64  # bytes: the non-finite guard's all-reduced flag, which Flax's recipe lacks
     for row in report["rows"]:  # the default path (a named layout, nothing else) beats the recipe
         assert row["substrax"]["traffic_bytes"] <= row["flax"]["traffic_bytes"] + flag, row
-
         assert row["substrax"]["peak_bytes"] <= row["flax"]["peak_bytes"], row["layout"]
 
 

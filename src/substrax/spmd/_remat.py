@@ -10,8 +10,8 @@ A policy says which activations of a recomputed block are kept for the backward 
   recomputed in the backward pass.
 
 A checkpoint saves memory only around a block of a model (a layer), so that the backward pass
-recomputes one block at a time: the Flax adapter applies the policy to the blocks that model
-code marks (``substrax_flax.remat``).
+recomputes one block at a time: a framework adapter applies the policy to the blocks that
+model code marks.
 """
 
 from __future__ import annotations
