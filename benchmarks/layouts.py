@@ -111,6 +111,28 @@ def theory_bytes(layout: str, param_bytes: int, mesh_shape: dict) -> float | Non
     return None
 
 
+def theory_manual_bytes(layout: str, param_bytes: int, mesh_shape: dict) -> float | None:
+    """The same for ``data_parallel="manual"``: one all-gather and one reduce-scatter.
+
+    DP: one gradient all-reduce. FSDP: one parameter all-gather, one gradient reduce-scatter.
+    FSDP on ``model`` x DP on ``data``: the same over ``model``, plus an all-reduce of the
+    gradient shards over ``data``. None for layouts the manual step is not measured on.
+    """
+    n = math.prod(mesh_shape.values())
+    if layout == "dp":
+        return 2 * param_bytes * (n - 1) / n
+    if layout == "fsdp":
+        return 2 * param_bytes * (n - 1) / n
+    if layout == "hsdp":
+        fsdp, dp = mesh_shape["model"], mesh_shape["data"]
+        return 2 * param_bytes * (fsdp - 1) / fsdp + 2 * (param_bytes / fsdp) * (dp - 1) / dp
+    return None
+
+
+#: Layouts on which the manual data-parallel step runs (no tensor axis).
+MANUAL = ("dp", "fsdp", "hsdp")
+
+
 def _compiled_stats(compiled, num_devices: int) -> dict:
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -169,6 +191,16 @@ class Substrax:
         return self.step_fn(self.model, self.optimizer, batch)["loss"]
 
 
+class SubstraxManual(Substrax):
+    """The default path with ``make_train_step(loss_fn, data_parallel="manual")``."""
+
+    name = "substrax manual"
+
+    def __init__(self, config, mesh, layout):
+        super().__init__(config, mesh, layout)
+        self.step_fn = sf.make_train_step(gpt.loss_fn, data_parallel="manual")
+
+
 class FlaxRecipe:
     """The same layout written as Flax's guide shows, from its documented API."""
 
@@ -223,7 +255,8 @@ def measure(config, label, layout, mesh_shape, steps, batch_size):
     n = mesh.devices.size
     results, losses, times = {}, {}, {}
     runners = []
-    for cls in (Substrax, FlaxRecipe):
+    classes = (Substrax, SubstraxManual, FlaxRecipe) if layout in MANUAL else (Substrax, FlaxRecipe)
+    for cls in classes:
         runner = cls(config, mesh, layout)
         batch = jax.device_put(gpt.batch_at(0, batch_size, config.seq), runner.data_sharding)
         compiled = runner.lower_step(batch).compile()
@@ -266,9 +299,15 @@ def measure(config, label, layout, mesh_shape, steps, batch_size):
         "mesh": mesh_shape,
         "param_bytes": param_bytes,
         "theory_traffic_bytes": theory_bytes(layout, param_bytes, mesh_shape),
+        "theory_manual_traffic_bytes": theory_manual_bytes(layout, param_bytes, mesh_shape),
         "max_loss_difference": float(
             np.max(np.abs(np.array(losses["substrax"]) - np.array(losses["flax"])))
         ),
+        "max_manual_loss_difference": float(
+            np.max(np.abs(np.array(losses["substrax"]) - np.array(losses["substrax manual"])))
+        )
+        if "substrax manual" in losses
+        else None,
         **results,
     }
 
@@ -285,8 +324,13 @@ def markdown(report: dict) -> str:
     )
     lines = []
     for row in report["rows"]:
-        for name in ("substrax", "flax"):
+        for name in ("substrax", "substrax manual", "flax"):
+            if name not in row:
+                continue
             r = row[name]
+            theory = row[
+                "theory_manual_traffic_bytes" if name.endswith("manual") else "theory_traffic_bytes"
+            ]
             kinds = ", ".join(
                 f"{kind} {r['collectives'][kind]['count']}x {_mib(r['collectives'][kind]['bytes'])}"
                 for kind in KINDS
@@ -298,7 +342,7 @@ def markdown(report: dict) -> str:
                 f"{_mib(r['bytes_per_device'])} ({r['ratio_to_ideal']:.3f}) | "
                 f"{_mib(r['init_temp_bytes'])} | {len(r['full_size_init_buffers'])} | "
                 f"{_mib(r['temp_bytes'])} / {_mib(r['peak_bytes'])} | {_mib(r['traffic_bytes'])} "
-                f"({_mib(row['theory_traffic_bytes'])}) | {kinds or '-'} | "
+                f"({_mib(theory)}) | {kinds or '-'} | "
                 f"{r['flops'] / 1e9:.2f} | {step_ms} | {r['time_to_first_step_s']:.1f} | "
                 f"{'yes' if r['shardings_stable'] else 'no'} |"
             )
@@ -309,7 +353,10 @@ def markdown(report: dict) -> str:
         f"flax {report['flax']}; model {report['params']:,} parameters, batch "
         f"{report['batch_size']} x {report['config']['seq']}, {report['steps']} timed steps. "
         "Largest loss difference substrax vs Flax: "
-        f"{max(row['max_loss_difference'] for row in report['rows']):.2e}.\n"
+        f"{max(row['max_loss_difference'] for row in report['rows']):.2e}; substrax manual vs "
+        "substrax: "
+        f"{max(row['max_manual_loss_difference'] or 0.0 for row in report['rows']):.2e}. "
+        '`substrax manual` is `make_train_step(loss_fn, data_parallel="manual")`.\n'
     )
     return head + "\n".join(lines) + "\n" + footer
 

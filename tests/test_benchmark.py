@@ -28,6 +28,10 @@ def test_benchmark_runs_at_a_tiny_size(tmp_path):
     assert fsdp["substrax"]["traffic_bytes"] == pytest.approx(
         fsdp["theory_traffic_bytes"], rel=0.05
     )
+    manual = fsdp["substrax manual"]  # data_parallel="manual": gather + reduce-scatter
+    assert manual["collectives"]["reduce-scatter"]["count"] > 0
+    assert manual["traffic_bytes"] <= 1.05 * fsdp["theory_manual_traffic_bytes"]
+    assert fsdp["max_manual_loss_difference"] < 1e-4
     flag = 64  # bytes: the non-finite guard's all-reduced flag, which Flax's recipe lacks
     for row in report["rows"]:  # the default path (a named layout, nothing else) beats the recipe
         assert row["substrax"]["traffic_bytes"] <= row["flax"]["traffic_bytes"] + flag, row

@@ -1,0 +1,103 @@
+"""data_parallel="manual": gathers and reduce-scatters by construction, losses as one device."""
+
+import math
+
+import gpt
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from flax_test_models import unsharded
+
+import substrax_flax as sf
+from substrax.hlo import traffic_by_kind
+from substrax.layout import Layout
+from substrax.mesh import DeviceMeshManager
+
+CONFIG = gpt.Config(vocab=256, d_model=64, heads=4, mlp=256, layers=2, seq=16)
+BATCHES = [gpt.batch_at(i, 16, CONFIG.seq, 0) for i in range(3)]
+
+
+def _factory():
+    return gpt.GPT(CONFIG, nnx.Rngs(0))
+
+
+def _split_bytes(model, batch_axes):
+    """Bytes of the parameters stored sharded over a batch axis, and of the others."""
+    sharded = replicated = 0
+    for row in sf.sharding_report(model).rows:
+        axes = {a for entry in row.spec if entry for a in np.atleast_1d(entry)}
+        size = math.prod(row.shape) * 4
+        if axes & set(batch_axes):
+            sharded += size
+        else:
+            replicated += size
+    return sharded, replicated
+
+
+def _run(name, shape, data_parallel):
+    mesh = DeviceMeshManager.create_device_mesh(shape)
+    layout = Layout.named(name, mesh)
+    model = sf.create_sharded_model(_factory, mesh, layout=layout)
+    optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(3e-3))
+    step = sf.make_train_step(gpt.loss_fn, data_parallel=data_parallel)
+    hlo = step.lower(model, optimizer, BATCHES[0]).compile().as_text()
+    traffic = {k: v["bytes"] for k, v in traffic_by_kind(hlo, 8).items()}
+    losses = [float(step(model, optimizer, b)["loss"]) for b in BATCHES]
+    return traffic, losses, _split_bytes(model, layout.batch_axes), layout
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    model = unsharded(_factory)
+    optimizer = nnx.Optimizer(model, gpt.optimizer(3e-3), wrt=nnx.Param)
+    step = nnx.jit(lambda m, o, b: _update(m, o, b))
+    return [float(step(model, optimizer, b)) for b in BATCHES]
+
+
+def _update(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(gpt.loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def test_fsdp_gradients_are_reduce_scattered_and_losses_match_one_device(one_device):
+    traffic, losses, (sharded, replicated), _ = _run("fsdp", {"data": 8}, "manual")
+    np.testing.assert_allclose(losses, one_device, rtol=2e-5)
+    ring = 7 / 8
+    assert traffic["reduce-scatter"] == pytest.approx(sharded * ring, rel=1e-3)
+    assert traffic["all-gather"] == pytest.approx(sharded * ring, rel=1e-3)
+    # left to all-reduce: replicated parameters (none here), the loss, the non-finite flag
+    assert traffic["all-reduce"] <= 2 * replicated * ring + 256
+    auto, auto_losses, _, _ = _run("fsdp", {"data": 8}, "auto")
+    assert sum(traffic.values()) < 0.7 * sum(auto.values())  # auto all-reduces instead
+    np.testing.assert_allclose(losses, auto_losses, rtol=1e-5)
+
+
+def test_hsdp_reduce_scatters_over_fsdp_and_all_reduces_the_shard(one_device):
+    traffic, losses, (sharded, replicated), layout = _run("hsdp", {"data": 2, "fsdp": 4}, "manual")
+    np.testing.assert_allclose(losses, one_device, rtol=2e-5)
+    assert layout.batch_axes == ("data", "fsdp")
+    assert traffic["reduce-scatter"] == pytest.approx(sharded * 3 / 4, rel=1e-3)
+    shard_all_reduce = 2 * (sharded / 4) * 1 / 2
+    assert traffic["all-reduce"] <= shard_all_reduce + 2 * replicated * 7 / 8 + 256
+
+
+def test_batch_statistics_are_refused():
+    class Normed(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(4, 4, rngs=rngs)
+            self.norm = nnx.BatchNorm(4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(self.dense(x))
+
+    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    model = sf.create_sharded_model(lambda: Normed(nnx.Rngs(0)), mesh, layout="dp")
+    optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(1e-3))
+    step = sf.make_train_step(lambda m, b: (m(b) ** 2).mean(), data_parallel="manual")
+    with pytest.raises(ValueError, match=r"batch statistics of this model \(norm/mean"):
+        step(model, optimizer, np.ones((8, 4), np.float32))
+    with pytest.raises(ValueError, match="data_parallel must be 'auto' or 'manual', got 'hand'"):
+        sf.make_train_step(gpt.loss_fn, data_parallel="hand")
+    assert jax.device_count() == 8
