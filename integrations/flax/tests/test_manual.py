@@ -101,3 +101,27 @@ def test_batch_statistics_are_refused():
     with pytest.raises(ValueError, match="data_parallel must be 'auto' or 'manual', got 'hand'"):
         sf.make_train_step(gpt.loss_fn, data_parallel="hand")
     assert jax.device_count() == 8
+
+
+def _accumulated(k):
+    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    model = sf.create_sharded_model(_factory, mesh, layout=Layout.named("fsdp", mesh))
+    optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(3e-3))
+    step = sf.make_train_step(gpt.loss_fn, data_parallel="manual", microbatches=k)
+    batches = [gpt.batch_at(i, 64, CONFIG.seq, 0) for i in range(2)]
+    compiled = step.lower(model, optimizer, batches[0]).compile()
+    counts = {k: v["count"] for k, v in traffic_by_kind(compiled.as_text(), 8).items()}
+    losses = [float(step(model, optimizer, b)["loss"]) for b in batches]
+    return counts, compiled.memory_analysis().temp_size_in_bytes, losses
+
+
+def test_accumulation_reduces_once_per_step_and_holds_one_slice():
+    counts_1, temp_1, losses_1 = _accumulated(1)
+    counts_4, temp_4, losses_4 = _accumulated(4)
+    assert counts_4 == counts_1 and counts_1["reduce-scatter"] > 0  # not 4x the reductions
+    np.testing.assert_allclose(losses_4, losses_1, rtol=1e-5)
+    assert temp_4 < temp_1
+    with pytest.raises(ValueError, match="microbatches=2 reduces gradients once per step only"):
+        sf.make_train_step(gpt.loss_fn, microbatches=2)
+    with pytest.raises(ValueError, match="microbatches must be a positive integer, got 0"):
+        sf.make_train_step(gpt.loss_fn, data_parallel="manual", microbatches=0)

@@ -16,6 +16,7 @@ devices' means differs), dropout masks (each device draws from the same stream).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -94,8 +95,14 @@ def manual_value_and_grad(
     mesh: jax.sharding.Mesh,
     batch_axes: tuple[str, ...],
     specs: Any,
+    microbatches: int = 1,
 ) -> tuple[tuple[jax.Array, tuple[Any, Any]], Any]:
     """``value_and_grad(loss_of, has_aux=True)`` with the batch axes handled by hand.
+
+    With ``microbatches`` K > 1 each device splits its rows into K slices and runs forward and
+    backward on one slice at a time (``lax.scan``), summing the gradients of the gathered
+    parameters on the device; they are reduce-scattered once, after the scan, so the
+    reductions per step do not grow with K while activations are held for one slice only.
 
     Args:
       loss_of: ``loss_of(params, rest_leaves, batch) -> (loss, (aux, new_rest))`` on one
@@ -106,6 +113,8 @@ def manual_value_and_grad(
       mesh: The mesh.
       batch_axes: The batch axes (made manual).
       specs: :func:`manual_specs` of ``params``.
+      microbatches: Slices of each device's rows, run one after the other (K must divide
+        them).
 
     Returns:
       ``((loss, (aux, new_rest)), grads)`` as ``jax.value_and_grad`` would, the loss and the
@@ -123,6 +132,9 @@ def manual_value_and_grad(
             loss, (aux, new_rest) = loss_of(state, rest_leaves, batch)
             return jax.lax.pmean(loss, batch_axes), (_mean(aux, batch_axes), new_rest)
 
+        if microbatches > 1:
+            return _accumulate(loss_of, template, pure, rest_leaves, batch, specs,
+                               batch_axes, microbatches)  # fmt: skip
         return jax.value_and_grad(objective, has_aux=True)(pure)
 
     spec_batch = PartitionSpec(batch_axes if len(batch_axes) > 1 else batch_axes[0])
@@ -137,6 +149,49 @@ def manual_value_and_grad(
     grads = jax.tree.map(lambda x: x, template)
     nnx.replace_by_pure_dict(grads, grads_pure)
     return (loss, extra), grads
+
+
+def _scatter(g: jax.Array, spec: PartitionSpec, batch_axes: tuple[str, ...]) -> jax.Array:
+    """The transpose of :func:`_gather`: reduce-scatter each gathered dimension, sum the rest."""
+    for dim in reversed(range(len(spec))):
+        if spec[dim] is not None:
+            g = jax.lax.psum_scatter(g, spec[dim], scatter_dimension=dim, tiled=True)
+    sharded = {a for entry in spec if entry is not None for a in _axes(entry)}
+    replicas = tuple(a for a in batch_axes if a not in sharded)
+    return jax.lax.psum(g, replicas) if replicas else g
+
+
+def _accumulate(loss_of, template, pure, rest_leaves, batch, specs, batch_axes, k):
+    """Forward and backward slice by slice on this device, one reduction at the end."""
+    gathered = jax.tree.map(
+        lambda x, spec: _gather(x, spec, batch_axes), pure, specs, is_leaf=_is_spec
+    )
+    slices = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+
+    def one(gathered, rest_leaves, rows):
+        state = jax.tree.map(lambda x: x, template)
+        nnx.replace_by_pure_dict(state, gathered)
+        loss, (aux, new_rest) = loss_of(state, rest_leaves, rows)
+        return loss, (aux, jax.tree.leaves(new_rest), new_rest)
+
+    shapes = jax.eval_shape(one, gathered, rest_leaves, jax.tree.map(lambda x: x[0], slices))
+    rest_def = jax.tree.structure(shapes[1][2])
+
+    def body(carry, rows):
+        total, rest = carry
+        grad = jax.value_and_grad(one, has_aux=True)
+        (loss, (aux, rest, _)), grads = grad(gathered, rest, rows)
+        return (jax.tree.map(jax.numpy.add, total, grads), rest), (loss, aux)
+
+    zeros = jax.tree.map(jax.numpy.zeros_like, gathered)
+    (total, rest), (losses, auxes) = jax.lax.scan(body, (zeros, list(rest_leaves)), slices)
+    count = k * math.prod(jax.lax.axis_size(a) for a in batch_axes)
+    grads = jax.tree.map(
+        lambda g, spec: _scatter(g, spec, batch_axes) / count, total, specs, is_leaf=_is_spec
+    )
+    loss = jax.lax.pmean(losses.mean(), batch_axes)
+    aux = _mean(jax.tree.map(lambda a: a.mean(0), auxes), batch_axes)
+    return (loss, (aux, jax.tree.unflatten(rest_def, rest))), grads
 
 
 def _is_spec(x: Any) -> bool:

@@ -185,6 +185,7 @@ class TrainStep(JittedStep):
         on_nonfinite: NonFinite = "skip",
         remat: str = "none",
         data_parallel: str = "auto",
+        microbatches: int = 1,
     ):
         """Stores the configuration; compilation happens on the first call.
 
@@ -204,10 +205,12 @@ class TrainStep(JittedStep):
           on_nonfinite: ``"skip"``, ``"raise"`` or ``"apply"`` (see :func:`make_train_step`).
           remat: One of :data:`substrax.spmd.REMAT` (see :func:`make_train_step`).
           data_parallel: ``"auto"`` or ``"manual"`` (see :func:`make_train_step`).
+          microbatches: Gradient-accumulation slices (see :func:`make_train_step`).
         """
         super().__init__(on_nonfinite)
         self.remat = remat
         self.data_parallel = data_parallel
+        self.microbatches = microbatches
         self.loss_fn, self.has_aux, self.wrt = loss_fn, has_aux, wrt
         self.mesh, self.rules, self.layout, self.strategy = mesh, rules, layout, strategy
         self.compute_rules, self.gather = compute_rules, gather
@@ -260,6 +263,7 @@ class TrainStep(JittedStep):
                         (loss, (aux, rest)), grads = manual_value_and_grad(
                             loss_of, params, rest_leaves, batch, mesh=mesh,
                             batch_axes=manual[0], specs=manual[1],
+                            microbatches=self.microbatches,
                         )  # fmt: skip
                     else:
                         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -398,6 +402,7 @@ def make_train_step(
     on_nonfinite: NonFinite = "skip",
     remat: str = "none",
     data_parallel: str = "auto",
+    microbatches: int = 1,
 ) -> TrainStep:
     """Builds a jitted training step that realises the model's layout, at its best by default.
 
@@ -458,6 +463,10 @@ def make_train_step(
         a loss normalised over the whole batch, dropout masks and model-code constraints
         over the batch axes behave per device, and batch statistics are refused
         (:mod:`substrax_flax._manual`).
+      microbatches: Gradient accumulation (with ``data_parallel="manual"``): each device runs
+        its rows as this many slices, one after the other, and the gradients are reduced once
+        per step (the reductions do not grow with it; activations are held for one slice).
+        The loss is the mean of the slices' losses.
 
     Returns:
       A :class:`TrainStep`.
@@ -467,8 +476,10 @@ def make_train_step(
         does not match ``has_aux`` or is not a scalar, or a differentiated variable is not
         floating point.
       ValueError: If ``gather`` is not ``"keep"`` or ``"regather"``, ``on_nonfinite`` is not
-        ``"skip"``, ``"raise"`` or ``"apply"``, ``remat`` is not one of ``REMAT``, or no data
-        axes are known (here when ``rules`` are given, else at the first call).
+        ``"skip"``, ``"raise"`` or ``"apply"``, ``remat`` is not one of ``REMAT``,
+        ``data_parallel`` is not ``"auto"`` or ``"manual"``, ``microbatches`` is not a
+        positive integer (or is above 1 without ``data_parallel="manual"``), or no data axes
+        are known (here when ``rules`` are given, else at the first call).
     """
     if not callable(loss_fn):
         raise TypeError(
@@ -481,6 +492,13 @@ def make_train_step(
     checkpoint_policy(remat)  # raises for an unknown name
     if data_parallel not in ("auto", "manual"):
         raise ValueError(f"data_parallel must be 'auto' or 'manual', got {data_parallel!r}.")
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}.")
+    if microbatches > 1 and data_parallel != "manual":
+        raise ValueError(
+            f"microbatches={microbatches} reduces gradients once per step only with "
+            "data_parallel='manual'; pass it too."
+        )
     compute = as_rules(compute_rules, mesh) if compute_rules is not None else None
     axes = _axes(data_axes)
     if axes is None and rules is not None and layout is None:
@@ -497,4 +515,5 @@ def make_train_step(
         loss_fn, mesh=mesh, rules=rules, layout=layout, strategy=strategy, compute_rules=compute,
         has_aux=has_aux, wrt=wrt, gather=gather, data_axes=axes, donate=donate,
         on_nonfinite=on_nonfinite, remat=remat, data_parallel=data_parallel,
+        microbatches=microbatches,
     )  # fmt: skip
