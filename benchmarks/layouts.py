@@ -92,40 +92,26 @@ def full_buffers(hlo: str, rows, mesh) -> list[str]:
     ]
 
 
-def theory_bytes(layout: str, param_bytes: int, mesh_shape: dict) -> float | None:
+def theory_bytes(
+    layout: str, param_bytes: int, mesh_shape: dict, *, manual: bool = False
+) -> float | None:
     """Ring-algorithm traffic per device of a layout's parameter/gradient collectives.
 
     DP: one gradient all-reduce. FSDP: two parameter all-gathers and one gradient
+    reduce-scatter; with ``manual`` (``data_parallel="manual"``) one all-gather and one
     reduce-scatter. FSDP on ``model`` x DP on ``data``: the same over ``model``, plus an
     all-reduce of the gradient shards over ``data``. TP layouts move activations, whose volume
     depends on the model: no closed form is given for them.
     """
     n = math.prod(mesh_shape.values())
+    passes = 2 if manual else 3  # full-size parameter or gradient passes over the FSDP axes
     if layout == "dp":
         return 2 * param_bytes * (n - 1) / n
     if layout == "fsdp":
-        return 3 * param_bytes * (n - 1) / n
+        return passes * param_bytes * (n - 1) / n
     if layout == "hsdp":
         fsdp, dp = mesh_shape["model"], mesh_shape["data"]
-        return 3 * param_bytes * (fsdp - 1) / fsdp + 2 * (param_bytes / fsdp) * (dp - 1) / dp
-    return None
-
-
-def theory_manual_bytes(layout: str, param_bytes: int, mesh_shape: dict) -> float | None:
-    """The same for ``data_parallel="manual"``: one all-gather and one reduce-scatter.
-
-    DP: one gradient all-reduce. FSDP: one parameter all-gather, one gradient reduce-scatter.
-    FSDP on ``model`` x DP on ``data``: the same over ``model``, plus an all-reduce of the
-    gradient shards over ``data``. None for layouts the manual step is not measured on.
-    """
-    n = math.prod(mesh_shape.values())
-    if layout == "dp":
-        return 2 * param_bytes * (n - 1) / n
-    if layout == "fsdp":
-        return 2 * param_bytes * (n - 1) / n
-    if layout == "hsdp":
-        fsdp, dp = mesh_shape["model"], mesh_shape["data"]
-        return 2 * param_bytes * (fsdp - 1) / fsdp + 2 * (param_bytes / fsdp) * (dp - 1) / dp
+        return passes * param_bytes * (fsdp - 1) / fsdp + 2 * (param_bytes / fsdp) * (dp - 1) / dp
     return None
 
 
@@ -133,7 +119,8 @@ def theory_manual_bytes(layout: str, param_bytes: int, mesh_shape: dict) -> floa
 MANUAL = ("dp", "fsdp", "hsdp")
 
 
-def _compiled_stats(compiled, num_devices: int) -> dict:
+def compiled_stats(compiled, num_devices: int) -> dict:
+    """Temp and peak bytes, FLOPs and collectives per device of a compiled step."""
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -268,7 +255,7 @@ def measure(config, label, layout, mesh_shape, steps, batch_size):
             **_state_bytes(runner.model, runner.optimizer),
             "init_temp_bytes": int(init_memory.temp_size_in_bytes),
             "init_output_bytes": int(init_memory.output_size_in_bytes),
-            **_compiled_stats(compiled, n),
+            **compiled_stats(compiled, n),
             "time_to_first_step_s": first_step,
         }
         losses[runner.name], times[runner.name] = [float(loss)], []
@@ -299,7 +286,7 @@ def measure(config, label, layout, mesh_shape, steps, batch_size):
         "mesh": mesh_shape,
         "param_bytes": param_bytes,
         "theory_traffic_bytes": theory_bytes(layout, param_bytes, mesh_shape),
-        "theory_manual_traffic_bytes": theory_manual_bytes(layout, param_bytes, mesh_shape),
+        "theory_manual_traffic_bytes": theory_bytes(layout, param_bytes, mesh_shape, manual=True),
         "max_loss_difference": float(
             np.max(np.abs(np.array(losses["substrax"]) - np.array(losses["flax"])))
         ),

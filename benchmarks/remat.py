@@ -14,7 +14,6 @@ Run: ``python benchmarks/remat.py [--size tiny] [--batch-size 16] [--output-dir 
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -29,18 +28,12 @@ import json
 import pathlib
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
-import gpt
+from layouts import SIZES, compiled_stats, gpt  # layouts puts examples/ on the path
 
 import substrax_flax as sf
 from substrax.layout import Layout
 from substrax.mesh import DeviceMeshManager
 from substrax.spmd import REMAT
-
-SIZES = {
-    "full": gpt.Config(),
-    "tiny": gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=2, seq=16),
-}
 
 
 def measure(config: gpt.Config, remat: str, batch_size: int, steps: int, stacked: bool) -> dict:
@@ -54,16 +47,7 @@ def measure(config: gpt.Config, remat: str, batch_size: int, steps: int, stacked
     optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(3e-3))
     step = sf.make_train_step(gpt.loss_fn, remat=remat)
     batch = gpt.batch_at(0, batch_size, config.seq, 0)
-    compiled = step.lower(model, optimizer, batch).compile()
-    memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    peak = (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-    )
+    stats = compiled_stats(step.lower(model, optimizer, batch).compile(), mesh.devices.size)
     losses = [
         float(step(model, optimizer, gpt.batch_at(i, batch_size, config.seq, 0))["loss"])
         for i in range(steps)
@@ -71,9 +55,9 @@ def measure(config: gpt.Config, remat: str, batch_size: int, steps: int, stacked
     return {
         "blocks": "nnx.scan" if stacked else "python loop",
         "remat": remat,
-        "temp_bytes": memory.temp_size_in_bytes,
-        "peak_bytes": peak,
-        "flops": cost["flops"],
+        "temp_bytes": stats["temp_bytes"],
+        "peak_bytes": stats["peak_bytes"],
+        "flops": stats["flops"],
         "losses": losses,
     }
 

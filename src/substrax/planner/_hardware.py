@@ -15,25 +15,23 @@ Figures are the vendors' published numbers; bandwidths are per device and per di
 
 from __future__ import annotations
 
+import dataclasses
+
 from substrax.planner._estimate import Hardware
 
 __all__ = ["HARDWARE"]
 
+_H100 = Hardware(
+    memory_bytes=80 * 10**9,
+    devices_per_host=8,
+    flops=989e12,
+    intra_host_bandwidth=450e9,
+    inter_host_bandwidth=50e9,
+)
+
 HARDWARE: dict[str, Hardware] = {
-    "h100": Hardware(
-        memory_bytes=80 * 10**9,
-        devices_per_host=8,
-        flops=989e12,
-        intra_host_bandwidth=450e9,
-        inter_host_bandwidth=50e9,
-    ),
-    "h200": Hardware(
-        memory_bytes=141 * 10**9,
-        devices_per_host=8,
-        flops=989e12,
-        intra_host_bandwidth=450e9,
-        inter_host_bandwidth=50e9,
-    ),
+    "h100": _H100,
+    "h200": dataclasses.replace(_H100, memory_bytes=141 * 10**9),  # an H100 with more HBM
     "tpu-v5p": Hardware(
         memory_bytes=95 * 10**9,
         devices_per_host=4,

@@ -555,10 +555,10 @@ def model_plan(
     Raises:
       ValueError: If the model remembers a plan and the arguments disagree with it.
     """
-    if mesh is not None:
-        check_mesh(mesh)
     plan = plan_of(model)
     if isinstance(plan, ModelPlan):
+        if mesh is not None:  # without a plan, make_resolver checks it
+            check_mesh(mesh)
         plan.check_arguments(mesh, rules, strategy, what)
         if layout is not None and as_layout(layout, plan.mesh) != plan.layout:
             raise ValueError(
