@@ -68,3 +68,30 @@ def test_text_formats_of_replica_groups():
     ]
     assert [op.traffic_bytes for op in ops] == [48.0, 16.0, 24.0, 48.0]
     assert {op.computation for op in ops} == {"main"}
+
+
+def test_lowered_stablehlo_keeps_the_dtype_the_program_asks_for(mesh_2x4):
+    def gather_and_scatter(x):
+        full = jax.lax.all_gather(x, "model", axis=1, tiled=True)  # (2, 1024) per device
+        return jax.lax.psum(jax.lax.psum_scatter(full, "model", scatter_dimension=1, tiled=True),
+                            "data")  # fmt: skip
+
+    f = jax.jit(
+        jax.shard_map(
+            gather_and_scatter,
+            mesh=mesh_2x4,
+            in_specs=P("data", "model"),
+            out_specs=P("data", "model"),
+            check_vma=False,
+        )
+    )
+    lowered = f.lower(jnp.ones((4, 1024), jnp.bfloat16))
+    full = 2 * 1024 * 2  # bf16 bytes of the gathered block
+    ops = collectives(lowered.as_text())
+    assert [(op.kind, op.result_bytes, op.group_size) for op in ops] == [
+        ("all-gather", full, 4), ("reduce-scatter", full // 4, 4), ("all-reduce", full // 4, 2)
+    ]  # fmt: skip
+    assert ops[0].traffic_bytes == full * 3 / 4 and ops[1].traffic_bytes == full * 3 / 4
+    # XLA's CPU compiler widens the bf16 collectives to f32: twice the bytes once compiled
+    compiled = traffic_by_kind(lowered.compile().as_text())
+    assert compiled["all-gather"]["bytes"] == 2 * ops[0].traffic_bytes

@@ -13,6 +13,12 @@ group and ``B`` the bytes of the full (gathered or reduced) array,
 
 Counts are static: an op inside a loop body is counted once, and :attr:`Collective.computation`
 names the computation it sits in, so loop bodies can be told apart.
+
+The text of a lowered program (``jitted.lower(...).as_text()``, StableHLO) is read too: there
+only the collectives the program spells out appear (those of ``shard_map`` regions; XLA adds
+its own when it partitions), in the dtypes the program asks for. That is how bf16 traffic is
+measured on CPU, whose compiler widens bf16 collectives to f32 (accelerators run them in
+bf16).
 """
 
 from __future__ import annotations
@@ -98,16 +104,19 @@ def _traffic(kind: str, result_bytes: int, n: int) -> float:
 
 
 def collectives(hlo_text: str, num_devices: int = 1) -> list[Collective]:
-    """Every collective op in a compiled program's HLO text.
+    """Every collective op in a compiled program's HLO text, or a lowered program's StableHLO.
 
     Args:
-      hlo_text: ``compiled.as_text()`` of a partitioned program.
+      hlo_text: ``compiled.as_text()`` of a partitioned program, or ``lowered.as_text()``
+        (StableHLO: the program's own collectives, see the module docstring).
       num_devices: Group size to assume where an op lists no replica groups (all devices).
 
     Returns:
       One :class:`Collective` per op, in text order. ``*-done`` halves of asynchronous pairs
       are skipped; a ``*-start`` counts as the op.
     """
+    if "stablehlo." in hlo_text:
+        return _stablehlo_collectives(hlo_text, num_devices)
     found, computation = [], ""
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
@@ -128,11 +137,48 @@ def collectives(hlo_text: str, num_devices: int = 1) -> list[Collective]:
     return found
 
 
+_STABLEHLO_OP = re.compile(
+    r'"stablehlo\.(all_gather|reduce_scatter|all_reduce|all_to_all|'
+    r'collective_permute)"'
+)
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)([a-z]+[0-9]*[a-z0-9]*)>")
+
+
+def _tensor_bytes(text: str) -> int:
+    total = 0
+    for dims, dtype in _TENSOR.findall(text):
+        count = 1
+        for dim in filter(None, dims.split("x")):
+            count *= int(dim)
+        total += count * _DTYPE_BYTES.get(dtype, 0)
+    return total
+
+
+def _stablehlo_collectives(text: str, num_devices: int) -> list[Collective]:
+    """Collectives of StableHLO text: the result type ends the op's line or its region."""
+    found, pending, computation = [], None, ""
+    for line in text.splitlines():
+        header = re.match(r"\s*func\.func\s+(?:\w+\s+)?@([\w.\-]+)", line)
+        if header:
+            computation = header.group(1)
+        match = _STABLEHLO_OP.search(line)
+        if match:
+            groups = re.search(r"replica_groups = dense<.*?> : tensor<(\d+)x(\d+)xi64>", line)
+            size = int(groups.group(2)) if groups else num_devices
+            pending = (match.group(1).replace("_", "-"), size)
+        if pending is not None and ") -> " in line:
+            kind, size = pending
+            result = _tensor_bytes(line.rsplit(") -> ", 1)[1])
+            found.append(Collective(kind, computation, result, size, _traffic(kind, result, size)))
+            pending = None
+    return found
+
+
 def traffic_by_kind(hlo_text: str, num_devices: int = 1) -> dict[str, dict[str, float]]:
     """Count and traffic per device of each collective kind.
 
     Args:
-      hlo_text: ``compiled.as_text()`` of a partitioned program.
+      hlo_text: ``compiled.as_text()`` of a partitioned program, or ``lowered.as_text()``.
       num_devices: Group size to assume where an op lists no replica groups.
 
     Returns:

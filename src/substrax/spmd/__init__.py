@@ -10,17 +10,25 @@ from substrax.spmd._batch import replicate as replicate
 from substrax.spmd._batch import shard_batch as shard_batch
 from substrax.spmd._constrain import active_rules as active_rules
 from substrax.spmd._constrain import constrain as constrain
+from substrax.spmd._constrain import lay_out as lay_out
 from substrax.spmd._constrain import use_rules as use_rules
+from substrax.spmd._precision import PRECISIONS as PRECISIONS
+from substrax.spmd._precision import MixedPrecision as MixedPrecision
+from substrax.spmd._precision import as_precision as as_precision
 from substrax.spmd._remat import REMAT as REMAT
 from substrax.spmd._remat import checkpoint_policy as checkpoint_policy
 
 __all__ = [
+    "PRECISIONS",
     "REMAT",
+    "MixedPrecision",
     "active_rules",
+    "as_precision",
     "batch_sharding",
     "check_batch",
     "checkpoint_policy",
     "constrain",
+    "lay_out",
     "replicate",
     "shard_batch",
     "use_rules",

@@ -11,7 +11,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from substrax.mesh import MeshRules, partition_spec_for_names
 
-__all__ = ["active_rules", "constrain", "use_rules"]
+__all__ = ["active_rules", "constrain", "lay_out", "use_rules"]
 
 # One stack of active (mesh, rules) entries per context: each thread and each asyncio task
 # sees its own (a task starts from a copy of its creator's context).
@@ -97,7 +97,26 @@ def constrain(x: jax.Array, *logical_names: str | None) -> jax.Array:
     if active is None:
         return x
     mesh, rules = active
-    sharding = NamedSharding(mesh, partition_spec_for_names(rules, *logical_names))
-    if AxisType.Explicit in tuple(mesh.axis_types):
+    return lay_out(x, NamedSharding(mesh, partition_spec_for_names(rules, *logical_names)))
+
+
+def lay_out(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """Inside ``jit``: ``x`` laid out as ``sharding`` says, on Auto and Explicit axes alike.
+
+    ``jax.lax.with_sharding_constraint`` on Auto axes, ``jax.sharding.reshard`` where the mesh
+    has Explicit axes. Inside ``jax.shard_map`` over some of the mesh's axes the constraint is
+    placed on the context's mesh, whose manual axes ``sharding``'s spec must not name.
+
+    Args:
+      x: The array.
+      sharding: Its sharding on the whole mesh.
+
+    Returns:
+      ``x``, constrained.
+    """
+    context = jax.sharding.get_abstract_mesh()
+    if context.manual_axes and set(context.axis_names) == set(sharding.mesh.axis_names):
+        sharding = NamedSharding(context, sharding.spec)
+    if AxisType.Explicit in tuple(sharding.mesh.axis_types):
         return jax.sharding.reshard(x, sharding)
     return jax.lax.with_sharding_constraint(x, sharding)
