@@ -178,7 +178,8 @@ STEP_CASES = {
     "loss not a scalar": (
         lambda m, o: sf.make_train_step(lambda m, b: m(b))(m, o, X),
         TypeError,
-        "The loss must be a scalar; loss_fn returned an array of shape (8, 2)",
+        "The loss must be a scalar; loss_fn returned an array of shape (1, 2) and dtype "
+        "float32 (on one device's rows: the step is data_parallel='manual')",
     ),
     "string batch": (
         lambda m, o: sf.make_train_step(_mean_loss)(m, o, "tokens"),

@@ -1,4 +1,5 @@
-"""data_parallel="manual": gathers and reduce-scatters by construction, losses as one device."""
+"""The manual data-parallel step (the default where it keeps the numbers): gathers and
+reduce-scatters by construction, losses as one device."""
 
 import math
 
@@ -44,6 +45,9 @@ def _run(name, shape, data_parallel):
     hlo = step.lower(model, optimizer, BATCHES[0]).compile().as_text()
     traffic = {k: v["bytes"] for k, v in traffic_by_kind(hlo, 8).items()}
     losses = [float(step(model, optimizer, b)["loss"]) for b in BATCHES]
+    assert step.data_parallel_for(model, optimizer) == (
+        "xla" if data_parallel == "xla" else "manual"
+    )
     return traffic, losses, _split_bytes(model, layout.batch_axes), layout
 
 
@@ -62,16 +66,26 @@ def _update(model, optimizer, batch):
 
 
 def test_fsdp_gradients_are_reduce_scattered_and_losses_match_one_device(one_device):
-    traffic, losses, (sharded, replicated), _ = _run("fsdp", {"data": 8}, "manual")
+    traffic, losses, (sharded, replicated), _ = _run("fsdp", {"data": 8}, "auto")
     np.testing.assert_allclose(losses, one_device, rtol=2e-5)
     ring = 7 / 8
     assert traffic["reduce-scatter"] == pytest.approx(sharded * ring, rel=1e-3)
     assert traffic["all-gather"] == pytest.approx(sharded * ring, rel=1e-3)
     # left to all-reduce: replicated parameters (none here), the loss, the non-finite flag
     assert traffic["all-reduce"] <= 2 * replicated * ring + 256
-    auto, auto_losses, _, _ = _run("fsdp", {"data": 8}, "auto")
-    assert sum(traffic.values()) < 0.7 * sum(auto.values())  # auto all-reduces instead
-    np.testing.assert_allclose(losses, auto_losses, rtol=1e-5)
+    xla, xla_losses, _, _ = _run("fsdp", {"data": 8}, "xla")
+    assert sum(traffic.values()) < 0.7 * sum(xla.values())  # XLA all-reduces instead
+    np.testing.assert_allclose(losses, xla_losses, rtol=1e-5)
+
+
+def test_fsdp_with_tensor_parallelism_keeps_the_tensor_axis_through_the_gather(one_device):
+    traffic, losses, _, _ = _run("fsdp+tp", {"data": 2, "model": 4}, "manual")
+    np.testing.assert_allclose(losses, one_device, rtol=2e-5)
+    xla, _, _, _ = _run("fsdp+tp", {"data": 2, "model": 4}, "xla")
+    assert traffic["reduce-scatter"] > 0 and xla["reduce-scatter"] == 0
+    # gathers of the tensor-sharded blocks only (XLA would replicate over "model" first)
+    assert traffic["all-gather"] == pytest.approx(xla["all-gather"], rel=1e-3)
+    assert sum(traffic.values()) < sum(xla.values())
 
 
 def test_hsdp_reduce_scatters_over_fsdp_and_all_reduces_the_shard(one_device):
@@ -83,22 +97,37 @@ def test_hsdp_reduce_scatters_over_fsdp_and_all_reduces_the_shard(one_device):
     assert traffic["all-reduce"] <= shard_all_reduce + 2 * replicated * 7 / 8 + 256
 
 
-def test_batch_statistics_are_refused():
-    class Normed(nnx.Module):
-        def __init__(self, rngs):
-            self.dense = nnx.Linear(4, 4, rngs=rngs)
-            self.norm = nnx.BatchNorm(4, rngs=rngs)
+class _Normed(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 4, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, rngs=rngs)
 
-        def __call__(self, x):
-            return self.norm(self.dense(x))
+    def __call__(self, x):
+        return self.norm(self.dense(x))
 
+
+class _Dropped(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 4, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dropout(self.dense(x))
+
+
+@pytest.mark.parametrize(
+    ("module", "obstacle"),
+    [(_Normed, r"batch statistics \(norm/mean"), (_Dropped, r"random numbers \(dropout/rngs")],
+)
+def test_rows_coupled_across_devices_keep_xla_partitioning(module, obstacle):
     mesh = DeviceMeshManager.create_device_mesh({"data": 8})
-    model = sf.create_sharded_model(lambda: Normed(nnx.Rngs(0)), mesh, layout="dp")
+    model = sf.create_sharded_model(lambda: module(nnx.Rngs(0)), mesh, layout="dp")
     optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(1e-3))
     step = sf.make_train_step(lambda m, b: (m(b) ** 2).mean(), data_parallel="manual")
-    with pytest.raises(ValueError, match=r"batch statistics of this model \(norm/mean"):
+    with pytest.raises(ValueError, match=obstacle + ".*Use data_parallel='xla'"):
         step(model, optimizer, np.ones((8, 4), np.float32))
-    with pytest.raises(ValueError, match="data_parallel must be 'auto' or 'manual', got 'hand'"):
+    assert sf.make_train_step(lambda m, b: 0.0).data_parallel_for(model, optimizer) == "xla"
+    with pytest.raises(ValueError, match=r"must be one of \('auto', 'manual', 'xla'\), got 'hand'"):
         sf.make_train_step(gpt.loss_fn, data_parallel="hand")
     assert jax.device_count() == 8
 
@@ -107,7 +136,7 @@ def _accumulated(k):
     mesh = DeviceMeshManager.create_device_mesh({"data": 8})
     model = sf.create_sharded_model(_factory, mesh, layout=Layout.named("fsdp", mesh))
     optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(3e-3))
-    step = sf.make_train_step(gpt.loss_fn, data_parallel="manual", microbatches=k)
+    step = sf.make_train_step(gpt.loss_fn, microbatches=k)
     batches = [gpt.batch_at(i, 64, CONFIG.seq, 0) for i in range(2)]
     compiled = step.lower(model, optimizer, batches[0]).compile()
     counts = {k: v["count"] for k, v in traffic_by_kind(compiled.as_text(), 8).items()}
@@ -121,7 +150,7 @@ def test_accumulation_reduces_once_per_step_and_holds_one_slice():
     assert counts_4 == counts_1 and counts_1["reduce-scatter"] > 0  # not 4x the reductions
     np.testing.assert_allclose(losses_4, losses_1, rtol=1e-5)
     assert temp_4 < temp_1
-    with pytest.raises(ValueError, match="microbatches=2 reduces gradients once per step only"):
-        sf.make_train_step(gpt.loss_fn, microbatches=2)
+    with pytest.raises(ValueError, match="microbatches=2 runs in the manual data-parallel step"):
+        sf.make_train_step(gpt.loss_fn, data_parallel="xla", microbatches=2)
     with pytest.raises(ValueError, match="microbatches must be a positive integer, got 0"):
         sf.make_train_step(gpt.loss_fn, data_parallel="manual", microbatches=0)

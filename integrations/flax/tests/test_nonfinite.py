@@ -1,5 +1,7 @@
 """The non-finite guard: a NaN batch never reaches the weights, the optimizer or batch stats."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,9 +84,11 @@ def test_raise_mode_stops_at_the_step_and_changes_nothing():
 def test_apply_mode_applies_the_update_and_says_so():
     model, optimizer, step = _setup(on_nonfinite="apply")
     step(model, optimizer, _batch(0))
-    with pytest.warns(sf.NonFiniteWarning, match=r"Step 2 .* it was applied"):
+    # step 3 starts from NaN weights: its own warning comes now or later, as its flag is ready
+    with pytest.warns(sf.NonFiniteWarning) as record:
         step(model, optimizer, _batch(1, poison=True))
         step(model, optimizer, _batch(2))
+    assert any(re.match(r"Step 2 .* it was applied", str(w.message)) for w in record)
     assert np.isnan(np.asarray(model.dense.kernel[...])).all()
 
 

@@ -8,14 +8,20 @@ parameters that are replicated over the batch axes. The loss is the mean of the 
 (``pmean``), which equals the loss of the whole batch for a loss that is a mean over rows, each
 device holding as many rows.
 
-What changes against the default (XLA-partitioned) step, and is therefore opt-in: code that
-couples rows across devices sees only its device's rows -- batch statistics (refused here),
-a loss normalised by a count over the whole batch (token-weighted means: the mean of the
-devices' means differs), dropout masks (each device draws from the same stream).
+What changes against the XLA-partitioned step: code that couples rows across devices sees only
+its device's rows. Batch statistics and dropout masks (each device draws from the same stream)
+would then differ from one device's, so :func:`manual_obstacle` names them and the default
+(``data_parallel="auto"``) keeps such models on XLA's partitioning. A loss normalised by a count
+over the whole batch (a token-weighted mean) becomes the mean of the devices' means, as in
+PyTorch's DDP; it cannot be detected, so it is documented.
+
+Parameters also sharded over tensor axes are gathered in a nested ``shard_map`` over those axes
+as well: XLA would otherwise replicate them over the tensor axes before the gather.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -24,66 +30,249 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from substrax_flax._state import map_variables, variables
+from substrax.mesh import MeshRules
+from substrax.spmd import MixedPrecision
+from substrax_flax._state import map_variables, values_by_path, variables
 
-__all__ = ["check_manual", "manual_specs", "manual_value_and_grad"]
+__all__ = [
+    "check_manual",
+    "manual_obstacle",
+    "manual_movers",
+    "manual_rules",
+    "manual_value_and_grad",
+]
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
+    """A spec entry or rule value (None, an axis, or a tuple of axes) as a tuple."""
     if entry is None:
         return ()
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def manual_specs(params: Any, rows: dict, batch_axes: tuple[str, ...]) -> Any:
-    """Each parameter's spec over the batch axes only (the shard_map's view of it).
+def _entry(axes: Any) -> Any:
+    """The ``PartitionSpec`` entry for a sequence of axes: None, one name, or a tuple."""
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def manual_rules(rules: MeshRules, batch_axes: tuple[str, ...]) -> MeshRules:
+    """The compute rules as seen inside the manual region: the batch axes removed everywhere.
+
+    Each device holds its own rows there, so activations and gathered parameters are laid
+    out over the remaining (tensor, stage) axes only.
+    """
+    drop = set(batch_axes)
+    kept = {
+        name: _entry([a for a in _axes(value) if a not in drop])
+        for name, value in rules.as_dict().items()
+    }
+    return MeshRules().extend(**kept)
+
+
+def manual_movers(
+    params: Any,
+    rows: dict,
+    batch_axes: tuple[str, ...],
+    compute: Any,
+    precision: MixedPrecision,
+) -> Any:
+    """Each parameter's :class:`Mover`: its spec over the batch axes, compute sharding, policy.
 
     Args:
       params: The differentiated state.
       rows: The plan's rows by path.
       batch_axes: The mesh axes of the batch.
+      compute: A state like ``params`` of ``NamedSharding``s at the point of use.
+      precision: The mixed-precision policy.
 
     Returns:
-      A pure dict (``nnx.to_pure_dict`` layout) of ``PartitionSpec``s.
+      A pure dict (``nnx.to_pure_dict`` layout) of movers.
     """
+    by_path = values_by_path(compute)
 
-    def spec(path, _):
+    def mover(path, _):
         entries = [tuple(a for a in _axes(e) if a in batch_axes) for e in rows[path].spec]
-        return PartitionSpec(*[e if len(e) > 1 else (e[0] if e else None) for e in entries])
+        spec = PartitionSpec(*[_entry(e) for e in entries])
+        return Mover(spec, batch_axes, by_path[path], precision, rows[path].spec)
 
-    return nnx.to_pure_dict(map_variables(spec, params))
+    return nnx.to_pure_dict(map_variables(mover, params))
 
 
-def check_manual(model: nnx.Module) -> None:
-    """Raises if the model holds batch statistics, which would become per device.
+def manual_obstacle(
+    model: nnx.Module,
+    mesh: jax.sharding.Mesh,
+    batch_axes: tuple[str, ...] = (),
+    precision: MixedPrecision | None = None,
+) -> str | None:
+    """Why this model's step cannot be manual without changing its numbers, or None.
 
-    Raises:
-      ValueError: Naming the first batch statistic.
+    Batch statistics and dropout masks would be computed per device (each device's rows, the
+    same random stream), so they would differ from one device's; Explicit mesh axes let
+    model code name the batch axes in its shardings, which a manual region forbids. On CPU,
+    XLA (jax 0.10.2) aborts the process compiling a bfloat16 all-reduce over tensor axes
+    inside a manual region, so tensor parallelism with a 16-bit compute dtype stays with XLA.
+
+    Args:
+      model: The model.
+      mesh: Its mesh.
+      batch_axes: The batch axes (the other axes of size > 1 are tensor or stage axes).
+      precision: The step's mixed-precision policy.
+
+    Returns:
+      A sentence naming the obstacle, or None.
     """
+    narrow = precision is not None and precision.compute_dtype is not None
+    narrow = narrow and precision.compute_dtype.itemsize < 4
+    tensor = [a for a, size in dict(mesh.shape).items() if size > 1 and a not in batch_axes]
+    if narrow and tensor and mesh.devices.flat[0].platform == "cpu":
+        return (
+            f"XLA's CPU compiler aborts on {precision.compute_dtype.name} all-reduces over "
+            f"the tensor axes {tuple(tensor)} inside a manual region"
+        )
     for path, variable in variables(nnx.state(model)):
         if isinstance(variable, nnx.BatchStat):
-            raise ValueError(
-                f"data_parallel='manual' computes each device's loss on its own rows, so the "
-                f"batch statistics of this model ({path}, an nnx.BatchStat) would be per "
-                "device. Use data_parallel='auto' (the default)."
+            return (
+                f"the model has batch statistics ({path}, an nnx.BatchStat), so the step "
+                "would not match one device's"
             )
+        if isinstance(variable, nnx.RngState):
+            return (
+                f"the model draws random numbers ({path}, an nnx.{type(variable).__name__}), "
+                "so the step would not match one device's"
+            )
+    if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
+        return "the mesh has Explicit axes (model code may name the batch axes in shardings)"
+    return None
 
 
-def _gather(x: jax.Array, spec: PartitionSpec, batch_axes: tuple[str, ...]) -> jax.Array:
-    """The parameter gathered over its batch axes, varying over all of them first.
+def check_manual(
+    model: nnx.Module,
+    mesh: jax.sharding.Mesh,
+    batch_axes: tuple[str, ...] = (),
+    precision: MixedPrecision | None = None,
+) -> None:
+    """Raises if :func:`manual_obstacle` names one.
 
-    Marking the shard as varying before the gather puts the transpose of that mark (a sum over
-    the replica axes, HSDP's all-reduce) on the shard, after the reduce-scatter, instead of on
-    the whole gradient.
+    Raises:
+      ValueError: Naming the obstacle and the alternative.
     """
-    sharded = {a for entry in spec if entry is not None for a in _axes(entry)}
-    replicas = tuple(a for a in batch_axes if a not in sharded)
-    if replicas:
-        x = jax.lax.pcast(x, replicas, to="varying")
-    for dim, entry in enumerate(spec):
-        if entry is not None:
-            x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
-    return x
+    obstacle = manual_obstacle(model, mesh, batch_axes, precision)
+    if obstacle is not None:
+        raise ValueError(
+            f"data_parallel='manual' computes each device's loss on its own rows, but "
+            f"{obstacle}. Use data_parallel='xla' (or 'auto', which chooses it)."
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Mover:
+    """How one parameter moves between its shard and its gathered form in the manual region.
+
+    Attributes:
+      spec: Its spec over the batch axes (:func:`manual_specs`).
+      batch_axes: The batch axes.
+      compute: Its ``NamedSharding`` at the point of use (batch axes removed), or None.
+      precision: The step's mixed-precision policy.
+      stored_spec: Its planned spec over every axis.
+    """
+
+    spec: PartitionSpec
+    batch_axes: tuple[str, ...]
+    compute: jax.sharding.NamedSharding | None
+    precision: MixedPrecision
+    stored_spec: PartitionSpec
+
+    @property
+    def replicas(self) -> tuple[str, ...]:
+        """The batch axes the parameter is replicated over (HSDP's replica axes)."""
+        sharded = {a for entry in self.spec if entry is not None for a in _axes(entry)}
+        return tuple(a for a in self.batch_axes if a not in sharded)
+
+    def _on_blocks(self, fn: Callable[[jax.Array], jax.Array]) -> Callable:
+        """``fn`` on the local block of a parameter also sharded over tensor axes.
+
+        XLA would otherwise replicate the parameter over the tensor axes before a collective
+        over the batch axes; a nested ``shard_map`` over the tensor axes keeps them.
+        """
+        tensor = set() if self.compute is None else {a for e in self.compute.spec for a in _axes(e)}
+        if not tensor or self._batch_axis_before_tensor_axis():
+            return fn
+        spec = self.compute.spec
+        return jax.shard_map(
+            fn, mesh=jax.sharding.get_abstract_mesh(), in_specs=spec, out_specs=spec,
+            axis_names=tensor,
+        )  # fmt: skip
+
+    def _batch_axis_before_tensor_axis(self) -> bool:
+        """Whether a dimension is split over a batch axis and then a tensor axis.
+
+        Its tensor block is then not the local block gathered over the batch axes (their
+        rows interleave), so it is gathered in XLA's way instead.
+        """
+        for stored, used in zip(self.stored_spec, self.compute.spec, strict=False):
+            axes = _axes(stored)
+            batch = [i for i, a in enumerate(axes) if a in self.batch_axes]
+            tensor = [i for i, a in enumerate(axes) if a in _axes(used)]
+            if batch and tensor and min(batch) < max(tensor):
+                return True
+        return False
+
+    def gather(self, x: jax.Array) -> jax.Array:
+        """The gathered parameter in the compute dtype; its gradient is :meth:`scatter`'s."""
+
+        @jax.custom_vjp
+        def gathered(x):
+            return self.all_gather(x)
+
+        def forward(x):
+            return self.all_gather(x), None
+
+        def backward(_, g):
+            return (self.scatter(g, x.dtype),)
+
+        gathered.defvjp(forward, backward)
+        return gathered(x)
+
+    def all_gather(self, x: jax.Array) -> jax.Array:
+        """The shard gathered over its batch axes, in the compute dtype (no custom gradient)."""
+        if self.precision.gather is not None:
+            x = x.astype(self.precision.gather)
+        if self.replicas:  # varying, so that the gradient arrives unsummed over the replicas
+            x = jax.lax.pcast(x, self.replicas, to="varying")
+
+        def gather(x):
+            for dim, entry in enumerate(self.spec):
+                if entry is not None:
+                    x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
+            return x
+
+        x = self._on_blocks(gather)(x)
+        if self.precision.gather is not None:
+            x = jax.lax.optimization_barrier(x)  # keeps XLA from gathering before the cast
+        compute = self.precision.compute_dtype
+        return x if compute is None else x.astype(compute)
+
+    def scatter(self, g: jax.Array, dtype: Any) -> jax.Array:
+        """A gathered gradient summed over the devices into this device's shard, as ``dtype``.
+
+        Reduce-scatters each gathered dimension and all-reduces the shard over the replica
+        axes, in the policy's reduction dtype.
+        """
+        if self.precision.reduce is not None:
+            g = g.astype(self.precision.reduce)
+            g = jax.lax.optimization_barrier(g)  # keeps XLA from reducing before the cast
+
+        def scatter(g):
+            for dim in reversed(range(len(self.spec))):
+                if self.spec[dim] is not None:
+                    g = jax.lax.psum_scatter(g, self.spec[dim], scatter_dimension=dim, tiled=True)
+            return g
+
+        g = self._on_blocks(scatter)(g)
+        if self.replicas:
+            g = jax.lax.psum(g, self.replicas)
+        return g.astype(dtype)
 
 
 def manual_value_and_grad(
@@ -94,15 +283,16 @@ def manual_value_and_grad(
     *,
     mesh: jax.sharding.Mesh,
     batch_axes: tuple[str, ...],
-    specs: Any,
+    movers: Any,
     microbatches: int = 1,
 ) -> tuple[tuple[jax.Array, tuple[Any, Any]], Any]:
     """``value_and_grad(loss_of, has_aux=True)`` with the batch axes handled by hand.
 
     With ``microbatches`` K > 1 each device splits its rows into K slices and runs forward and
     backward on one slice at a time (``lax.scan``), summing the gradients of the gathered
-    parameters on the device; they are reduce-scattered once, after the scan, so the
-    reductions per step do not grow with K while activations are held for one slice only.
+    parameters on the device in their stored dtype; they are reduce-scattered once, after the
+    scan, so the reductions per step do not grow with K while activations are held for one
+    slice only.
 
     Args:
       loss_of: ``loss_of(params, rest_leaves, batch) -> (loss, (aux, new_rest))`` on one
@@ -112,7 +302,7 @@ def manual_value_and_grad(
       batch: The batch, sharded over the batch axes.
       mesh: The mesh.
       batch_axes: The batch axes (made manual).
-      specs: :func:`manual_specs` of ``params``.
+      movers: :func:`manual_movers` of ``params``.
       microbatches: Slices of each device's rows, run one after the other (K must divide
         them).
 
@@ -123,55 +313,42 @@ def manual_value_and_grad(
     template = params
 
     def local(pure, rest_leaves, batch):
+        if microbatches > 1:
+            return _accumulate(loss_of, template, pure, rest_leaves, batch, movers, microbatches)
+
         def objective(pure):
-            gathered = jax.tree.map(
-                lambda x, spec: _gather(x, spec, batch_axes), pure, specs, is_leaf=_is_spec
-            )
-            state = jax.tree.map(lambda x: x, template)
-            nnx.replace_by_pure_dict(state, gathered)
-            loss, (aux, new_rest) = loss_of(state, rest_leaves, batch)
+            gathered = jax.tree.map(lambda x, m: m.gather(x), pure, movers)
+            loss, (aux, new_rest) = loss_of(_state(template, gathered), rest_leaves, batch)
             return jax.lax.pmean(loss, batch_axes), (_mean(aux, batch_axes), new_rest)
 
-        if microbatches > 1:
-            return _accumulate(loss_of, template, pure, rest_leaves, batch, specs,
-                               batch_axes, microbatches)  # fmt: skip
         return jax.value_and_grad(objective, has_aux=True)(pure)
 
-    spec_batch = PartitionSpec(batch_axes if len(batch_axes) > 1 else batch_axes[0])
+    specs = jax.tree.map(lambda m: m.spec, movers)
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(specs, PartitionSpec(), spec_batch),
+        in_specs=(specs, PartitionSpec(), PartitionSpec(_entry(batch_axes))),
         out_specs=((PartitionSpec(), PartitionSpec()), specs),
         axis_names=set(batch_axes),
     )
     (loss, extra), grads_pure = mapped(nnx.to_pure_dict(params), rest_leaves, batch)
-    grads = jax.tree.map(lambda x: x, template)
-    nnx.replace_by_pure_dict(grads, grads_pure)
-    return (loss, extra), grads
+    return (loss, extra), _state(template, grads_pure)
 
 
-def _scatter(g: jax.Array, spec: PartitionSpec, batch_axes: tuple[str, ...]) -> jax.Array:
-    """The transpose of :func:`_gather`: reduce-scatter each gathered dimension, sum the rest."""
-    for dim in reversed(range(len(spec))):
-        if spec[dim] is not None:
-            g = jax.lax.psum_scatter(g, spec[dim], scatter_dimension=dim, tiled=True)
-    sharded = {a for entry in spec if entry is not None for a in _axes(entry)}
-    replicas = tuple(a for a in batch_axes if a not in sharded)
-    return jax.lax.psum(g, replicas) if replicas else g
+def _state(template: Any, pure: Any) -> Any:
+    """A copy of the state ``template`` holding the values of the pure dict ``pure``."""
+    state = jax.tree.map(lambda x: x, template)
+    nnx.replace_by_pure_dict(state, pure)
+    return state
 
 
-def _accumulate(loss_of, template, pure, rest_leaves, batch, specs, batch_axes, k):
+def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, k):
     """Forward and backward slice by slice on this device, one reduction at the end."""
-    gathered = jax.tree.map(
-        lambda x, spec: _gather(x, spec, batch_axes), pure, specs, is_leaf=_is_spec
-    )
+    gathered = jax.tree.map(lambda x, m: m.all_gather(x), pure, movers)
     slices = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
     def one(gathered, rest_leaves, rows):
-        state = jax.tree.map(lambda x: x, template)
-        nnx.replace_by_pure_dict(state, gathered)
-        loss, (aux, new_rest) = loss_of(state, rest_leaves, rows)
+        loss, (aux, new_rest) = loss_of(_state(template, gathered), rest_leaves, rows)
         return loss, (aux, jax.tree.leaves(new_rest), new_rest)
 
     shapes = jax.eval_shape(one, gathered, rest_leaves, jax.tree.map(lambda x: x[0], slices))
@@ -179,16 +356,16 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, specs, batch_axes, 
 
     def body(carry, rows):
         total, rest = carry
-        grad = jax.value_and_grad(one, has_aux=True)
-        (loss, (aux, rest, _)), grads = grad(gathered, rest, rows)
-        return (jax.tree.map(jax.numpy.add, total, grads), rest), (loss, aux)
+        (loss, (aux, rest, _)), grads = jax.value_and_grad(one, has_aux=True)(gathered, rest, rows)
+        total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
+        return (total, rest), (loss, aux)
 
-    zeros = jax.tree.map(jax.numpy.zeros_like, gathered)
+    # summed in the stored dtype, whatever the compute dtype
+    zeros = jax.tree.map(lambda g, x: jax.numpy.zeros_like(g, x.dtype), gathered, pure)
     (total, rest), (losses, auxes) = jax.lax.scan(body, (zeros, list(rest_leaves)), slices)
+    batch_axes = jax.tree.leaves(movers, is_leaf=lambda m: isinstance(m, Mover))[0].batch_axes
     count = k * math.prod(jax.lax.axis_size(a) for a in batch_axes)
-    grads = jax.tree.map(
-        lambda g, spec: _scatter(g, spec, batch_axes) / count, total, specs, is_leaf=_is_spec
-    )
+    grads = jax.tree.map(lambda g, m, x: m.scatter(g / count, x.dtype), total, movers, pure)
     loss = jax.lax.pmean(losses.mean(), batch_axes)
     aux = _mean(jax.tree.map(lambda a: a.mean(0), auxes), batch_axes)
     return (loss, (aux, jax.tree.unflatten(rest_def, rest))), grads

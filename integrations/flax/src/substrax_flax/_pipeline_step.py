@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax.mesh import PipelineParallelStrategy
 from substrax.pipeline import Pipeline
+from substrax.spmd import MixedPrecision, as_precision
 from substrax_flax._nonfinite import NonFinite, all_finite, check_policy
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
 from substrax_flax._resolve import Rules, as_rules
@@ -54,6 +55,7 @@ class PipelineTrainStep(JittedStep):
         stack: str,
         data_axes: Sequence[str],
         on_nonfinite: NonFinite = "skip",
+        precision: MixedPrecision | None = None,
     ):
         """Stores the configuration; see :func:`make_pipeline_train_step`.
 
@@ -68,8 +70,10 @@ class PipelineTrainStep(JittedStep):
           stack: The attribute holding the stacked layers.
           data_axes: Mesh axes of the batch.
           on_nonfinite: ``"skip"``, ``"raise"`` or ``"apply"`` (see :func:`make_train_step`).
+          precision: The mixed-precision policy (see :func:`make_pipeline_train_step`).
         """
         super().__init__(on_nonfinite)
+        self.precision = precision or MixedPrecision()
         self.make_pipeline = make_pipeline
         self.embed_fn, self.user_layer_fn, self.head_fn = embed_fn, layer_fn, head_fn
         self.mesh, self.rules, self.layout = mesh, rules, layout
@@ -103,15 +107,19 @@ class PipelineTrainStep(JittedStep):
         opt_shardings = optimizer_shardings(optimizer, plan)
         opt_def = nnx.graphdef(optimizer)
 
+        compute = self.precision.cast_to_compute
+
         def merged(stack_state, rest_state):
             full = nnx.State({**dict(rest_state), self.stack: stack_state})
             return nnx.merge(model_def, full)
 
         def layer_fn(layer_state, x):
-            return self.user_layer_fn(nnx.merge(layer_def, layer_state), x)
+            y = self.user_layer_fn(nnx.merge(layer_def, compute(layer_state)), x)
+            return compute(y)  # a layer with its own dtype: back to the policy's at the boundary
 
         def loss_fn(y, targets, rest_state):
-            return self.head_fn(merged(stack_template, rest_state), y, targets)
+            loss = self.head_fn(merged(stack_template, compute(rest_state)), y, targets)
+            return self.precision.cast_to_output(loss)
 
         pipeline = self.make_pipeline(layer_fn, loss_fn)
         # The head sees the model with placeholders for the stack: it must not read the stack.
@@ -122,8 +130,9 @@ class PipelineTrainStep(JittedStep):
             rest_state = self._rest(model_state)
 
             def embed(rest_params):
-                inputs, targets = self.embed_fn(merged(stack_state, rest_params), batch)
-                return inputs, targets
+                model = merged(stack_state, compute(rest_params))
+                inputs, targets = self.embed_fn(model, compute(batch))
+                return compute(inputs), targets  # the stages' activations in the compute dtype
 
             inputs, embed_vjp, targets = jax.vjp(embed, rest_state, has_aux=True)
             padded, mask = pipeline.stack(stack_state)
@@ -170,6 +179,7 @@ def make_pipeline_train_step(
     remat: bool = False,
     data_axes: Sequence[str] | None = None,
     on_nonfinite: NonFinite = "skip",
+    precision: MixedPrecision | str | None = None,
 ) -> PipelineTrainStep:
     """Builds a training step that runs a model's layer stack as a pipeline.
 
@@ -201,6 +211,12 @@ def make_pipeline_train_step(
         but ``stage_axis`` that the rules' ``data`` names.
       on_nonfinite: A step with a NaN or inf loss or gradient: ``"skip"`` its update (and
         warn), ``"raise"``, or ``"apply"`` it; as for :func:`make_train_step`.
+      precision: A :class:`substrax.spmd.MixedPrecision` policy, ``"bf16"`` or ``"f32"`` /
+        None, as for :func:`make_train_step`: the embedding, each stage and the head compute
+        with parameters (and floating-point batch leaves) cast to the compute dtype, and the
+        stack's inputs and each layer's output are cast to it, so the activations passed
+        between stages are in it; the optimizer sees gradients in the stored dtype and the
+        loss is in the output dtype.
 
     Returns:
       A :class:`PipelineTrainStep`.
@@ -228,7 +244,8 @@ def make_pipeline_train_step(
 
     return PipelineTrainStep(make_pipeline, embed_fn, layer_fn, head_fn, mesh=mesh, rules=rules,
                              layout=layout, stack=stack, data_axes=data_axes,
-                             on_nonfinite=on_nonfinite)  # fmt: skip
+                             on_nonfinite=on_nonfinite,
+                             precision=as_precision(precision))  # fmt: skip
 
 
 def _data_axes(mesh: Any, rules: Rules, layout: LayoutLike, stage_axis: str) -> tuple[str, ...]:

@@ -8,6 +8,8 @@ from typing import Any
 import jax
 from flax import nnx
 
+from substrax.spmd import lay_out
+
 __all__ = [
     "METADATA_KEYS",
     "constrain_state",
@@ -96,10 +98,7 @@ def shape_and_dtype(variable: nnx.Variable) -> tuple[tuple[int, ...], Any]:
 
 
 def _constrain(value: jax.Array, sharding: jax.sharding.NamedSharding) -> jax.Array:
-    explicit = jax.sharding.AxisType.Explicit in tuple(sharding.mesh.axis_types)
-    if explicit:
-        return jax.sharding.reshard(value, sharding)
-    return jax.lax.with_sharding_constraint(value, sharding)
+    return lay_out(value, sharding)
 
 
 def layer_kinds(model: Any) -> dict[str, str]:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -16,8 +16,21 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax import ShardingWarning, warn_user
 from substrax.layout import Layout
 from substrax.mesh import MeshRules
-from substrax.spmd import check_batch, checkpoint_policy, shard_batch, use_rules
-from substrax_flax._manual import check_manual, manual_specs, manual_value_and_grad
+from substrax.spmd import (
+    MixedPrecision,
+    as_precision,
+    check_batch,
+    checkpoint_policy,
+    shard_batch,
+    use_rules,
+)
+from substrax_flax._manual import (
+    check_manual,
+    manual_movers,
+    manual_obstacle,
+    manual_rules,
+    manual_value_and_grad,
+)
 from substrax_flax._nonfinite import Guard, NonFinite, all_finite, check_policy
 from substrax_flax._optimizer import check_owner, optimizer_rows
 from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, plan_of, shardings_of
@@ -28,6 +41,7 @@ from substrax_flax._state import constrain_state
 __all__ = ["Built", "JittedStep", "TrainStep", "make_train_step", "optimizer_shardings"]
 
 Gather = Literal["keep", "regather"]
+DATA_PARALLEL = ("auto", "manual", "xla")
 _GATHERED = "substrax_gathered_param"
 
 
@@ -38,6 +52,10 @@ class Built:
     jitted: Any
     mesh: jax.sharding.Mesh
     data_axes: tuple[str, ...]
+    data_parallel: str = "xla"
+    #: For a step that chose the manual region itself: builds the XLA-partitioned step when
+    #: model code turns out to name the batch axes in a sharding (given jax's error).
+    fallback: Callable[[Exception], Built] | None = None
 
 
 def optimizer_shardings(optimizer: nnx.Optimizer, plan: ModelPlan) -> Any:
@@ -98,6 +116,21 @@ class JittedStep:
             self._compiled[key] = self._build(model, optimizer)
         return self._compiled[key]
 
+    def _with_built(self, model: nnx.Module, optimizer: nnx.Optimizer, use: Callable) -> Any:
+        """``use(built)``; once more with the fallback if tracing met a manual-axis error.
+
+        A failed trace runs nothing, so the donated buffers are still intact for the retry.
+        """
+        built = self._built(model, optimizer)
+        try:
+            return use(built)
+        except ValueError as error:
+            if built.fallback is None or "Manual" not in str(error):
+                raise
+            fallback = built.fallback(error)
+        self._compiled[(nnx.graphdef(model), nnx.graphdef(optimizer))] = fallback
+        return use(fallback)
+
     @staticmethod
     def _batch(batch: Any, built: Built) -> Any:
         check_batch(batch)
@@ -130,11 +163,14 @@ class JittedStep:
           FloatingPointError: With ``on_nonfinite="raise"``, when the loss or a gradient was
             not finite (the model and optimizer are unchanged).
         """
-        built = self._built(model, optimizer)
-        with jax.set_mesh(built.mesh):  # model code may use bare PartitionSpecs
-            model_state, opt_state, metrics = built.jitted(
-                nnx.state(model), nnx.state(optimizer), self._batch(batch, built)
-            )
+
+        def run(built):
+            with jax.set_mesh(built.mesh):  # model code may use bare PartitionSpecs
+                return built.jitted(
+                    nnx.state(model), nnx.state(optimizer), self._batch(batch, built)
+                )
+
+        model_state, opt_state, metrics = self._with_built(model, optimizer, run)
         nnx.update(model, model_state)
         nnx.update(optimizer, opt_state)
         self._guard.after(metrics)
@@ -152,11 +188,14 @@ class JittedStep:
           The lowered step; ``.compile()`` gives ``memory_analysis()``, ``cost_analysis()`` and
           ``as_text()`` (the partitioned HLO).
         """
-        built = self._built(model, optimizer)
-        with jax.set_mesh(built.mesh):
-            return built.jitted.lower(
-                nnx.state(model), nnx.state(optimizer), self._batch(batch, built)
-            )
+
+        def lower(built):
+            with jax.set_mesh(built.mesh):
+                return built.jitted.lower(
+                    nnx.state(model), nnx.state(optimizer), self._batch(batch, built)
+                )
+
+        return self._with_built(model, optimizer, lower)
 
 
 class TrainStep(JittedStep):
@@ -186,6 +225,7 @@ class TrainStep(JittedStep):
         remat: str = "none",
         data_parallel: str = "auto",
         microbatches: int = 1,
+        precision: MixedPrecision | None = None,
     ):
         """Stores the configuration; compilation happens on the first call.
 
@@ -204,13 +244,15 @@ class TrainStep(JittedStep):
           donate: Donate the model and optimizer buffers to the step.
           on_nonfinite: ``"skip"``, ``"raise"`` or ``"apply"`` (see :func:`make_train_step`).
           remat: One of :data:`substrax.spmd.REMAT` (see :func:`make_train_step`).
-          data_parallel: ``"auto"`` or ``"manual"`` (see :func:`make_train_step`).
+          data_parallel: ``"auto"``, ``"manual"`` or ``"xla"`` (see :func:`make_train_step`).
           microbatches: Gradient-accumulation slices (see :func:`make_train_step`).
+          precision: The mixed-precision policy (see :func:`make_train_step`).
         """
         super().__init__(on_nonfinite)
         self.remat = remat
         self.data_parallel = data_parallel
         self.microbatches = microbatches
+        self.precision = precision or MixedPrecision()
         self.loss_fn, self.has_aux, self.wrt = loss_fn, has_aux, wrt
         self.mesh, self.rules, self.layout, self.strategy = mesh, rules, layout, strategy
         self.compute_rules, self.gather = compute_rules, gather
@@ -228,18 +270,21 @@ class TrainStep(JittedStep):
             compute = ModelPlan(params, resolver).shardings
         return compute, self.compute_rules
 
-    def _loss_fn(self, model_def, compute_shardings, rest_def):
+    def _loss_fn(self, model_def, compute_shardings, rest_def, manual=False):
         """The differentiated function: parameters at the point of use, the rest as arrays."""
 
         def loss_of(params, rest_leaves, batch):
-            if compute_shardings is not None:  # None: gathered by hand (data_parallel="manual")
+            if compute_shardings is not None:
                 params = constrain_state(params, compute_shardings)
+            params = self.precision.cast_to_compute(params)
             params = jax.tree.map(lambda p: checkpoint_name(p, _GATHERED), params)
             # The other state (rng counts, batch statistics, counters) enters as plain arrays
             # and becomes Variables here, at the trace level that may mutate them.
             rest = jax.tree.unflatten(rest_def, rest_leaves)
             model = nnx.merge(model_def, params, rest)
-            loss, aux = _loss_and_aux(self.loss_fn(model, batch), self.has_aux)
+            out = self.loss_fn(model, self.precision.cast_to_compute(batch))
+            loss, aux = _loss_and_aux(out, self.has_aux, manual)
+            loss, aux = self.precision.cast_to_output((loss, aux))
             return loss, (aux, nnx.state(model, nnx.Not(self.wrt)))
 
         if self.gather == "regather":
@@ -252,17 +297,19 @@ class TrainStep(JittedStep):
         """The jitted step; ``manual`` is None, or ``(batch_axes, specs)`` for manual DP."""
 
         def step(model_state, opt_state, batch):
-            context = contextlib.nullcontext() if manual else use_rules(mesh, rules)
-            with context, nnx.use_eager_sharding(False):
+            # Inside the manual region the batch axes are manual: activations and
+            # parameters are constrained over the other axes only.
+            active = manual_rules(rules, manual[0]) if manual else rules
+            with use_rules(mesh, active), nnx.use_eager_sharding(False):
                 model = nnx.merge(model_def, model_state)
                 _, params, rest = nnx.split(model, self.wrt, ...)
                 rest_leaves, rest_def = jax.tree.flatten(rest)
-                loss_of = self._loss_fn(model_def, None if manual else compute_shardings, rest_def)
+                loss_of = self._loss_fn(model_def, compute_shardings, rest_def, bool(manual))
                 with use_remat(self.remat) as marked:
                     if manual:
                         (loss, (aux, rest)), grads = manual_value_and_grad(
                             loss_of, params, rest_leaves, batch, mesh=mesh,
-                            batch_axes=manual[0], specs=manual[1],
+                            batch_axes=manual[0], movers=manual[1],
                             microbatches=self.microbatches,
                         )  # fmt: skip
                     else:
@@ -285,12 +332,13 @@ class TrainStep(JittedStep):
 
         return step
 
-    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Built:
+    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer, mode: str | None = None) -> Built:
         check_owner(optimizer, model, "The train step")
         plan = model_plan(
             model, self.mesh, self.rules, self.strategy, self.layout, what="make_train_step"
         )
         _check_differentiable(model, self.wrt)
+        _check_param_dtype(model, self.wrt, self.precision)
         data_axes = self.data_axes or plan.batch_axes
         if not data_axes:
             raise ValueError(
@@ -301,11 +349,13 @@ class TrainStep(JittedStep):
         opt_sh = optimizer_shardings(optimizer, plan)
         compute_sh, rules = self._compute(plan, nnx.state(model, self.wrt))
         manual = None
-        if self.data_parallel == "manual":
-            check_manual(model)
+        split = tuple(a for a in data_axes if dict(plan.mesh.shape)[a] > 1)
+        mode = (mode or self._mode(model, plan.mesh, split)) if split else "xla"
+        if mode == "manual":
             rows = {row.path: row for row in plan.rows}
-            specs = manual_specs(nnx.state(model, self.wrt), rows, tuple(data_axes))
-            manual = (tuple(data_axes), specs)
+            movers = manual_movers(nnx.state(model, self.wrt), rows, split, compute_sh,
+                                   self.precision)  # fmt: skip
+            manual = (split, movers)
         fn = self._step_fn(
             nnx.graphdef(model), nnx.graphdef(optimizer), compute_sh, rules, model_sh, opt_sh,
             plan.mesh, manual,
@@ -316,7 +366,52 @@ class TrainStep(JittedStep):
             out_shardings=(model_sh, opt_sh, NamedSharding(plan.mesh, PartitionSpec())),
             donate_argnums=(0, 1) if self.donate else (),
         )
-        return Built(jitted, plan.mesh, tuple(data_axes))
+        fallback = None
+        if mode == "manual" and self.data_parallel == "auto":
+            fallback = functools.partial(self._fall_back, model, optimizer)
+        return Built(jitted, plan.mesh, tuple(data_axes), mode, fallback)
+
+    def _fall_back(self, model: nnx.Module, optimizer: nnx.Optimizer, error: Exception) -> Built:
+        """The XLA-partitioned step, with a warning naming why the manual one could not be."""
+        first = str(error).split("\n")[0].split(" and mesh=")[0]
+        warn_user(
+            "make_train_step(data_parallel='auto'): the model's code names the batch axes in a "
+            f"sharding, which the manual data-parallel step cannot trace ({first}); "
+            "using XLA's partitioning, whose gradients are all-reduced instead of "
+            "reduce-scattered. Constrain activations with substrax.spmd.constrain and logical "
+            "names to get the manual step, or pass data_parallel='xla' to silence this.",
+            ShardingWarning,
+        )
+        return self._build(model, optimizer, "xla")
+
+    def _mode(self, model: nnx.Module, mesh: jax.sharding.Mesh, batch_axes: tuple) -> str:
+        """``"manual"`` or ``"xla"``: ``data_parallel`` as asked, or as chosen for ``"auto"``.
+
+        Raises:
+          ValueError: If ``"manual"`` (or ``microbatches`` above 1) was asked where
+            :func:`~substrax_flax._manual.manual_obstacle` names an obstacle.
+        """
+        context = (model, mesh, batch_axes, self.precision)
+        if self.data_parallel == "manual" or (
+            self.data_parallel == "auto" and self.microbatches > 1
+        ):
+            check_manual(*context)
+            return "manual"
+        if self.data_parallel == "xla" or manual_obstacle(*context) is not None:
+            return "xla"
+        return "manual"
+
+    def data_parallel_for(self, model: nnx.Module, optimizer: nnx.Optimizer) -> str:
+        """How this step splits the batch for ``model``: ``"manual"`` or ``"xla"``.
+
+        Args:
+          model: The model.
+          optimizer: Its optimizer.
+
+        Returns:
+          The mode ``data_parallel="auto"`` chose (or the one asked for).
+        """
+        return self._built(model, optimizer).data_parallel
 
 
 def _check_marked(marked: Marked) -> None:
@@ -329,7 +424,7 @@ def _check_marked(marked: Marked) -> None:
         )
 
 
-def _loss_and_aux(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
+def _loss_and_aux(out: Any, has_aux: bool, manual: bool = False) -> tuple[jax.Array, Any]:
     """``(loss, aux)`` from what ``loss_fn`` returned, with errors that say what is wrong.
 
     Raises:
@@ -347,7 +442,8 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[jax.Array, Any]:
         )
     loss, aux = out if has_aux else (out, None)
     if getattr(loss, "shape", None) != ():
-        raise TypeError(f"The loss must be a scalar; loss_fn returned {_describe(loss)}.")
+        where = " (on one device's rows: the step is data_parallel='manual')" if manual else ""
+        raise TypeError(f"The loss must be a scalar; loss_fn returned {_describe(loss)}{where}.")
     return loss, aux
 
 
@@ -380,6 +476,25 @@ def _check_differentiable(model: nnx.Module, wrt: Any) -> None:
         )
 
 
+def _check_param_dtype(model: nnx.Module, wrt: Any, precision: MixedPrecision) -> None:
+    """Raises if the policy names a parameter dtype the stored parameters do not have.
+
+    Raises:
+      TypeError: Naming the first parameter of another dtype.
+    """
+    if precision.param_dtype is None:
+        return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, wrt)):
+        if leaf.dtype != precision.param_dtype:
+            name = jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
+            raise TypeError(
+                f"The precision policy stores parameters in {precision.param_dtype.name}, but "
+                f"{name} is {leaf.dtype}. Create the model with param_dtype="
+                f"{precision.param_dtype.name} (master weights), or pass a policy with "
+                "param_dtype=None."
+            )
+
+
 def _axes(value: Sequence[str] | str | None) -> tuple[str, ...] | None:
     if value is None:
         return None
@@ -403,6 +518,7 @@ def make_train_step(
     remat: str = "none",
     data_parallel: str = "auto",
     microbatches: int = 1,
+    precision: MixedPrecision | str | None = None,
 ) -> TrainStep:
     """Builds a jitted training step that realises the model's layout, at its best by default.
 
@@ -455,18 +571,30 @@ def make_train_step(
         attention scores are recomputed) or ``"full"`` (only each block's input: the block
         is recomputed). Blocks are recomputed one at a time. With no marked block a
         ``RuntimeWarning`` says that nothing is recomputed.
-      data_parallel: ``"auto"`` (XLA partitions the batch axes) or ``"manual"``: each device
-        computes the loss of its own rows inside ``shard_map`` over the batch axes, gathers
-        FSDP parameters with ``all_gather`` and reduce-scatters their gradients (on every
-        backend: FSDP over 8 moves 35.0 MiB per step on the benchmark decoder, not 52.5). The
-        loss is the mean of the devices' losses: right for a loss that is a mean over rows;
-        a loss normalised over the whole batch, dropout masks and model-code constraints
-        over the batch axes behave per device, and batch statistics are refused
-        (:mod:`substrax_flax._manual`).
-      microbatches: Gradient accumulation (with ``data_parallel="manual"``): each device runs
-        its rows as this many slices, one after the other, and the gradients are reduced once
-        per step (the reductions do not grow with it; activations are held for one slice).
-        The loss is the mean of the slices' losses.
+      data_parallel: How the batch axes are split. ``"manual"``: each device computes the
+        loss of its own rows inside ``shard_map`` over the batch axes, gathers FSDP
+        parameters with ``all_gather`` and reduce-scatters their gradients (on every
+        backend: FSDP over 8 moves 35.0 MiB per step on the benchmark decoder instead of
+        52.5; FSDP 2 + TP 4 24.5 instead of 27.1); the loss is the mean of the devices'
+        losses, as in PyTorch's DDP and FSDP: exact for a loss that is a mean over rows, not
+        for one normalised by a count over the whole batch (a token-weighted mean over a
+        padded batch), for which pass ``"xla"``. ``"xla"``: XLA partitions the whole step
+        (the loss is the whole batch's; the gradients are all-reduced). ``"auto"`` (the
+        default) is ``"manual"`` unless that would change the model's numbers -- batch
+        statistics, dropout (each device would draw the same masks), or a mesh with
+        Explicit axes -- and then ``"xla"``; :meth:`TrainStep.data_parallel_for` says which.
+      microbatches: Gradient accumulation (in the manual step): each device runs its rows as
+        this many slices, one after the other, and the gradients are reduced once per step
+        (the reductions do not grow with it; activations are held for one slice). The loss
+        is the mean of the slices' losses.
+      precision: A :class:`substrax.spmd.MixedPrecision` policy, ``"bf16"``
+        (``MixedPrecision.bf16()``: float32 master weights and optimizer state, bfloat16
+        gathers, compute and gradient reductions, float32 loss) or ``"f32"`` / None (as
+        stored). Parameters and floating-point batch leaves are cast at the point of use; the
+        optimizer sees gradients in the stored dtype. In the manual step the gathers and
+        reductions run in the policy's dtypes (bf16 halves their traffic); with
+        ``data_parallel="xla"`` XLA chooses where to cast, and its collectives may stay in
+        the stored dtype.
 
     Returns:
       A :class:`TrainStep`.
@@ -477,9 +605,11 @@ def make_train_step(
         floating point.
       ValueError: If ``gather`` is not ``"keep"`` or ``"regather"``, ``on_nonfinite`` is not
         ``"skip"``, ``"raise"`` or ``"apply"``, ``remat`` is not one of ``REMAT``,
-        ``data_parallel`` is not ``"auto"`` or ``"manual"``, ``microbatches`` is not a
-        positive integer (or is above 1 without ``data_parallel="manual"``), or no data axes
-        are known (here when ``rules`` are given, else at the first call).
+        ``data_parallel`` is not one of ``DATA_PARALLEL``, ``microbatches`` is not a positive
+        integer (or is above 1 with ``data_parallel="xla"``), or no data axes are known
+        (here when ``rules`` are given, else at the first call); on the first call, if
+        ``"manual"`` or ``microbatches`` above 1 would change the model's numbers, or
+        ``precision`` names a parameter dtype the parameters do not have (TypeError).
     """
     if not callable(loss_fn):
         raise TypeError(
@@ -490,14 +620,14 @@ def make_train_step(
         raise ValueError(f"gather must be 'keep' or 'regather', got {gather!r}.")
     check_policy(on_nonfinite)
     checkpoint_policy(remat)  # raises for an unknown name
-    if data_parallel not in ("auto", "manual"):
-        raise ValueError(f"data_parallel must be 'auto' or 'manual', got {data_parallel!r}.")
+    if data_parallel not in DATA_PARALLEL:
+        raise ValueError(f"data_parallel must be one of {DATA_PARALLEL}, got {data_parallel!r}.")
     if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}.")
-    if microbatches > 1 and data_parallel != "manual":
+    if microbatches > 1 and data_parallel == "xla":
         raise ValueError(
-            f"microbatches={microbatches} reduces gradients once per step only with "
-            "data_parallel='manual'; pass it too."
+            f"microbatches={microbatches} runs in the manual data-parallel step; "
+            "data_parallel='xla' has none. Pass data_parallel='auto' or 'manual'."
         )
     compute = as_rules(compute_rules, mesh) if compute_rules is not None else None
     axes = _axes(data_axes)
@@ -515,5 +645,5 @@ def make_train_step(
         loss_fn, mesh=mesh, rules=rules, layout=layout, strategy=strategy, compute_rules=compute,
         has_aux=has_aux, wrt=wrt, gather=gather, data_axes=axes, donate=donate,
         on_nonfinite=on_nonfinite, remat=remat, data_parallel=data_parallel,
-        microbatches=microbatches,
+        microbatches=microbatches, precision=as_precision(precision),
     )  # fmt: skip

@@ -214,27 +214,36 @@ def validate(plan: Plan, rank: int = 0, *, devices: int | None = None) -> dict[s
 
 
 def _validate_layout(
-    config: TransformerConfig, layout: Layout, *, devices: int | None = None
+    config: TransformerConfig,
+    layout: Layout,
+    *,
+    devices: int | None = None,
+    precision: str = "fp32",
 ) -> dict[str, Any]:
-    """The comparison of :func:`validate` for one layout of ``config``."""
+    """The comparison of :func:`validate` for one layout of ``config``.
+
+    With ``precision="mixed"`` the twin's step runs ``precision="bf16"``, and its traffic is
+    read off the lowered program (XLA's CPU compiler widens bf16 collectives to f32).
+    """
     devices = devices or jax.device_count()
     twin, small = _twin_layout(layout, devices), _twin_config(config)
     leaves = leaves_of(small)
     batch_rows = 2 * twin.dp * twin.fsdp
-    workload = Workload(batch_tokens=batch_rows * 16, seq=16, precision="fp32",
+    workload = Workload(batch_tokens=batch_rows * 16, seq=16, precision=precision,
                         optimizer="adamw", remat="none")  # fmt: skip
     estimate = evaluate(small, leaves, twin, workload, Hardware(memory_bytes=2**40))
     model = create_sharded_model(lambda: _Twin(small, nnx.Rngs(0)), layout=twin)
     optimizer = create_sharded_optimizer(model, optax.adamw(1e-3))
-    step = make_train_step(_loss)
+    step = make_train_step(_loss, precision="bf16" if precision == "mixed" else None)
     batch = np.zeros((batch_rows, 17), np.int32)
-    compiled = step.lower(model, optimizer, batch).compile()
+    lowered = step.lower(model, optimizer, batch)
+    compiled = lowered.compile()
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     state = sharding_report(model).bytes_per_device + sharding_report(optimizer).bytes_per_device
     planned = estimate.bytes_per_device
     scalars = 8  # adam's count and the optimizer's step: two 4-byte scalars
-    traffic = traffic_by_kind(compiled.as_text())
+    traffic = traffic_by_kind((lowered if precision == "mixed" else compiled).as_text(), devices)
     batch_per_device = batch.nbytes // (twin.dp * twin.fsdp)
     return {
         "twin": {
