@@ -50,6 +50,18 @@ def test_fsdp_and_data_parallel_traffic_match_the_hlo(layout):
     assert abs(compiled / estimate - 1) < 0.01
 
 
+def test_mixed_precision_traffic_and_state_match_the_program():
+    result = _validate_layout(
+        architecture("llama3-8b"), Layout.from_degrees(dp=8, fsdp=64), precision="mixed"
+    )
+    estimate, program = result["traffic_bytes"]  # bf16 gathers and reductions
+    assert abs(program / estimate - 1) < 0.01
+    fp32 = _validated("llama3-8b", Layout.from_degrees(dp=8, fsdp=64))["traffic_bytes"][0]
+    assert estimate == pytest.approx(fp32 / 2, rel=1e-6)
+    estimate, compiled = result["state_bytes"]  # f32 master weights and adam moments
+    assert estimate == compiled
+
+
 def test_twins_keep_the_kinds_of_parallelism():
     assert _twin_layout(Layout.from_degrees(fsdp=512, tp=8), 8) == Layout.from_degrees(fsdp=4, tp=2)
     twin = _twin_layout(Layout.from_degrees(dp=8, fsdp=64), 8)

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from substrax.planner._architectures import ARCHITECTURES, Leaf, config_from_leaves
-from substrax.planner._estimate import Hardware, Workload
+from substrax.planner._estimate import PRECISION_BYTES, Hardware, Workload
 from substrax.planner._hardware import HARDWARE
 from substrax.planner._rank import plan
 from substrax.spmd import REMAT
@@ -95,7 +95,7 @@ def _table(result, top: int, timed: bool) -> str:
 
 
 def _leaf_table(candidate, workload) -> str:
-    width = {"fp32": 4, "bf16": 2}[workload.precision]
+    width = PRECISION_BYTES[workload.precision][0]
     lines = [f"{'path':24} {'logical names':36} {'spec':30} {'MiB/device':>11}  why"]
     for leaf in candidate.leaves:
         spec = str(tuple("x".join(axes) or None for axes in leaf.spec))
@@ -141,7 +141,10 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
     parser.add_argument("--flops", default=None, help="peak FLOP/s per device, e.g. 989T")
     parser.add_argument("--intra-host-bandwidth", default=None, help="bytes/s, e.g. 450GB")
     parser.add_argument("--inter-host-bandwidth", default=None, help="bytes/s, e.g. 50GB")
-    parser.add_argument("--precision", default="bf16")
+    parser.add_argument(
+        "--precision", default="bf16", choices=sorted(PRECISION_BYTES),
+        help="mixed: fp32 master weights, bf16 gathers, activations and reductions",
+    )  # fmt: skip
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument(
         "--remat", default=None, help=f"one of {', '.join(REMAT)}; searched when left out"

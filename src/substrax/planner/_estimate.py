@@ -32,7 +32,9 @@ __all__ = [
 _OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "momentum": 4}
 _UPDATE_FLOPS = {"adam": 12, "adamw": 14, "sgd": 2, "momentum": 4}
 _ELEMENTWISE = 10  # FLOPs per element, forward and backward: softmax, norms, activations, loss
-_PRECISION_BYTES = {"fp32": 4, "bf16": 2}
+#: precision -> (bytes of a stored parameter or gradient, bytes of a gathered parameter, an
+#: activation or a gradient on the wire).
+PRECISION_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "mixed": (4, 2)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +44,9 @@ class Workload:
     Attributes:
       batch_tokens: Tokens per global batch (rounded to whole sequences).
       seq: Sequence length.
-      precision: ``"fp32"`` or ``"bf16"`` parameters, gradients and activations.
+      precision: ``"fp32"`` or ``"bf16"`` parameters, gradients and activations, or
+        ``"mixed"``: float32 parameters, gradients and optimizer, bfloat16 gathers,
+        activations and gradient reductions (``make_train_step(precision="bf16")``).
       optimizer: ``"adam"``/``"adamw"`` (two fp32 moments), ``"momentum"`` or ``"sgd"``.
       remat: ``"none"``, ``"selective"`` (attention recomputed) or ``"full"`` (layer input
         only); None lets :func:`~substrax.planner.plan` choose per layout.
@@ -69,7 +73,7 @@ class Workload:
                 f"batch_tokens ({self.batch_tokens}) must hold at least one sequence of seq "
                 f"({self.seq}) tokens."
             )
-        for value, options, what in ((self.precision, _PRECISION_BYTES, "precision"),
+        for value, options, what in ((self.precision, PRECISION_BYTES, "precision"),
                                      (self.optimizer, _OPTIMIZER_BYTES, "optimizer"),
                                      (self.remat or "none", REMAT, "remat"),
                                      (self.gather, ("keep", "regather"), "gather")):  # fmt: skip
@@ -247,15 +251,15 @@ def evaluate(
         )
     plans = leaf_plans(leaves, layout)
     per_device = sum(p.params_per_device for p in plans)
-    width = _PRECISION_BYTES[workload.precision]
+    stored, width = PRECISION_BYTES[workload.precision]
     rows = workload.batch / (layout.dp * layout.fsdp)
     layer_params = sum(
         math.prod(leaf.shape[1:]) for leaf in leaves if leaf.names[:1] == ("layers",)
     )
     layer_shard = layer_params / (layout.tp * layout.fsdp) * width
     memory = {
-        "params": per_device * width,
-        "grads": per_device * width,
+        "params": per_device * stored,
+        "grads": per_device * stored,
         "optimizer": per_device * _OPTIMIZER_BYTES[workload.optimizer],
         "activations": _activations(config, workload, layout, width),
         "gathered": 2 * layer_shard * layout.fsdp if layout.fsdp > 1 else 0.0,
