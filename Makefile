@@ -22,6 +22,8 @@ specs: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/layouts.py --output-dir benchmarks/results
+	$(PY) benchmarks/step.py --output-dir benchmarks/results
+	$(PY) benchmarks/remat.py --output-dir benchmarks/results
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .

@@ -43,7 +43,7 @@ import gpt
 import substrax_flax as sf
 from substrax.layout import LAYOUTS, Layout
 from substrax.mesh import DeviceMeshManager
-from substrax.spmd import REMAT
+from substrax.spmd import PRECISIONS, REMAT
 
 
 class UsageError(Exception):
@@ -79,7 +79,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("runs/fsdp"))
     parser.add_argument("--quiet", action="store_true", help="no sharding report")
     parser.add_argument("--stacked", action="store_true", help="layers stacked with nnx.vmap")
-    parser.add_argument("--microbatches", type=int, default=4, help="pipeline microbatches")
+    parser.add_argument(
+        "--microbatches", type=int, default=None,
+        help="pp: pipeline microbatches (default 4); otherwise gradient accumulation (default 1)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--precision", default="f32", choices=PRECISIONS,
+        help="bf16: float32 master weights, bfloat16 gathers, compute and reductions",
+    )  # fmt: skip
     parser.add_argument(
         "--remat", default="none", choices=REMAT, help="recompute blocks in the backward pass"
     )
@@ -102,6 +109,8 @@ def build(args):
         raise UsageError(f"--vocab {args.vocab}: the byte-level data needs at least 128")
     if args.d_model % args.heads:
         raise UsageError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
+    if args.microbatches is None:
+        args.microbatches = 4 if args.strategy == "pp" else 1
     check_numbers(args)
     if (args.resume or args.resume_if_present) and args.checkpoint_dir is None:
         raise UsageError("--resume needs --checkpoint-dir")
@@ -129,6 +138,11 @@ def build(args):
         )
     if args.strategy == "pp":
         check_pipeline(args, layout.pp, data_devices)
+    elif args.batch_size % (args.microbatches * data_devices):
+        raise UsageError(
+            f"--batch-size {args.batch_size} does not split into --microbatches "
+            f"{args.microbatches} x {data_devices} data devices"
+        )
     config = gpt.Config(
         vocab=args.vocab, d_model=args.d_model, heads=args.heads, mlp=args.mlp,
         layers=args.layers, seq=args.seq,
@@ -250,6 +264,8 @@ def train(args) -> dict:
         "state_bytes_per_device": state,
         "skipped_steps": skipped,
         "remat": args.remat,
+        "precision": args.precision,
+        "microbatches": args.microbatches,
     }
     if primary:
         args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -268,12 +284,16 @@ def make_step(args, mesh):
     Both take the layout from the model's plan (each parameter gathered once per step).
     """
     if args.strategy != "pp":
-        return sf.make_train_step(gpt.loss_fn, remat=args.remat)
+        return sf.make_train_step(
+            gpt.loss_fn, remat=args.remat, microbatches=args.microbatches,
+            precision=args.precision,
+        )  # fmt: skip
     try:
         return sf.make_pipeline_train_step(
             gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh,
             layout=Layout.named("pp", mesh), stack="blocks", num_microbatches=args.microbatches,
             schedule=args.schedule, repeats=args.repeats, remat=args.remat == "full",
+            precision=args.precision,
         )  # fmt: skip
     except ValueError as error:
         raise UsageError(str(error)) from None

@@ -20,13 +20,18 @@ def _run(*args, tmp_path):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp+tp"])
-def test_example_trains_and_writes_metrics(tmp_path, strategy):
-    result = _run(*TINY, "--steps", "12", "--strategy", strategy, tmp_path=tmp_path)
+@pytest.mark.parametrize(
+    ("strategy", "precision", "microbatches"), [("fsdp", "bf16", 2), ("fsdp+tp", "f32", 1)]
+)
+def test_example_trains_and_writes_metrics(tmp_path, strategy, precision, microbatches):
+    result = _run(*TINY, "--steps", "12", "--strategy", strategy, "--precision", precision,
+                  "--microbatches", str(microbatches), "--batch-size", "16",
+                  tmp_path=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["start_step"] == 0 and len(metrics["losses"]) == 12
     assert metrics["mesh"] == {"data": 2, "model": 4} and metrics["strategy"] == strategy
+    assert (metrics["precision"], metrics["microbatches"]) == (precision, microbatches)
     assert metrics["losses"][-1] < metrics["losses"][0]
     assert "loss" in result.stdout and "MiB per device" in result.stdout
 
@@ -61,6 +66,7 @@ def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelin
         (["--mesh", "data"], "expected name=size pairs"),
         (["--strategy", "pp", "--mesh", "data=8"], "--strategy pp needs a pipe= axis in --mesh"),
         (["--microbatches", "0"], "--microbatches must be a positive integer, got 0"),
+        (["--microbatches", "3"], "does not split into --microbatches 3 x 2 data devices"),
         (["--output-dir", "/dev/null/out"], "--output-dir /dev/null/out is not writable"),
         (["--checkpoint-dir", "/dev/null/ckpt"], "--checkpoint-dir /dev/null/ckpt is not writable"),
         (

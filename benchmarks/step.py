@@ -1,0 +1,182 @@
+"""The train step at the communication limit: mixed precision and gradient accumulation.
+
+On the example decoder over 8 simulated devices, with the default ``make_train_step``:
+
+* **precision**: for FSDP over 8 and FSDP 4 x DP 2, the traffic per device of the step in f32
+  and with ``precision="bf16"``, read off the lowered program (XLA's CPU compiler widens bf16
+  collectives to f32; accelerators run them in bf16, see :mod:`substrax.hlo`), its ratio, and
+  the compiled step's peak; then ``--steps`` steps of each, and the largest relative
+  difference of the bf16 losses from the f32 ones;
+* **accumulation**: FSDP over 8 with ``microbatches`` K = 1, 2, 4, 8 on one batch: the
+  compiled step's temp and peak bytes, its collectives (counts do not grow with K), and the
+  losses of three steps against K = 1.
+
+Run: ``python benchmarks/step.py [--size tiny] [--steps 100] [--output-dir DIR]``; writes
+``step.json`` and ``step.md``.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+
+if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)
+
+import argparse
+import json
+import pathlib
+import time
+
+import numpy as np
+from flax import nnx
+from layouts import MIB, SIZES, compiled_stats, gpt  # layouts puts examples/ on the path
+
+import substrax_flax as sf
+from substrax.hlo import KINDS, traffic_by_kind
+from substrax.layout import Layout
+from substrax.mesh import DeviceMeshManager
+
+PRECISION_CASES = {
+    "FSDP 8": ("fsdp", {"data": 8}),
+    "FSDP 4 x DP 2": ("hsdp", {"data": 2, "model": 4}),
+}
+MICROBATCHES = (1, 2, 4, 8)
+
+
+def _setup(config, layout, mesh_shape, **options):
+    mesh = DeviceMeshManager.create_device_mesh(mesh_shape)
+    model = sf.create_sharded_model(
+        lambda: gpt.GPT(config, nnx.Rngs(0)), mesh, layout=Layout.named(layout, mesh)
+    )
+    optimizer = sf.create_sharded_optimizer(model, gpt.optimizer())
+    return model, optimizer, sf.make_train_step(gpt.loss_fn, **options)
+
+
+def precision_row(config, label, batch_size, steps) -> dict:
+    """f32 and bf16 on one layout: program traffic, compiled peak, losses."""
+    layout, mesh_shape = PRECISION_CASES[label]
+    row = {"layout": label}
+    for precision in ("f32", "bf16"):
+        model, optimizer, step = _setup(config, layout, mesh_shape, precision=precision)
+        lowered = step.lower(model, optimizer, gpt.batch_at(0, batch_size, config.seq))
+        traffic = traffic_by_kind(lowered.as_text(), 8)
+        stats = compiled_stats(lowered.compile(), 8)
+        losses = [
+            float(step(model, optimizer, gpt.batch_at(i, batch_size, config.seq))["loss"])
+            for i in range(steps)
+        ]
+        row[precision] = {
+            "program_traffic_bytes": sum(kind["bytes"] for kind in traffic.values()),
+            "program_collectives": traffic,
+            "compiled_traffic_bytes": stats["traffic_bytes"],
+            "peak_bytes": stats["peak_bytes"],
+            "losses": losses,
+        }
+    f32, bf16 = np.array(row["f32"]["losses"]), np.array(row["bf16"]["losses"])
+    row["traffic_ratio"] = (
+        row["bf16"]["program_traffic_bytes"] / row["f32"]["program_traffic_bytes"]
+    )
+    row["max_relative_loss_difference"] = float(np.max(np.abs(bf16 - f32) / np.abs(f32)))
+    return row
+
+
+def accumulation_rows(config, batch_size, microbatches=MICROBATCHES) -> list[dict]:
+    """FSDP over 8 with K microbatches: memory, collectives, losses against K = 1."""
+    rows = []
+    batches = [gpt.batch_at(i, batch_size, config.seq) for i in range(3)]
+    for k in microbatches:
+        model, optimizer, step = _setup(config, "fsdp", {"data": 8}, microbatches=k)
+        stats = compiled_stats(step.lower(model, optimizer, batches[0]).compile(), 8)
+        losses = [float(step(model, optimizer, b)["loss"]) for b in batches]
+        rows.append({"microbatches": k, **stats, "losses": losses})
+    for row in rows:
+        row["max_loss_difference"] = float(
+            np.max(np.abs(np.array(row["losses"]) - np.array(rows[0]["losses"])))
+        )
+    return rows
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "### Mixed precision (`make_train_step(loss_fn, precision=...)`)\n",
+        "| layout | f32 traffic MiB | bf16 traffic MiB | ratio | f32 / bf16 peak MiB | "
+        f"largest relative loss difference over {report['steps']} steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in report["precision"]:
+        lines.append(
+            f"| {row['layout']} | {row['f32']['program_traffic_bytes'] / MIB:.1f} | "
+            f"{row['bf16']['program_traffic_bytes'] / MIB:.1f} | {row['traffic_ratio']:.3f} | "
+            f"{row['f32']['peak_bytes'] / MIB:.1f} / {row['bf16']['peak_bytes'] / MIB:.1f} | "
+            f"{row['max_relative_loss_difference']:.2e} |"
+        )
+    lines += [
+        "",
+        f"### Gradient accumulation (FSDP 8, batch {report['accumulation_batch']}, "
+        "`microbatches=K`)\n",
+        "| K | temp MiB | peak MiB | collectives (count) | traffic MiB | GFLOP / device | "
+        "largest loss difference from K = 1 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in report["accumulation"]:
+        kinds = ", ".join(
+            f"{kind} {row['collectives'][kind]['count']}"
+            for kind in KINDS
+            if row["collectives"][kind]["count"]
+        )
+        lines.append(
+            f"| {row['microbatches']} | {row['temp_bytes'] / MIB:.1f} | "
+            f"{row['peak_bytes'] / MIB:.1f} | {kinds} | {row['traffic_bytes'] / MIB:.1f} | "
+            f"{row['flops'] / 1e9:.2f} | {row['max_loss_difference']:.1e} |"
+        )
+    lines.append(
+        f"\nMeasured {report['date']}, {report['devices']} simulated CPU devices, jax "
+        f"{report['jax']}; model {report['config']}. Traffic for precision is the lowered "
+        "program's (XLA's CPU compiler widens bf16 collectives to f32: compiled, both rows "
+        "move the f32 bytes); for accumulation, the compiled program's, whose FLOPs count the "
+        "scan over the K slices once (one slice's work)."
+    )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--steps", type=int, default=100, help="steps per precision")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--accumulation-batch", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, nargs="*", default=list(MICROBATCHES))
+    parser.add_argument("--layouts", nargs="*", default=list(PRECISION_CASES),
+                        choices=list(PRECISION_CASES))  # fmt: skip
+    parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks"))
+    args = parser.parse_args(argv)
+    config = SIZES[args.size]
+    precision = []
+    for label in args.layouts:
+        print(f"precision: {label} ...", flush=True)
+        precision.append(precision_row(config, label, args.batch_size, args.steps))
+    print("accumulation ...", flush=True)
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+        "config": str(config),
+        "steps": args.steps,
+        "accumulation_batch": args.accumulation_batch,
+        "precision": precision,
+        "accumulation": accumulation_rows(config, args.accumulation_batch, args.microbatches),
+    }
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    (args.output_dir / "step.json").write_text(json.dumps(report, indent=2))
+    table = markdown(report)
+    (args.output_dir / "step.md").write_text(table)
+    print(table)
+    return report
+
+
+if __name__ == "__main__":
+    main()
