@@ -1,16 +1,9 @@
-"""Fakes 8 CPU devices before anything touches a JAX backend."""
+"""Fakes 8 CPU devices before anything touches a JAX backend (see jax_setup.py)."""
 
-import os
+import jax_setup  # noqa: F401
+import pytest
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax
-
-jax.config.update("jax_num_cpu_devices", 8)
-
-import pytest  # noqa: E402
-
-from substrax.mesh import DeviceMeshManager  # noqa: E402
+from substrax.mesh import DeviceMeshManager
 
 
 @pytest.fixture

@@ -123,7 +123,9 @@ def test_abstract_methods():
 
 
 @pytest.mark.parametrize(
-    ("name", "obj"), list(public_callables(mesh_module)), ids=lambda v: str(v)[:60]
+    ("name", "obj"),
+    list(public_callables(mesh_module)),
+    ids=lambda v: v if isinstance(v, str) else getattr(v, "__qualname__", type(v).__name__),
 )
 def test_every_public_name_has_a_google_docstring(name, obj):
     check_google_docstring(name, obj)

@@ -1,9 +1,3 @@
-"""Fakes 8 CPU devices before anything touches a JAX backend."""
+"""Fakes 8 CPU devices before anything touches a JAX backend (see tests/jax_setup.py)."""
 
-import os
-
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jax
-
-jax.config.update("jax_num_cpu_devices", 8)
+import jax_setup  # noqa: F401

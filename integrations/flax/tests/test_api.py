@@ -26,7 +26,7 @@ import substrax_flax.planner
         *public_callables(substrax.layout),
         *public_callables(substrax_flax.planner),
     ],
-    ids=lambda v: str(v)[:60],
+    ids=lambda v: v if isinstance(v, str) else getattr(v, "__qualname__", type(v).__name__),
 )
 def test_every_public_name_has_a_google_docstring(name, obj):
     check_google_docstring(name, obj)
