@@ -17,6 +17,8 @@ MESH = {"data": 2, "model": 4}
         ("hsdp", "model", None, ("data", "model"), "dp 2 x fsdp 4"),
         ("tp", None, "model", ("data",), "dp 2 x tp 4"),
         ("fsdp+tp", "data", "model", ("data",), "fsdp 2 x tp 4"),
+        ("zero1", None, None, ("data", "model"), "zero1 dp 8"),
+        ("zero2+tp", None, "model", ("data",), "zero2 dp 2 x tp 4"),
     ],
 )
 def test_named_layouts_give_rules_and_batch_axes(name, embed, mlp, batch, label):
@@ -69,6 +71,7 @@ def test_strategies_for_unannotated_variables():
         ),
         (lambda: Layout(("data",), (8,), tensor_axes=("model",)), "mesh axis 'model', which"),
         (lambda: Layout.from_degrees(tp=0), "The tensor degree must be a positive integer"),
+        (lambda: Layout.from_degrees(dp=8, zero=3), "zero must be 0, 1 or 2 (ZeRO's stages)"),
         (lambda: Layout.named("dp", MESH).check_mesh(Layout.named("dp", {"data": 8}).make_mesh()),
          "is not the layout's"),
     ],
@@ -80,4 +83,19 @@ def test_bad_layouts_say_what_is_valid(call, message):
 
 
 def test_every_named_layout_is_listed():
-    assert LAYOUTS == ("dp", "fsdp", "hsdp", "tp", "fsdp+tp", "pp")
+    assert LAYOUTS == (
+        "dp", "fsdp", "hsdp", "tp", "fsdp+tp", "pp", "zero1", "zero2", "zero1+tp", "zero2+tp"
+    )  # fmt: skip
+    assert [Layout.named(name, MESH).name for name in LAYOUTS] == list(LAYOUTS)
+
+
+def test_zero_shards_the_optimizer_state_on_a_free_dimension_that_divides():
+    layout = Layout.named("zero1+tp", MESH)
+    assert layout.optimizer_axes == ("data",) and Layout.named("tp", MESH).optimizer_axes == ()
+    assert layout.optimizer_spec(P(None, "model"), (64, 256)) == (P("data", "model"), None)
+    assert layout.optimizer_spec(P("model", None), (256, 64)) == (P("model", "data"), None)
+    assert layout.optimizer_spec(P(None, None), (6, 32)) == (P(None, "data"), None)  # the larger
+    spec, why = layout.optimizer_spec(P("model"), (8,))
+    assert spec == P("model") and "no unsharded dimension of (8,)" in why
+    planner = Layout.from_degrees(pp=16, dp=128, tp=8, zero=1)
+    assert (planner.name, planner.label) == ("pp+zero1+tp", "pp 16 x zero1 dp 128 x tp 8")

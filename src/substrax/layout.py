@@ -9,7 +9,9 @@ variables without annotations. The library's named layouts (:data:`LAYOUTS`), th
 candidates and configs built from :class:`~substrax.mesh.ShardingConfig` are all layouts.
 
 A new kind of parallelism is a new role here (a role, its logical names, and its entry in
-:data:`LAYOUTS`), not a new mechanism.
+:data:`LAYOUTS`), not a new mechanism. ZeRO is not a role but a degree of what the replica axes
+shard (:attr:`Layout.zero`): the optimizer state (1), and the gradients too (2); the parameters
+stay whole on them.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from substrax.mesh._resolve import spec_entry
 __all__ = ["LAYOUTS", "ROLES", "Layout"]
 
 #: The named layouts :meth:`Layout.named` builds.
-LAYOUTS = ("dp", "fsdp", "hsdp", "tp", "fsdp+tp", "pp")
+LAYOUTS = ("dp", "fsdp", "hsdp", "tp", "fsdp+tp", "pp", "zero1", "zero2", "zero1+tp", "zero2+tp")
 
 #: The roles a mesh axis can have, outermost first.
 ROLES = ("pipe", "data", "fsdp", "tensor")
@@ -77,6 +79,10 @@ class Layout:
       tensor_axes: Tensor-parallel axes: ``heads``, ``kv_heads``, ``mlp`` and ``vocab`` are split.
       fsdp_min_weight_size: The fewest elements of an unannotated variable that the FSDP axes
         shard (smaller ones, such as norm scales, stay replicated).
+      zero: What the replica axes shard besides the batch (ZeRO's stages): 0 nothing, 1 the
+        optimizer state, 2 the optimizer state and the gradients. Parameters stay whole on
+        them; a step reduce-scatters the gradients, updates its shard and all-gathers the new
+        parameters.
     """
 
     axis_names: tuple[str, ...]
@@ -86,8 +92,11 @@ class Layout:
     fsdp_axes: tuple[str, ...] = ()
     tensor_axes: tuple[str, ...] = ()
     fsdp_min_weight_size: int = 256
+    zero: int = 0
 
     def __post_init__(self) -> None:
+        if self.zero not in (0, 1, 2) or isinstance(self.zero, bool):
+            raise ValueError(f"zero must be 0, 1 or 2 (ZeRO's stages), got {self.zero!r}.")
         for field in ("axis_names", "axis_sizes", *(f"{r}_axes" for r in ROLES)):
             value = getattr(self, field)
             object.__setattr__(self, field, (value,) if isinstance(value, str) else tuple(value))
@@ -131,6 +140,9 @@ class Layout:
         * ``tp``: tensor parallelism on the ``model`` axis, replicas over the others.
         * ``fsdp+tp``: tensor parallelism on the ``model`` axis, FSDP over the others.
         * ``pp``: pipeline stages on the ``pipe`` axis, replicas over the others.
+        * ``zero1`` / ``zero2``: ``dp`` with the optimizer state (and for ``zero2`` the
+          gradients) sharded over the replicas; ``zero1+tp`` / ``zero2+tp``: the same on
+          ``tp``'s replica axes.
 
         A mesh without a ``model`` axis uses its innermost axis for ``model`` (neighbouring
         devices: the fast links tensor parallelism wants); one without a ``pipe`` axis uses its
@@ -151,6 +163,7 @@ class Layout:
             raise ValueError(f"Unknown layout {name!r}; choose one of {', '.join(LAYOUTS)}.")
         shape = _shape_of(mesh)
         names = tuple(shape)
+        zero, name = (int(name[4]), name[6:] or "dp") if name.startswith("zero") else (0, name)
         if name in ("hsdp", "fsdp+tp", "pp") and len(names) < 2:
             raise ValueError(
                 f"Layout {name!r} needs a mesh of at least two axes (its roles differ); the "
@@ -167,10 +180,13 @@ class Layout:
             "fsdp+tp": {"tensor": (model,), "fsdp": others},
             "pp": {"pipe": (pipe,), "data": tuple(a for a in names if a != pipe)},
         }[name]
-        return cls(names, tuple(shape.values()), **{f"{r}_axes": a for r, a in roles.items()})
+        axes = {f"{r}_axes": a for r, a in roles.items()}
+        return cls(names, tuple(shape.values()), **axes, zero=zero)
 
     @classmethod
-    def from_degrees(cls, *, pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1) -> Layout:
+    def from_degrees(
+        cls, *, pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1, zero: int = 0
+    ) -> Layout:
         """A layout of the given degrees on axes ``pipe``, ``data``, ``fsdp``, ``model``.
 
         Axes of size 1 are left out (one device: a ``data`` axis of size 1). The planner's
@@ -181,12 +197,13 @@ class Layout:
           dp: Replicas.
           fsdp: FSDP degree.
           tp: Tensor-parallel degree.
+          zero: ZeRO's stage over the replicas (see :attr:`zero`).
 
         Returns:
           The layout.
 
         Raises:
-          ValueError: If a degree is not a positive integer.
+          ValueError: If a degree is not a positive integer, or ``zero`` not 0, 1 or 2.
         """
         degrees = {"pipe": pp, "data": dp, "fsdp": fsdp, "tensor": tp}
         for role, degree in degrees.items():
@@ -195,7 +212,7 @@ class Layout:
         used = {role: degree for role, degree in degrees.items() if degree > 1} or {"data": 1}
         axes = tuple(_DEGREE_AXES[role] for role in used)
         roles = {f"{role}_axes": (_DEGREE_AXES[role],) for role in used}
-        return cls(axes, tuple(used.values()), **roles)
+        return cls(axes, tuple(used.values()), **roles, zero=zero)
 
     @classmethod
     def from_config(cls, config: ShardingConfig | ParallelismConfig) -> Layout:
@@ -303,6 +320,8 @@ class Layout:
         parts = ["pp"] if self._active("pipe") else []
         if self._active("fsdp"):
             parts.append("hsdp" if self._active("data") else "fsdp")
+        elif self.zero and self._active("data"):
+            parts.append(f"zero{self.zero}")
         elif self._active("data") and not self._active("tensor") and not parts:
             parts.append("dp")
         if self._active("tensor"):
@@ -312,8 +331,49 @@ class Layout:
     @property
     def label(self) -> str:
         """Degrees such as ``"fsdp 512 x tp 8"`` (``"single device"`` for one)."""
-        degrees = (("pp", self.pp), ("dp", self.dp), ("fsdp", self.fsdp), ("tp", self.tp))
+        dp = f"zero{self.zero} dp" if self.zero else "dp"
+        degrees = (("pp", self.pp), (dp, self.dp), ("fsdp", self.fsdp), ("tp", self.tp))
         return " x ".join(f"{k} {v}" for k, v in degrees if v > 1) or "single device"
+
+    @property
+    def optimizer_axes(self) -> tuple[str, ...]:
+        """The axes the optimizer state is sharded over on top of its parameter's spec.
+
+        The replica (data) axes with ``zero`` >= 1, else none.
+        """
+        return self.data_axes if self.zero else ()
+
+    def optimizer_spec(self, spec: Any, shape: Sequence[int]) -> tuple[Any, str | None]:
+        """A parameter's spec with :attr:`optimizer_axes` added, for its optimizer state.
+
+        The axes go on the largest dimension that no mesh axis shards yet and that they
+        divide (a step that splits the batch over them reduce-scatters each gradient along it,
+        which must not interleave with another axis); the spec is returned unchanged when there
+        is none.
+
+        Args:
+          spec: The parameter's ``PartitionSpec``.
+          shape: Its shape.
+
+        Returns:
+          ``(spec, why)``: the new spec, and why it is the parameter's own (no dimension
+          divides) or None.
+        """
+        axes = tuple(a for a in self.optimizer_axes if self.shape[a] > 1)
+        if not axes:
+            return spec, None
+        size = math.prod(self.shape[a] for a in axes)
+        entries = list(spec) + [None] * (len(shape) - len(spec))
+
+        fits = [d for d, n in enumerate(shape) if entries[d] is None and n % size == 0]
+        if not fits:
+            return spec, (
+                f"no unsharded dimension of {tuple(shape)} (spec {spec}) divides by the {size} "
+                f"replicas of {axes}: the optimizer state stays as the parameter's"
+            )
+        dim = max(fits, key=lambda d: shape[d])
+        entries[dim] = spec_entry(axes)
+        return type(spec)(*entries), None
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
