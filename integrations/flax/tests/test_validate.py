@@ -62,6 +62,15 @@ def test_mixed_precision_traffic_and_state_match_the_program():
     assert estimate == compiled
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_state_and_traffic_match_a_twin(zero):
+    layout = Layout.from_degrees(dp=64, tp=8, zero=zero)
+    result = _validate_layout(architecture("gpt2-small"), layout)
+    assert result["twin"]["layout"] == f"zero{zero} dp 2 x tp 2"
+    estimate, compiled = result["state_bytes"]  # adam's moments over the replicas
+    assert estimate == compiled
+
+
 def test_twins_keep_the_kinds_of_parallelism():
     assert _twin_layout(Layout.from_degrees(fsdp=512, tp=8), 8) == Layout.from_degrees(fsdp=4, tp=2)
     twin = _twin_layout(Layout.from_degrees(dp=8, fsdp=64), 8)

@@ -30,6 +30,7 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from substrax.layout import Layout
 from substrax.mesh import MeshRules
 from substrax.spmd import MixedPrecision
 from substrax_flax._state import map_variables, values_by_path, variables
@@ -76,6 +77,7 @@ def manual_movers(
     batch_axes: tuple[str, ...],
     compute: Any,
     precision: MixedPrecision,
+    layout: Layout | None = None,
 ) -> Any:
     """Each parameter's :class:`Mover`: its spec over the batch axes, compute sharding, policy.
 
@@ -85,16 +87,24 @@ def manual_movers(
       batch_axes: The mesh axes of the batch.
       compute: A state like ``params`` of ``NamedSharding``s at the point of use.
       precision: The mixed-precision policy.
+      layout: The model's layout: under ZeRO each gradient is reduce-scattered to its
+        optimizer state's shard (:meth:`~substrax.layout.Layout.optimizer_spec`).
 
     Returns:
       A pure dict (``nnx.to_pure_dict`` layout) of movers.
     """
     by_path = values_by_path(compute)
 
+    def over_batch(spec):
+        return PartitionSpec(*[_entry(a for a in _axes(e) if a in batch_axes) for e in spec])
+
     def mover(path, _):
-        entries = [tuple(a for a in _axes(e) if a in batch_axes) for e in rows[path].spec]
-        spec = PartitionSpec(*[_entry(e) for e in entries])
-        return Mover(spec, batch_axes, by_path[path], precision, rows[path].spec)
+        row = rows[path]
+        grad = row.spec
+        if layout is not None and layout.zero:
+            grad = layout.optimizer_spec(row.spec, row.shape)[0]
+        spec = over_batch(row.spec)
+        return Mover(spec, batch_axes, by_path[path], precision, row.spec, over_batch(grad))
 
     return nnx.to_pure_dict(map_variables(mover, params))
 
@@ -175,6 +185,8 @@ class Mover:
       compute: Its ``NamedSharding`` at the point of use (batch axes removed), or None.
       precision: The step's mixed-precision policy.
       stored_spec: Its planned spec over every axis.
+      grad_spec: Its gradient's spec over the batch axes: ``spec``, or under a ZeRO layout
+        the optimizer state's (the gradient is reduce-scattered to the shard it updates).
     """
 
     spec: PartitionSpec
@@ -182,12 +194,25 @@ class Mover:
     compute: jax.sharding.NamedSharding | None
     precision: MixedPrecision
     stored_spec: PartitionSpec
+    grad_spec: PartitionSpec
+
+    def _unsharded(self, spec: PartitionSpec) -> tuple[str, ...]:
+        sharded = {a for entry in spec if entry is not None for a in _axes(entry)}
+        return tuple(a for a in self.batch_axes if a not in sharded)
 
     @property
     def replicas(self) -> tuple[str, ...]:
         """The batch axes the parameter is replicated over (HSDP's replica axes)."""
-        sharded = {a for entry in self.spec if entry is not None for a in _axes(entry)}
-        return tuple(a for a in self.batch_axes if a not in sharded)
+        return self._unsharded(self.spec)
+
+    @property
+    def custom_gradient(self) -> bool:
+        """Whether :meth:`gather`'s gradient is the shard the parameter is stored as.
+
+        Not so under ZeRO (see ``grad_spec``): the step then differentiates the gathered
+        value and scatters it by hand.
+        """
+        return self.grad_spec == self.spec
 
     def _on_blocks(self, fn: Callable[[jax.Array], jax.Array]) -> Callable:
         """``fn`` on the local block of a parameter also sharded over tensor axes.
@@ -196,7 +221,7 @@ class Mover:
         over the batch axes; a nested ``shard_map`` over the tensor axes keeps them.
         """
         tensor = set() if self.compute is None else {a for e in self.compute.spec for a in _axes(e)}
-        if not tensor or self._batch_axis_before_tensor_axis():
+        if not tensor or self._mixed_dimension():
             return fn
         spec = self.compute.spec
         return jax.shard_map(
@@ -204,18 +229,18 @@ class Mover:
             axis_names=tensor,
         )  # fmt: skip
 
-    def _batch_axis_before_tensor_axis(self) -> bool:
-        """Whether a dimension is split over a batch axis and then a tensor axis.
+    def _mixed_dimension(self) -> bool:
+        """Whether a dimension is split over a batch axis and a tensor axis both.
 
-        Its tensor block is then not the local block gathered over the batch axes (their
-        rows interleave), so it is gathered in XLA's way instead.
+        The manual region sees such a dimension split over the batch axes first; a tensor
+        block of it is then not a block of the batch-axis view, so it is gathered and scattered
+        in XLA's way instead of block by block.
         """
-        for stored, used in zip(self.stored_spec, self.compute.spec, strict=False):
-            axes = _axes(stored)
-            batch = [i for i, a in enumerate(axes) if a in self.batch_axes]
-            tensor = [i for i, a in enumerate(axes) if a in _axes(used)]
-            if batch and tensor and min(batch) < max(tensor):
-                return True
+        for spec in (self.stored_spec, self.grad_spec):
+            for entry, used in zip(spec, self.compute.spec, strict=False):
+                axes = _axes(entry)
+                if any(a in self.batch_axes for a in axes) and set(axes) & set(_axes(used)):
+                    return True
         return False
 
     def gather(self, x: jax.Array) -> jax.Array:
@@ -263,15 +288,17 @@ class Mover:
             g = g.astype(self.precision.reduce)
             g = jax.lax.optimization_barrier(g)  # keeps XLA from reducing before the cast
 
+        spec = self.grad_spec
+
         def scatter(g):
-            for dim in reversed(range(len(self.spec))):
-                if self.spec[dim] is not None:
-                    g = jax.lax.psum_scatter(g, self.spec[dim], scatter_dimension=dim, tiled=True)
+            for dim in reversed(range(len(spec))):
+                if spec[dim] is not None:
+                    g = jax.lax.psum_scatter(g, spec[dim], scatter_dimension=dim, tiled=True)
             return g
 
         g = self._on_blocks(scatter)(g)
-        if self.replicas:
-            g = jax.lax.psum(g, self.replicas)
+        if self._unsharded(spec):
+            g = jax.lax.psum(g, self._unsharded(spec))
         return g.astype(dtype)
 
 
@@ -285,6 +312,7 @@ def manual_value_and_grad(
     batch_axes: tuple[str, ...],
     movers: Any,
     microbatches: int = 1,
+    scatter_each: bool = False,
 ) -> tuple[tuple[jax.Array, tuple[Any, Any]], Any]:
     """``value_and_grad(loss_of, has_aux=True)`` with the batch axes handled by hand.
 
@@ -305,6 +333,9 @@ def manual_value_and_grad(
       movers: :func:`manual_movers` of ``params``.
       microbatches: Slices of each device's rows, run one after the other (K must divide
         them).
+      scatter_each: Reduce-scatter each slice's gradients as soon as they are computed and
+        sum the shards (ZeRO-2: a shard-sized accumulator, K reductions per step) instead of
+        summing whole gradients and reducing once (ZeRO-1, FSDP).
 
     Returns:
       ``((loss, (aux, new_rest)), grads)`` as ``jax.value_and_grad`` would, the loss and the
@@ -312,9 +343,12 @@ def manual_value_and_grad(
     """
     template = params
 
+    explicit = microbatches > 1 or not all(m.custom_gradient for m in jax.tree.leaves(movers))
+
     def local(pure, rest_leaves, batch):
-        if microbatches > 1:
-            return _accumulate(loss_of, template, pure, rest_leaves, batch, movers, microbatches)
+        if explicit:  # gradients taken on the gathered values, then scattered by hand
+            return _accumulate(loss_of, template, pure, rest_leaves, batch, movers,
+                               microbatches, scatter_each)  # fmt: skip
 
         def objective(pure):
             gathered = jax.tree.map(lambda x, m: m.gather(x), pure, movers)
@@ -324,11 +358,12 @@ def manual_value_and_grad(
         return jax.value_and_grad(objective, has_aux=True)(pure)
 
     specs = jax.tree.map(lambda m: m.spec, movers)
+    grad_specs = jax.tree.map(lambda m: m.grad_spec, movers)
     mapped = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(specs, PartitionSpec(), PartitionSpec(_entry(batch_axes))),
-        out_specs=((PartitionSpec(), PartitionSpec()), specs),
+        out_specs=((PartitionSpec(), PartitionSpec()), grad_specs),
         axis_names=set(batch_axes),
     )
     (loss, extra), grads_pure = mapped(nnx.to_pure_dict(params), rest_leaves, batch)
@@ -342,8 +377,12 @@ def _state(template: Any, pure: Any) -> Any:
     return state
 
 
-def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, k):
-    """Forward and backward slice by slice on this device, one reduction at the end."""
+def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, k, scatter_each):
+    """Forward and backward slice by slice on this device, the gradients scattered by hand.
+
+    Gradients are summed in the parameters' stored dtype: whole, and scattered once at the end,
+    or (``scatter_each``) scattered per slice and summed as shards.
+    """
     gathered = jax.tree.map(lambda x, m: m.all_gather(x), pure, movers)
     slices = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
 
@@ -354,18 +393,26 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, k):
     shapes = jax.eval_shape(one, gathered, rest_leaves, jax.tree.map(lambda x: x[0], slices))
     rest_def = jax.tree.structure(shapes[1][2])
 
+    def scatter(grads):
+        return jax.tree.map(lambda g, m, x: m.scatter(g, x.dtype), grads, movers, pure)
+
     def body(carry, rows):
         total, rest = carry
         (loss, (aux, rest, _)), grads = jax.value_and_grad(one, has_aux=True)(gathered, rest, rows)
+        grads = scatter(grads) if scatter_each else grads
         total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
         return (total, rest), (loss, aux)
 
     # summed in the stored dtype, whatever the compute dtype
-    zeros = jax.tree.map(lambda g, x: jax.numpy.zeros_like(g, x.dtype), gathered, pure)
+    like = jax.eval_shape(scatter, gathered) if scatter_each else gathered
+    zeros = jax.tree.map(lambda g, x: _zeros(g, x.dtype), like, pure)
     (total, rest), (losses, auxes) = jax.lax.scan(body, (zeros, list(rest_leaves)), slices)
     batch_axes = jax.tree.leaves(movers, is_leaf=lambda m: isinstance(m, Mover))[0].batch_axes
     count = k * math.prod(jax.lax.axis_size(a) for a in batch_axes)
-    grads = jax.tree.map(lambda g, m, x: m.scatter(g / count, x.dtype), total, movers, pure)
+    if scatter_each:
+        grads = jax.tree.map(lambda t: t / count, total)
+    else:
+        grads = jax.tree.map(lambda g, m, x: m.scatter(g / count, x.dtype), total, movers, pure)
     loss = jax.lax.pmean(losses.mean(), batch_axes)
     aux = _mean(jax.tree.map(lambda a: a.mean(0), auxes), batch_axes)
     return (loss, (aux, jax.tree.unflatten(rest_def, rest))), grads
@@ -373,6 +420,15 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, k):
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
+
+
+def _zeros(like: Any, dtype: Any) -> jax.Array:
+    """Zeros of ``like``'s shape in ``dtype``, varying over the axes ``like`` varies over."""
+    zeros = jax.numpy.zeros(like.shape, dtype)
+    manual = like.manual_axis_type if hasattr(like, "manual_axis_type") else None
+    manual = manual or jax.typeof(like).manual_axis_type
+    varying = tuple(manual.varying) if manual is not None else ()
+    return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
 def _mean(tree: Any, axes: tuple[str, ...]) -> Any:

@@ -10,6 +10,8 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from substrax import warn_user
+from substrax.layout import Layout
 from substrax.mesh import Reason
 from substrax_flax._plan import model_plan, remember, shardings_of
 from substrax_flax._resolve import Rules, Strategy, VariableSharding, make_row
@@ -29,35 +31,50 @@ def _mirrored_param(path: str, shape: tuple[int, ...], params: dict) -> Variable
 
 
 def optimizer_rows(
-    opt_state: Any, param_rows: tuple[VariableSharding, ...], mesh: Any
+    opt_state: Any,
+    param_rows: tuple[VariableSharding, ...],
+    mesh: Any,
+    layout: Layout | None = None,
 ) -> tuple[VariableSharding, ...]:
     """Rows for an optimizer state: a leaf that mirrors a parameter takes its spec.
 
     A leaf mirrors a parameter when its path ends with the parameter's path and its shape is
-    the parameter's (adam's ``mu`` / ``nu``, momentum traces, ...). Every other leaf (step
-    counters, scalars, factored statistics) is replicated, and its row says so.
+    the parameter's (adam's ``mu`` / ``nu``, momentum traces, ...). Under a ZeRO layout it is
+    also sharded over the replica axes (:meth:`~substrax.layout.Layout.optimizer_spec`); one
+    that no dimension of divides keeps its parameter's spec, with a reason in its row and one
+    ``ShardingWarning`` for all of them. Every other leaf (step counters, scalars, factored
+    statistics) is replicated, and its row says so.
 
     Args:
       opt_state: The optimizer's ``nnx.State`` (abstract or live).
       param_rows: The rows of the parameters.
       mesh: The device mesh; None means one device (see :func:`plan_model`).
+      layout: The model's layout, if it has one.
 
     Returns:
       One row per optimizer-state variable.
     """
     params = {row.path: row for row in param_rows}
-    rows = []
+    rows, whole = [], []
     for path, variable in variables(opt_state):
         param = _mirrored_param(path, shape_and_dtype(variable)[0], params)
         if param is not None:
+            spec, why = param.spec, None
+            if layout is not None and layout.zero:
+                spec, why = layout.optimizer_spec(param.spec, param.shape)
+            reasons = param.reasons
+            if why is not None:
+                reasons += (Reason("indivisible", None, None, layout.optimizer_axes, why),)
+                whole.append(path)
             row = make_row(
                 path,
                 variable,
-                param.spec,
+                spec,
                 mesh,
                 names=param.logical_names,
-                rule=f"mirrors {param.path}",
-                reasons=param.reasons,
+                rule=f"mirrors {param.path}"
+                + (f", zero{layout.zero}" if spec != param.spec else ""),
+                reasons=reasons,
             )
         else:
             shape = shape_and_dtype(variable)[0]
@@ -72,6 +89,12 @@ def optimizer_rows(
                 reasons=(why,) if shape else (),
             )
         rows.append(row)
+    if whole:
+        warn_user(
+            f"{len(whole)} optimizer state leaves are not sharded over the replica axes "
+            f"{layout.optimizer_axes} of the zero{layout.zero} layout (no dimension divides), "
+            f"the first {whole[0]!r}; see sharding_report(optimizer)."
+        )
     return tuple(rows)
 
 
@@ -119,7 +142,7 @@ def create_sharded_optimizer(
             return nnx.Optimizer(nnx.merge(graphdef, state), tx, wrt=wrt)
 
     opt_graphdef, abstract_opt_state = nnx.split(nnx.eval_shape(make, model_state))
-    rows = optimizer_rows(abstract_opt_state, param_rows, mesh)
+    rows = optimizer_rows(abstract_opt_state, param_rows, mesh, plan.layout)
     shardings = shardings_of(rows, abstract_opt_state, mesh)
 
     def init(state):

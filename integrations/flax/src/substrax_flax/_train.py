@@ -63,7 +63,7 @@ def optimizer_shardings(optimizer: nnx.Optimizer, plan: ModelPlan) -> Any:
     opt_state = nnx.state(optimizer)
     rows = plan_of(optimizer)
     if not isinstance(rows, tuple):
-        rows = optimizer_rows(opt_state, plan.rows, plan.mesh)
+        rows = optimizer_rows(opt_state, plan.rows, plan.mesh, plan.layout)
     return shardings_of(rows, opt_state, plan.mesh)
 
 
@@ -310,7 +310,7 @@ class TrainStep(JittedStep):
                         (loss, (aux, rest)), grads = manual_value_and_grad(
                             loss_of, params, rest_leaves, batch, mesh=mesh,
                             batch_axes=manual[0], movers=manual[1],
-                            microbatches=self.microbatches,
+                            microbatches=self.microbatches, scatter_each=manual[2],
                         )  # fmt: skip
                     else:
                         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -354,8 +354,9 @@ class TrainStep(JittedStep):
         if mode == "manual":
             rows = {row.path: row for row in plan.rows}
             movers = manual_movers(nnx.state(model, self.wrt), rows, split, compute_sh,
-                                   self.precision)  # fmt: skip
-            manual = (split, movers)
+                                   self.precision, plan.layout)  # fmt: skip
+            zero = plan.layout.zero if plan.layout is not None else 0
+            manual = (split, movers, zero == 2)
         fn = self._step_fn(
             nnx.graphdef(model), nnx.graphdef(optimizer), compute_sh, rules, model_sh, opt_sh,
             plan.mesh, manual,

@@ -102,7 +102,7 @@ def _twin_layout(layout: Layout, devices: int) -> Layout:
     """The layout scaled down to at most ``devices`` devices, keeping each kind of parallelism.
 
     tp, fsdp and dp become at most 2, 4 and 2 (while they fit), each above 1 where the
-    original's is.
+    original's is; a ZeRO layout stays one.
 
     Raises:
       ValueError: For a pipeline layout (``benchmarks/pipeline.py`` measures those).
@@ -112,7 +112,7 @@ def _twin_layout(layout: Layout, devices: int) -> Layout:
     tp = min(layout.tp, 2)
     fsdp = min(layout.fsdp, max(devices // (tp * 2 if layout.dp > 1 else tp), 1), 4)
     dp = min(layout.dp, max(devices // (tp * fsdp), 1), 2)
-    return Layout.from_degrees(dp=dp, fsdp=fsdp, tp=tp)
+    return Layout.from_degrees(dp=dp, fsdp=fsdp, tp=tp, zero=layout.zero if dp > 1 else 0)
 
 
 def _twin_config(config: TransformerConfig) -> TransformerConfig:
