@@ -56,6 +56,26 @@ def test_405b_on_fsdp_512_by_tp_8_is_exact():
                                                      "model/all-reduce"}  # fmt: skip
 
 
+def test_zero_divides_the_optimizer_state_and_keeps_the_traffic_of_dp():
+    config = architecture("llama3-8b")
+    leaves = transformer_leaves(config)
+    dp, zero1, zero2 = (
+        evaluate(config, leaves, Layout.from_degrees(dp=64, tp=8, zero=z), WORK, H100)
+        for z in (0, 1, 2)
+    )
+    assert zero1.bytes_per_device["params"] == dp.bytes_per_device["params"]
+    assert zero1.bytes_per_device["optimizer"] == dp.bytes_per_device["optimizer"] / 64
+    assert zero1.bytes_per_device["grads"] == dp.bytes_per_device["grads"]
+    assert zero2.bytes_per_device["grads"] == dp.bytes_per_device["grads"] / 64
+    assert set(zero1.traffic_bytes_per_step) == {"data/reduce-scatter", "data/all-gather",
+                                                 "model/all-reduce"}  # fmt: skip
+    assert sum(zero1.traffic_bytes_per_step.values()) == pytest.approx(
+        sum(dp.traffic_bytes_per_step.values())
+    )
+    labels = [c.layout.label for c in plan("llama3-8b", 512, H100, WORK).candidates]
+    assert "zero1 dp 64 x tp 8" in labels and "zero2 dp 64 x tp 8" in labels
+
+
 TWINS = [
     TransformerConfig(layers=4, d_model=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256),
     TransformerConfig(layers=2, d_model=32, heads=8, kv_heads=8, head_dim=4, ffn=96, vocab=100,

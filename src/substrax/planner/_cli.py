@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from substrax.planner._architectures import ARCHITECTURES, Leaf, config_from_leaves
-from substrax.planner._estimate import PRECISION_BYTES, Hardware, Workload
+from substrax.planner._estimate import PRECISION_BYTES, STRATEGIES, Hardware, Workload
 from substrax.planner._hardware import HARDWARE
 from substrax.planner._rank import plan
 from substrax.spmd import REMAT
@@ -156,7 +156,7 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
         help="pipeline microbatches, or gradient-accumulation steps without a pipeline; "
         "searched when left out",
     )
-    parser.add_argument("--strategies", default="dp,fsdp,tp,pp")
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--leaves", action="store_true", help="per-parameter table of the best")
     parser.add_argument("--json", type=pathlib.Path, default=None)

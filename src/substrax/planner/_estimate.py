@@ -115,6 +115,9 @@ class LeafPlan:
       spec: Mesh axes per dimension (empty tuple: replicated).
       params_per_device: Elements one device holds.
       why: Why a dimension that a rule maps stays whole (not divisible, unknown name), if any.
+      sharded_per_device: Elements per device of its optimizer state (and, for ZeRO-2, its
+        gradient): ``params_per_device``, divided by the replicas under a ZeRO layout when a
+        dimension divides (:meth:`~substrax.layout.Layout.optimizer_spec`).
     """
 
     path: str
@@ -122,6 +125,11 @@ class LeafPlan:
     spec: tuple[tuple[str, ...], ...]
     params_per_device: int
     why: str = ""
+    sharded_per_device: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.sharded_per_device is None:
+            object.__setattr__(self, "sharded_per_device", self.params_per_device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,7 +192,8 @@ class Candidate:
         }
 
 
-def _leaf_plan(leaf: Leaf, rules: dict, sizes: dict) -> LeafPlan:
+def _leaf_plan(leaf: Leaf, layout: Layout) -> LeafPlan:
+    sizes, rules = layout.shape, layout.param_rules.as_dict()
     resolution = resolve_names(
         rules, leaf.names, leaf.shape, sizes, unknown_names="replicate", where=leaf.path
     )
@@ -193,7 +202,11 @@ def _leaf_plan(leaf: Leaf, rules: dict, sizes: dict) -> LeafPlan:
         dim // math.prod(sizes[a] for a in axes) for dim, axes in zip(leaf.shape, spec, strict=True)
     )
     why = "; ".join(str(r) for r in resolution.of_kind("indivisible", "unknown_name"))
-    return LeafPlan(leaf.path, leaf.names, spec, count, why)
+    sharded = count
+    if layout.zero:
+        _, whole = layout.optimizer_spec(resolution.spec, leaf.shape)
+        sharded = count if whole else count // layout.dp
+    return LeafPlan(leaf.path, leaf.names, spec, count, why, sharded)
 
 
 def _activations(c: TransformerConfig, w: Workload, layout: Layout, act: int) -> float:
@@ -218,8 +231,7 @@ def leaf_plans(leaves: Sequence[Leaf], layout: Layout) -> tuple[LeafPlan, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def _leaf_plans(leaves: tuple[Leaf, ...], layout: Layout) -> tuple[LeafPlan, ...]:
-    sizes, rules = layout.shape, layout.param_rules.as_dict()
-    return tuple(_leaf_plan(leaf, rules, sizes) for leaf in leaves)
+    return tuple(_leaf_plan(leaf, layout) for leaf in leaves)
 
 
 def evaluate(
@@ -257,10 +269,11 @@ def evaluate(
         math.prod(leaf.shape[1:]) for leaf in leaves if leaf.names[:1] == ("layers",)
     )
     layer_shard = layer_params / (layout.tp * layout.fsdp) * width
+    sharded = sum(p.sharded_per_device for p in plans)  # over the replicas under ZeRO
     memory = {
         "params": per_device * stored,
-        "grads": per_device * stored,
-        "optimizer": per_device * _OPTIMIZER_BYTES[workload.optimizer],
+        "grads": (sharded if layout.zero == 2 else per_device) * stored,
+        "optimizer": sharded * _OPTIMIZER_BYTES[workload.optimizer],
         "activations": _activations(config, workload, layout, width),
         "gathered": 2 * layer_shard * layout.fsdp if layout.fsdp > 1 else 0.0,
         "unreduced": layer_shard * layout.fsdp if layout.fsdp > 1 else 0.0,
@@ -326,7 +339,10 @@ def _traffic(c, w, layout, state_bytes, width) -> dict[str, float]:
         f, gathers = layout.fsdp, 1 if w.gather == "keep" else 2
         traffic["fsdp/all-gather"] = gathers * state_bytes * f * (f - 1) / f
         traffic["fsdp/reduce-scatter"] = state_bytes * f * (f - 1) / f
-    if layout.dp > 1:  # gradient all-reduce of this device's shard
+    if layout.dp > 1 and layout.zero:  # gradients reduce-scattered, new parameters gathered
+        traffic["data/reduce-scatter"] = state_bytes * (layout.dp - 1) / layout.dp
+        traffic["data/all-gather"] = state_bytes * (layout.dp - 1) / layout.dp
+    elif layout.dp > 1:  # gradient all-reduce of this device's shard
         traffic["data/all-reduce"] = 2 * state_bytes * (layout.dp - 1) / layout.dp
     if layout.tp > 1:  # two activation all-reduces per layer forward, two backward
         layers = math.ceil(c.layers / layout.pp)
@@ -367,8 +383,12 @@ def _warnings(c, plans, layout, per_device) -> tuple[str, ...]:
     return tuple(found)
 
 
+#: What :func:`layouts` may combine: the four degrees, and ZeRO over the replicas.
+STRATEGIES = ("dp", "fsdp", "tp", "pp", "zero")
+
+
 def layouts(devices: int, config: TransformerConfig, *, devices_per_host: int = 8,
-            strategies: Sequence[str] = ("dp", "fsdp", "tp", "pp")) -> list[Layout]:  # fmt: skip
+            strategies: Sequence[str] = STRATEGIES) -> list[Layout]:  # fmt: skip
     """Every layout of ``devices`` that the strategies allow.
 
     Tensor parallelism stays within a host, pipelines have at most one stage per layer, and every
@@ -380,7 +400,9 @@ def layouts(devices: int, config: TransformerConfig, *, devices_per_host: int = 
       devices: The device count.
       config: The architecture (its layer count bounds the pipeline).
       devices_per_host: The largest tensor-parallel degree.
-      strategies: Which of ``dp``, ``fsdp``, ``tp``, ``pp`` may exceed 1.
+      strategies: Which of ``dp``, ``fsdp``, ``tp``, ``pp`` may exceed 1, and whether
+        layouts with replicas also come as ``zero`` 1 and 2 (optimizer state, and gradients,
+        sharded over the replicas; not combined with fsdp).
 
     Returns:
       The layouts.
@@ -390,9 +412,11 @@ def layouts(devices: int, config: TransformerConfig, *, devices_per_host: int = 
     """
     if devices < 1:
         raise ValueError(f"devices must be positive, got {devices}.")
-    unknown = set(strategies) - {"dp", "fsdp", "tp", "pp"}
+    unknown = set(strategies) - set(STRATEGIES)
     if unknown:
-        raise ValueError(f"Unknown strategies {sorted(unknown)}; choose from dp, fsdp, tp, pp.")
+        raise ValueError(
+            f"Unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}."
+        )
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
     found = []
     for tp in (d for d in divisors if d <= devices_per_host and ("tp" in strategies or d == 1)):
@@ -402,4 +426,6 @@ def layouts(devices: int, config: TransformerConfig, *, devices_per_host: int = 
                 dp = rest // fsdp
                 if (fsdp == 1 or "fsdp" in strategies) and (dp == 1 or "dp" in strategies):
                     found.append(Layout.from_degrees(pp=pp, dp=dp, fsdp=fsdp, tp=tp))
+                    if "zero" in strategies and dp > 1 and fsdp == 1:
+                        found += [Layout.from_degrees(pp=pp, dp=dp, tp=tp, zero=z) for z in (1, 2)]
     return found

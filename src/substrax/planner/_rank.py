@@ -12,7 +12,14 @@ from substrax.planner._architectures import (
     architecture,
     transformer_leaves,
 )
-from substrax.planner._estimate import Candidate, Hardware, Workload, evaluate, layouts
+from substrax.planner._estimate import (
+    STRATEGIES,
+    Candidate,
+    Hardware,
+    Workload,
+    evaluate,
+    layouts,
+)
 from substrax.spmd import REMAT
 
 __all__ = ["MICROBATCH_CHOICES", "Plan", "plan"]
@@ -80,7 +87,7 @@ def plan(
     hardware: Hardware,
     workload: Workload,
     *,
-    strategies: Sequence[str] = ("dp", "fsdp", "tp", "pp"),
+    strategies: Sequence[str] = STRATEGIES,
     leaves: Sequence[Leaf] | None = None,
 ) -> Plan:
     """Ranks every layout of ``model`` on ``devices`` devices. No device, no compile.
@@ -90,7 +97,7 @@ def plan(
       devices: The device count.
       hardware: Memory per device (and optional speeds).
       workload: Batch, sequence, precision, optimizer, remat.
-      strategies: Which of ``dp``, ``fsdp``, ``tp``, ``pp`` to consider.
+      strategies: Which of ``dp``, ``fsdp``, ``tp``, ``pp`` and ``zero`` to consider.
       leaves: The parameters, for a model that is not a built-in transformer (its closed
         forms still use ``model``'s configuration).
 
