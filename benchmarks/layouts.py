@@ -1,6 +1,7 @@
 """substrax side by side with Flax's own recipe, for each layout of the example decoder.
 
-For every layout (DP, FSDP over all 8, FSDP on 4 x DP on 2, TP on 4 x DP on 2, FSDP + TP) this
+For every layout (DP, FSDP over all 8, FSDP on 4 x DP on 2, TP on 4 x DP on 2, FSDP + TP, ZeRO-1
+and ZeRO-2 over 8; Flax's recipe for a ZeRO layout is its data-parallel one) this
 measures, for substrax and for Flax's "Scale up on multiple devices" recipe (annotations,
 ``nnx.logical_axis_rules``, an ``nnx.jit`` init under ``jax.set_mesh``, ``nnx.Optimizer``, an
 ``nnx.jit`` step):
@@ -63,6 +64,8 @@ CASES = {
     "FSDP 4 x DP 2": ("hsdp", {"data": 2, "model": 4}),
     "TP 4 x DP 2": ("tp", {"data": 2, "model": 4}),
     "FSDP 2 + TP 4": ("fsdp+tp", {"data": 2, "model": 4}),
+    "ZeRO-1 8": ("zero1", {"data": 8}),
+    "ZeRO-2 8": ("zero2", {"data": 8}),
 }
 MIB = 2**20
 
@@ -105,7 +108,7 @@ def theory_bytes(
     """
     n = math.prod(mesh_shape.values())
     passes = 2 if manual else 3  # full-size parameter or gradient passes over the FSDP axes
-    if layout == "dp":
+    if layout in ("dp", "zero1", "zero2"):  # ZeRO: a reduce-scatter and an all-gather
         return 2 * param_bytes * (n - 1) / n
     if layout == "fsdp":
         return passes * param_bytes * (n - 1) / n
