@@ -4,6 +4,11 @@ Sharding inference is left to XLA on Auto meshes: a batch sharded over the data 
 data-parallel step needs for XLA to insert the gradient all-reduce.
 """
 
+from substrax.spmd._attention import VARIANTS as VARIANTS
+from substrax.spmd._attention import context_attention as context_attention
+from substrax.spmd._attention import context_positions as context_positions
+from substrax.spmd._attention import unzigzag as unzigzag
+from substrax.spmd._attention import zigzag as zigzag
 from substrax.spmd._batch import batch_sharding as batch_sharding
 from substrax.spmd._batch import check_batch as check_batch
 from substrax.spmd._batch import replicate as replicate
@@ -21,6 +26,7 @@ from substrax.spmd._remat import checkpoint_policy as checkpoint_policy
 __all__ = [
     "PRECISIONS",
     "REMAT",
+    "VARIANTS",
     "MixedPrecision",
     "active_rules",
     "as_precision",
@@ -28,8 +34,12 @@ __all__ = [
     "check_batch",
     "checkpoint_policy",
     "constrain",
+    "context_attention",
+    "context_positions",
     "lay_out",
     "replicate",
     "shard_batch",
+    "unzigzag",
     "use_rules",
+    "zigzag",
 ]
