@@ -132,9 +132,10 @@ def test_rows_coupled_across_devices_keep_xla_partitioning(module, obstacle):
     assert jax.device_count() == 8
 
 
-def _accumulated(k):
-    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
-    model = sf.create_sharded_model(_factory, mesh, layout=Layout.named("fsdp", mesh))
+def _accumulated(k, shape=None, layout="fsdp"):
+    shape = shape or {"data": 8}
+    mesh = DeviceMeshManager.create_device_mesh(shape, jax.devices()[: math.prod(shape.values())])
+    model = sf.create_sharded_model(_factory, mesh, layout=Layout.named(layout, mesh))
     optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(3e-3))
     step = sf.make_train_step(gpt.loss_fn, microbatches=k)
     batches = [gpt.batch_at(i, 64, CONFIG.seq, 0) for i in range(2)]
@@ -150,6 +151,11 @@ def test_accumulation_reduces_once_per_step_and_holds_one_slice():
     assert counts_4 == counts_1 and counts_1["reduce-scatter"] > 0  # not 4x the reductions
     np.testing.assert_allclose(losses_4, losses_1, rtol=1e-5)
     assert temp_4 < temp_1
+    # one replica (a data axis of size 1): still slice by slice, without a manual region
+    _, one_temp_1, one_losses_1 = _accumulated(1, {"data": 1, "model": 4}, "tp")
+    _, one_temp_4, one_losses_4 = _accumulated(4, {"data": 1, "model": 4}, "tp")
+    np.testing.assert_allclose(one_losses_4, one_losses_1, rtol=1e-5)
+    assert one_temp_4 < one_temp_1
     with pytest.raises(ValueError, match="microbatches=2 runs in the manual data-parallel step"):
         sf.make_train_step(gpt.loss_fn, data_parallel="xla", microbatches=2)
     with pytest.raises(ValueError, match="microbatches must be a positive integer, got 0"):

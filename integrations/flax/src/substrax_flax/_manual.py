@@ -180,7 +180,7 @@ class Mover:
     """How one parameter moves between its shard and its gathered form in the manual region.
 
     Attributes:
-      spec: Its spec over the batch axes (:func:`manual_specs`).
+      spec: Its spec over the batch axes (what the manual region sees of it).
       batch_axes: The batch axes.
       compute: Its ``NamedSharding`` at the point of use (batch axes removed), or None.
       precision: The step's mixed-precision policy.
@@ -353,10 +353,13 @@ def manual_value_and_grad(
         def objective(pure):
             gathered = jax.tree.map(lambda x, m: m.gather(x), pure, movers)
             loss, (aux, new_rest) = loss_of(_state(template, gathered), rest_leaves, batch)
-            return jax.lax.pmean(loss, batch_axes), (_mean(aux, batch_axes), new_rest)
+            return _pmean(loss, batch_axes), (_mean(aux, batch_axes), new_rest)
 
         return jax.value_and_grad(objective, has_aux=True)(pure)
 
+    if not batch_axes:  # one replica (batch axes of size 1): accumulation without a region
+        (loss, extra), grads_pure = local(nnx.to_pure_dict(params), rest_leaves, batch)
+        return (loss, extra), _state(template, grads_pure)
     specs = jax.tree.map(lambda m: m.spec, movers)
     grad_specs = jax.tree.map(lambda m: m.grad_spec, movers)
     mapped = jax.shard_map(
@@ -413,7 +416,7 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, k, scatter_
         grads = jax.tree.map(lambda t: t / count, total)
     else:
         grads = jax.tree.map(lambda g, m, x: m.scatter(g / count, x.dtype), total, movers, pure)
-    loss = jax.lax.pmean(losses.mean(), batch_axes)
+    loss = _pmean(losses.mean(), batch_axes)
     aux = _mean(jax.tree.map(lambda a: a.mean(0), auxes), batch_axes)
     return (loss, (aux, jax.tree.unflatten(rest_def, rest))), grads
 
@@ -431,8 +434,12 @@ def _zeros(like: Any, dtype: Any) -> jax.Array:
     return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
 
 
+def _pmean(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return jax.lax.pmean(x, axes) if axes else x
+
+
 def _mean(tree: Any, axes: tuple[str, ...]) -> Any:
     def mean(x):
-        return jax.lax.pmean(x, axes) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact) else x
+        return _pmean(x, axes) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact) else x
 
     return jax.tree.map(mean, tree)

@@ -350,7 +350,11 @@ class TrainStep(JittedStep):
         compute_sh, rules = self._compute(plan, nnx.state(model, self.wrt))
         manual = None
         split = tuple(a for a in data_axes if dict(plan.mesh.shape)[a] > 1)
-        mode = (mode or self._mode(model, plan.mesh, split)) if split else "xla"
+        # One replica: nothing to split; accumulation still runs slice by slice, region-less.
+        mode = mode or (self._mode(model, plan.mesh, split) if split else "xla")
+        if not split and self.microbatches > 1:
+            check_manual(model, plan.mesh)  # batch statistics, dropout: per slice, not per batch
+            mode = "manual"
         if mode == "manual":
             rows = {row.path: row for row in plan.rows}
             movers = manual_movers(nnx.state(model, self.wrt), rows, split, compute_sh,
@@ -586,8 +590,9 @@ def make_train_step(
         Explicit axes -- and then ``"xla"``; :meth:`TrainStep.data_parallel_for` says which.
       microbatches: Gradient accumulation (in the manual step): each device runs its rows as
         this many slices, one after the other, and the gradients are reduced once per step
-        (the reductions do not grow with it; activations are held for one slice). The loss
-        is the mean of the slices' losses.
+        (the reductions do not grow with it; activations are held for one slice; ``zero2``
+        layouts reduce each slice's). The loss is the mean of the slices' losses. With one
+        replica (batch axes of size 1) the slices run without a manual region.
       precision: A :class:`substrax.spmd.MixedPrecision` policy, ``"bf16"``
         (``MixedPrecision.bf16()``: float32 master weights and optimizer state, bfloat16
         gathers, compute and gradient reductions, float32 loss) or ``"f32"`` / None (as
