@@ -12,10 +12,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax_test_models import StackedTransformer, tokens
+from test_pipeline_step import block, embed, head
 
 import substrax_flax as sf
 from substrax import ShardingWarning
 from substrax.hlo import collectives, traffic_by_kind, while_bodies
+from substrax.layout import Layout
 from substrax.mesh import DeviceMeshManager
 
 CONFIG = gpt.Config(vocab=256, d_model=64, heads=4, mlp=256, layers=2, seq=16)
@@ -121,3 +124,19 @@ def test_a_state_no_dimension_of_divides_is_reported():
         warnings.simplefilter("error")
         step = sf.make_train_step(lambda m, b: (m(b) ** 2).mean())
         step(model, optimizer, np.ones((8, 3), np.float32))
+
+
+def test_a_pipeline_with_zero_shards_the_optimizer_and_trains_alike():
+    runs = {}
+    for zero in (0, 1):
+        layout = Layout.from_degrees(pp=2, dp=4, zero=zero)
+        model = sf.create_sharded_model(
+            lambda: StackedTransformer(nnx.Rngs(0), layers=4), layout=layout
+        )
+        optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2))
+        step = sf.make_pipeline_train_step(embed, block, head, layout.make_mesh(), layout=layout,
+                                           stack="blocks", num_microbatches=2)  # fmt: skip
+        losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(2)]
+        runs[zero] = losses, sf.sharding_report(optimizer).bytes_per_device
+    np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
+    assert runs[1][1] < 0.3 * runs[0][1]  # adam's moments over the 4 replicas
