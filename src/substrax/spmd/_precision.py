@@ -49,7 +49,7 @@ class MixedPrecision:
         compute dtype, as FSDP2 does).
       reduce_dtype: The dtype gradients are reduced across devices in (None: the gather
         dtype).
-      output_dtype: The dtype of the loss and floating-point metrics (None: float32).
+      output_dtype: The dtype of the loss and floating-point metrics (None: as computed).
     """
 
     param_dtype: Any = None
@@ -67,9 +67,10 @@ class MixedPrecision:
         """bfloat16 gathers, compute and reductions; float32 master weights and outputs.
 
         Returns:
-          ``MixedPrecision(param_dtype=float32, compute_dtype=bfloat16)``.
+          ``MixedPrecision(param_dtype=float32, compute_dtype=bfloat16,
+          output_dtype=float32)``.
         """
-        return cls(param_dtype=jnp.float32, compute_dtype=jnp.bfloat16)
+        return cls(param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, output_dtype=jnp.float32)
 
     @property
     def gather(self) -> np.dtype | None:
@@ -80,16 +81,6 @@ class MixedPrecision:
     def reduce(self) -> np.dtype | None:
         """The dtype gradients are reduced in (None: the gradient's own)."""
         return self.reduce_dtype or self.gather
-
-    @property
-    def output(self) -> np.dtype:
-        """The dtype of the loss and floating-point metrics."""
-        return self.output_dtype or jnp.dtype(jnp.float32)
-
-    @property
-    def is_full(self) -> bool:
-        """Whether nothing is cast (every dtype but the output left as stored)."""
-        return self.compute_dtype is None and self.gather is None and self.reduce is None
 
     def cast_to_compute(self, tree: Any) -> Any:
         """Casts the floating-point leaves of ``tree`` to the compute dtype.
@@ -110,9 +101,9 @@ class MixedPrecision:
           tree: A pytree of arrays (the loss and metrics).
 
         Returns:
-          The tree, floating-point leaves cast.
+          The tree, floating-point leaves cast (untouched without an output dtype).
         """
-        return _cast_floating(tree, self.output)
+        return _cast_floating(tree, self.output_dtype)
 
 
 def _cast_floating(tree: Any, dtype: np.dtype | None) -> Any:
