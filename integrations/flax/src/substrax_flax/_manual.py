@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec
 from substrax.layout import Layout
 from substrax.mesh import MeshRules
 from substrax.spmd import MixedPrecision
+from substrax_flax._resolve import axes_entry, entry_axes, without_axes
 from substrax_flax._state import map_variables, values_by_path, variables
 
 __all__ = [
@@ -44,19 +45,6 @@ __all__ = [
 ]
 
 
-def _axes(entry: Any) -> tuple[str, ...]:
-    """A spec entry or rule value (None, an axis, or a tuple of axes) as a tuple."""
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _entry(axes: Any) -> Any:
-    """The ``PartitionSpec`` entry for a sequence of axes: None, one name, or a tuple."""
-    axes = tuple(axes)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
 def manual_rules(rules: MeshRules, batch_axes: tuple[str, ...]) -> MeshRules:
     """The compute rules as seen inside the manual region: the batch axes removed everywhere.
 
@@ -65,7 +53,7 @@ def manual_rules(rules: MeshRules, batch_axes: tuple[str, ...]) -> MeshRules:
     """
     drop = set(batch_axes)
     kept = {
-        name: _entry([a for a in _axes(value) if a not in drop])
+        name: axes_entry([a for a in entry_axes(value) if a not in drop])
         for name, value in rules.as_dict().items()
     }
     return MeshRules().extend(**kept)
@@ -96,7 +84,7 @@ def manual_movers(
     by_path = values_by_path(compute)
 
     def over_batch(spec):
-        return PartitionSpec(*[_entry(a for a in _axes(e) if a in batch_axes) for e in spec])
+        return without_axes(spec, {a for e in spec for a in entry_axes(e)} - set(batch_axes))
 
     def mover(path, _):
         row = rows[path]
@@ -197,7 +185,7 @@ class Mover:
     grad_spec: PartitionSpec
 
     def _unsharded(self, spec: PartitionSpec) -> tuple[str, ...]:
-        sharded = {a for entry in spec if entry is not None for a in _axes(entry)}
+        sharded = {a for entry in spec for a in entry_axes(entry)}
         return tuple(a for a in self.batch_axes if a not in sharded)
 
     @property
@@ -220,7 +208,9 @@ class Mover:
         XLA would otherwise replicate the parameter over the tensor axes before a collective
         over the batch axes; a nested ``shard_map`` over the tensor axes keeps them.
         """
-        tensor = set() if self.compute is None else {a for e in self.compute.spec for a in _axes(e)}
+        tensor = (
+            set() if self.compute is None else {a for e in self.compute.spec for a in entry_axes(e)}
+        )
         if not tensor or self._mixed_dimension():
             return fn
         spec = self.compute.spec
@@ -238,8 +228,8 @@ class Mover:
         """
         for spec in (self.stored_spec, self.grad_spec):
             for entry, used in zip(spec, self.compute.spec, strict=False):
-                axes = _axes(entry)
-                if any(a in self.batch_axes for a in axes) and set(axes) & set(_axes(used)):
+                axes = entry_axes(entry)
+                if any(a in self.batch_axes for a in axes) and set(axes) & set(entry_axes(used)):
                     return True
         return False
 
@@ -365,7 +355,7 @@ def manual_value_and_grad(
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(specs, PartitionSpec(), PartitionSpec(_entry(batch_axes))),
+        in_specs=(specs, PartitionSpec(), PartitionSpec(axes_entry(batch_axes))),
         out_specs=((PartitionSpec(), PartitionSpec()), grad_specs),
         axis_names=set(batch_axes),
     )

@@ -25,6 +25,7 @@ __all__ = [
     "Resolver",
     "VariableSharding",
     "as_rules",
+    "axes_entry",
     "entry_axes",
     "make_row",
     "without_axes",
@@ -132,10 +133,15 @@ def entry_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def axes_entry(axes: Any) -> Any:
+    """The spec entry for a sequence of axis names: None, one name, or a tuple of names."""
+    axes = tuple(axes)
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def without_axes(spec: PartitionSpec, drop: set[str]) -> PartitionSpec:
     """``spec`` with the mesh axes in ``drop`` removed from every entry."""
-    kept = [tuple(a for a in entry_axes(e) if a not in drop) for e in spec]
-    return PartitionSpec(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
+    return PartitionSpec(*(axes_entry(a for a in entry_axes(e) if a not in drop) for e in spec))
 
 
 class Resolver:
