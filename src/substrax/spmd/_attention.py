@@ -41,8 +41,7 @@ def zigzag(x: jax.Array, cp: int, axis: int = 1) -> jax.Array:
       ValueError: If the sequence does not split into ``2 cp`` chunks.
     """
     chunks = _chunks(x, cp, axis)
-    order = [c for i in range(cp) for c in (i, 2 * cp - 1 - i)]
-    return jnp.concatenate([chunks[c] for c in order], axis=axis)
+    return jnp.concatenate([chunks[c] for c in _zigzag_order(cp)], axis=axis)
 
 
 def unzigzag(x: jax.Array, cp: int, axis: int = 1) -> jax.Array:
@@ -60,9 +59,13 @@ def unzigzag(x: jax.Array, cp: int, axis: int = 1) -> jax.Array:
       ValueError: If the sequence does not split into ``2 cp`` chunks.
     """
     chunks = _chunks(x, cp, axis)
-    order = [c for i in range(cp) for c in (i, 2 * cp - 1 - i)]
-    natural = [chunks[order.index(c)] for c in range(2 * cp)]
-    return jnp.concatenate(natural, axis=axis)
+    order = _zigzag_order(cp)
+    return jnp.concatenate([chunks[order.index(c)] for c in range(2 * cp)], axis=axis)
+
+
+def _zigzag_order(cp: int) -> list[int]:
+    """The chunks in zigzag order: 0, 2cp-1, 1, 2cp-2, ..."""
+    return [c for i in range(cp) for c in (i, 2 * cp - 1 - i)]
 
 
 def _chunks(x: jax.Array, cp: int, axis: int) -> list[jax.Array]:
