@@ -338,7 +338,7 @@ def manual_value_and_grad(
     def local(pure, rest_leaves, batch):
         if explicit:  # gradients taken on the gathered values, then scattered by hand
             return _accumulate(loss_of, template, pure, rest_leaves, batch, movers,
-                               microbatches, scatter_each)  # fmt: skip
+                               batch_axes, microbatches, scatter_each)  # fmt: skip
 
         def objective(pure):
             gathered = jax.tree.map(lambda x, m: m.gather(x), pure, movers)
@@ -370,7 +370,7 @@ def _state(template: Any, pure: Any) -> Any:
     return state
 
 
-def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, k, scatter_each):
+def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes, k, scatter_each):
     """Forward and backward slice by slice on this device, the gradients scattered by hand.
 
     Gradients are summed in the parameters' stored dtype: whole, and scattered once at the end,
@@ -400,7 +400,6 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, k, scatter_
     like = jax.eval_shape(scatter, gathered) if scatter_each else gathered
     zeros = jax.tree.map(lambda g, x: _zeros(g, x.dtype), like, pure)
     (total, rest), (losses, auxes) = jax.lax.scan(body, (zeros, list(rest_leaves)), slices)
-    batch_axes = jax.tree.leaves(movers, is_leaf=lambda m: isinstance(m, Mover))[0].batch_axes
     count = k * math.prod(jax.lax.axis_size(a) for a in batch_axes)
     if scatter_each:
         grads = jax.tree.map(lambda t: t / count, total)

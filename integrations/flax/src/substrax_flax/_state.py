@@ -97,10 +97,6 @@ def shape_and_dtype(variable: nnx.Variable) -> tuple[tuple[int, ...], Any]:
     return tuple(getattr(value, "shape", ())), getattr(value, "dtype", None)
 
 
-def _constrain(value: jax.Array, sharding: jax.sharding.NamedSharding) -> jax.Array:
-    return lay_out(value, sharding)
-
-
 def layer_kinds(model: Any) -> dict[str, str]:
     """The kind of layer that holds each variable of ``model`` (live or abstract), by path.
 
@@ -140,6 +136,6 @@ def constrain_state(state: Any, shardings: Any) -> Any:
     by_path = values_by_path(shardings)
 
     def place(path, leaf):
-        return _constrain(leaf.get_value() if is_variable(leaf) else leaf, by_path[path])
+        return lay_out(leaf.get_value() if is_variable(leaf) else leaf, by_path[path])
 
     return map_variables(place, state)
