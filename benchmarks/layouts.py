@@ -302,6 +302,14 @@ def measure(config, label, layout, mesh_shape, steps, batch_size):
     }
 
 
+def write_results(output_dir: pathlib.Path, name: str, report, table: str) -> None:
+    """Writes ``<name>.json`` and ``<name>.md`` into ``output_dir`` and prints the table."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (output_dir / f"{name}.md").write_text(table)
+    print(table)
+
+
 def _mib(value):
     return "-" if value is None else f"{value / MIB:.1f}"
 
@@ -380,11 +388,7 @@ def main(argv=None):
         "steps": args.steps,
         "rows": rows,
     }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "layouts.json").write_text(json.dumps(report, indent=2))
-    table = markdown(report)
-    (args.output_dir / "layouts.md").write_text(table)
-    print(table)
+    write_results(args.output_dir, "layouts", report, markdown(report))
     return report
 
 

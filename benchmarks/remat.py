@@ -24,11 +24,15 @@ if __name__ == "__main__":
 
 import argparse
 import dataclasses
-import json
 import pathlib
 import time
 
-from layouts import SIZES, compiled_stats, gpt  # layouts puts examples/ on the path
+from layouts import (  # layouts puts examples/ on the path
+    SIZES,
+    compiled_stats,
+    gpt,
+    write_results,
+)
 
 import substrax_flax as sf
 from substrax.layout import Layout
@@ -102,8 +106,6 @@ def main(argv=None) -> dict:
         "layout": "fsdp over 8",
         "rows": rows,
     }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "remat.json").write_text(json.dumps(report, indent=2))
     text = (
         f"# Remat policies: FSDP over {jax.device_count()} {jax.devices()[0].platform} devices\n\n"
         f"The example decoder ({config}), batch {args.batch_size}, measured "
@@ -111,8 +113,7 @@ def main(argv=None) -> dict:
         + _table(rows)
         + "\n"
     )
-    (args.output_dir / "remat.md").write_text(text)
-    print(text)
+    write_results(args.output_dir, "remat", report, text)
     return report
 
 

@@ -27,13 +27,18 @@ if __name__ == "__main__":
     jax.config.update("jax_num_cpu_devices", 8)
 
 import argparse
-import json
 import pathlib
 import time
 
 import numpy as np
 from flax import nnx
-from layouts import MIB, SIZES, compiled_stats, gpt  # layouts puts examples/ on the path
+from layouts import (  # layouts puts examples/ on the path
+    MIB,
+    SIZES,
+    compiled_stats,
+    gpt,
+    write_results,
+)
 
 import substrax_flax as sf
 from substrax.hlo import KINDS, traffic_by_kind
@@ -181,11 +186,7 @@ def main(argv=None) -> dict:
         "precision": precision,
         "accumulation": accumulation_rows(config, args.accumulation_batch, args.microbatches),
     }
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    (args.output_dir / "step.json").write_text(json.dumps(report, indent=2))
-    table = markdown(report)
-    (args.output_dir / "step.md").write_text(table)
-    print(table)
+    write_results(args.output_dir, "step", report, markdown(report))
     return report
 
 
