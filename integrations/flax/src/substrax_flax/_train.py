@@ -36,7 +36,7 @@ from substrax_flax._optimizer import check_owner, optimizer_rows
 from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, plan_of, shardings_of
 from substrax_flax._remat import Marked, use_remat
 from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules
-from substrax_flax._state import constrain_state
+from substrax_flax._state import constrain_state, shape_and_dtype, variables
 
 __all__ = ["Built", "JittedStep", "TrainStep", "make_train_step", "optimizer_shardings"]
 
@@ -460,6 +460,11 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
+def _dtypes(model: nnx.Module, wrt: Any) -> list[tuple[str, Any]]:
+    """``(path, dtype)`` of every variable of ``model`` that ``wrt`` selects."""
+    return [(path, shape_and_dtype(v)[1]) for path, v in variables(nnx.state(model, wrt))]
+
+
 def _check_differentiable(model: nnx.Module, wrt: Any) -> None:
     """Raises if a variable to differentiate is not floating point (jax's error lacks its name).
 
@@ -467,10 +472,9 @@ def _check_differentiable(model: nnx.Module, wrt: Any) -> None:
       TypeError: Naming each such variable, and what to do.
     """
     bad = [
-        f"{jax.tree_util.keystr(path, simple=True, separator='/').removesuffix('/value')} "
-        f"({leaf.dtype})"
-        for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, wrt))
-        if not jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)
+        f"{path} ({dtype})"
+        for path, dtype in _dtypes(model, wrt)
+        if not jax.numpy.issubdtype(dtype, jax.numpy.inexact)
     ]
     if bad:
         name = getattr(wrt, "__name__", repr(wrt))
@@ -489,12 +493,11 @@ def _check_param_dtype(model: nnx.Module, wrt: Any, precision: MixedPrecision) -
     """
     if precision.param_dtype is None:
         return
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, wrt)):
-        if leaf.dtype != precision.param_dtype:
-            name = jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
+    for path, dtype in _dtypes(model, wrt):
+        if dtype != precision.param_dtype:
             raise TypeError(
                 f"The precision policy stores parameters in {precision.param_dtype.name}, but "
-                f"{name} is {leaf.dtype}. Create the model with param_dtype="
+                f"{path} is {dtype}. Create the model with param_dtype="
                 f"{precision.param_dtype.name} (master weights), or pass a policy with "
                 "param_dtype=None."
             )
