@@ -84,9 +84,25 @@ def test_bad_layouts_say_what_is_valid(call, message):
 
 def test_every_named_layout_is_listed():
     assert LAYOUTS == (
-        "dp", "fsdp", "hsdp", "tp", "fsdp+tp", "pp", "zero1", "zero2", "zero1+tp", "zero2+tp"
+        "dp", "fsdp", "hsdp", "tp", "fsdp+tp", "pp", "zero1", "zero2", "zero1+tp", "zero2+tp",
+        "cp", "fsdp+cp", "ep", "fsdp+ep",
     )  # fmt: skip
     assert [Layout.named(name, MESH).name for name in LAYOUTS] == list(LAYOUTS)
+
+
+def test_context_and_expert_roles_split_the_sequence_and_the_experts():
+    cp = Layout.named("fsdp+cp", {"data": 2, "context": 4})
+    assert (cp.context_axes, cp.fsdp_axes, cp.batch_axes, cp.label) == (
+        ("context",), ("data",), ("data",), "fsdp 2 x cp 4"
+    )
+    assert cp.param_rules.as_dict()["seq"] == "context" and cp.cp == 4
+    ep = Layout.named("fsdp+ep", {"data": 2, "expert": 4})
+    # tokens are split over the expert axis too, but parameters are gathered over data only
+    assert (ep.batch_axes, ep.gather_axes, ep.ep) == (("data", "expert"), ("data",), 4)
+    rules = ep.compute_rules.as_dict()
+    assert (rules["expert"], rules["embed"], rules["batch"]) == ("expert", None, ("data", "expert"))
+    both = Layout.from_degrees(fsdp=2, ep=2, cp=2, tp=2)
+    assert (both.axis_names, both.name) == (("fsdp", "expert", "context", "model"), "fsdp+ep+cp+tp")
 
 
 def test_zero_shards_the_optimizer_state_on_a_free_dimension_that_divides():

@@ -2,11 +2,14 @@
 
 A :class:`Layout` gives each mesh axis one role: ``pipe`` (pipeline stages), ``data`` (replicas:
 the batch is split, parameters are whole), ``fsdp`` (the batch is split and parameters are
-sharded on ``embed``) or ``tensor`` (``heads``, ``kv_heads``, ``mlp`` and ``vocab`` are
-split). From the roles follow the parameter rules, the compute rules (what a parameter looks
-like where it is used: gathered over the FSDP axes), the batch axes and the strategy for
-variables without annotations. The library's named layouts (:data:`LAYOUTS`), the planner's
-candidates and configs built from :class:`~substrax.mesh.ShardingConfig` are all layouts.
+sharded on ``embed``), ``context`` (the sequence, logical name ``seq``, is split: context
+parallelism), ``expert`` (the batch is split and the experts of mixture-of-experts layers,
+logical name ``expert``, are sharded: expert parallelism) or ``tensor`` (``heads``,
+``kv_heads``, ``mlp`` and ``vocab`` are split). From the roles follow the parameter rules,
+the compute rules (what a parameter looks like where it is used: gathered over the FSDP axes),
+the batch axes and the strategy for variables without annotations. The library's named
+layouts (:data:`LAYOUTS`), the planner's candidates and configs built from
+:class:`~substrax.mesh.ShardingConfig` are all layouts.
 
 A new kind of parallelism is a new role here (a role, its logical names, and its entry in
 :data:`LAYOUTS`), not a new mechanism. ZeRO is not a role but a degree of what the replica axes
@@ -37,22 +40,36 @@ from substrax.mesh._resolve import spec_entry
 __all__ = ["LAYOUTS", "ROLES", "Layout"]
 
 #: The named layouts :meth:`Layout.named` builds.
-LAYOUTS = ("dp", "fsdp", "hsdp", "tp", "fsdp+tp", "pp", "zero1", "zero2", "zero1+tp", "zero2+tp")
+LAYOUTS = (
+    "dp", "fsdp", "hsdp", "tp", "fsdp+tp", "pp", "zero1", "zero2", "zero1+tp", "zero2+tp",
+    "cp", "fsdp+cp", "ep", "fsdp+ep",
+)  # fmt: skip
 
 #: The roles a mesh axis can have, outermost first.
-ROLES = ("pipe", "data", "fsdp", "tensor")
+ROLES = ("pipe", "data", "fsdp", "expert", "context", "tensor")
 
-#: Logical names that each role's axes shard (``data`` and ``fsdp`` also split ``batch``).
+#: Logical names that each role's axes shard (``data``, ``fsdp`` and ``expert`` also split
+#: ``batch``).
 _ROLE_NAMES = {
     "pipe": ("layers",),
     "fsdp": ("embed",),
+    "expert": ("expert",),
+    "context": ("seq",),
     "tensor": ("heads", "kv_heads", "mlp", "vocab"),
 }
 #: Logical names every layout knows, replicated unless a role shards them.
-_NAMES = ("data", "batch", "embed", "mlp", "heads", "kv_heads", "kv", "vocab", "layers")
+_NAMES = (
+    "data", "batch", "seq", "embed", "mlp", "heads", "kv_heads", "kv", "vocab", "layers", "expert",
+)  # fmt: skip
 
 #: Mesh axis names of :meth:`Layout.from_degrees` (the planner's meshes), outermost first.
-_DEGREE_AXES = {"pipe": "pipe", "data": "data", "fsdp": "fsdp", "tensor": "model"}
+_DEGREE_AXES = {
+    "pipe": "pipe", "data": "data", "fsdp": "fsdp", "expert": "expert", "context": "context",
+    "tensor": "model",
+}  # fmt: skip
+#: The short names of the roles in labels and layout names.
+_SHORT = {"pipe": "pp", "data": "dp", "fsdp": "fsdp", "expert": "ep", "context": "cp",
+          "tensor": "tp"}  # fmt: skip
 
 
 def _shape_of(mesh: Mesh | Mapping[str, int]) -> dict[str, int]:
@@ -76,6 +93,13 @@ class Layout:
       data_axes: Replica axes: the batch is split over them, parameters are whole.
       fsdp_axes: FSDP axes: the batch is split, and parameters are sharded on ``embed``; a step
         gathers them where they are used and reduces their gradients back to shards.
+      expert_axes: Expert-parallel axes: the batch is split, and the ``expert`` dimension of
+        mixture-of-experts weights is sharded (the other parameters are whole on them, as on
+        replica axes); tokens reach their experts with ``all_to_all``
+        (:class:`substrax_flax.MixtureOfExperts`).
+      context_axes: Context-parallel axes: the sequence (``seq``) of the batch and of
+        activations is split, in :func:`~substrax.spmd.zigzag` order; parameters are whole on
+        them. Attention runs through :func:`substrax.spmd.attention`.
       tensor_axes: Tensor-parallel axes: ``heads``, ``kv_heads``, ``mlp`` and ``vocab`` are split.
       fsdp_min_weight_size: The fewest elements of an unannotated variable that the FSDP axes
         shard (smaller ones, such as norm scales, stay replicated).
@@ -90,6 +114,8 @@ class Layout:
     pipe_axes: tuple[str, ...] = ()
     data_axes: tuple[str, ...] = ()
     fsdp_axes: tuple[str, ...] = ()
+    expert_axes: tuple[str, ...] = ()
+    context_axes: tuple[str, ...] = ()
     tensor_axes: tuple[str, ...] = ()
     fsdp_min_weight_size: int = 256
     zero: int = 0
@@ -143,10 +169,14 @@ class Layout:
         * ``zero1`` / ``zero2``: ``dp`` with the optimizer state (and for ``zero2`` the
           gradients) sharded over the replicas; ``zero1+tp`` / ``zero2+tp``: the same on
           ``tp``'s replica axes.
+        * ``cp`` / ``fsdp+cp``: context parallelism on the ``context`` axis (the sequence is
+          split), replicas / FSDP over the others.
+        * ``ep`` / ``fsdp+ep``: expert parallelism on the ``expert`` axis (experts sharded,
+          tokens dispatched with ``all_to_all``), replicas / FSDP over the others.
 
-        A mesh without a ``model`` axis uses its innermost axis for ``model`` (neighbouring
-        devices: the fast links tensor parallelism wants); one without a ``pipe`` axis uses its
-        outermost for ``pipe``.
+        A mesh without a ``model`` (``context``, ``expert``) axis uses its innermost axis for
+        it (neighbouring devices: the fast links these roles want); one without a ``pipe`` axis
+        uses its outermost for ``pipe``.
 
         Args:
           name: One of :data:`LAYOUTS`.
@@ -164,38 +194,59 @@ class Layout:
         shape = _shape_of(mesh)
         names = tuple(shape)
         zero, name = (int(name[4]), name[6:] or "dp") if name.startswith("zero") else (0, name)
-        if name in ("hsdp", "fsdp+tp", "pp") and len(names) < 2:
+        if name in ("hsdp", "fsdp+tp", "pp", "fsdp+cp", "fsdp+ep") and len(names) < 2:
             raise ValueError(
                 f"Layout {name!r} needs a mesh of at least two axes (its roles differ); the "
                 f"mesh has {shape}."
             )
-        model = "model" if "model" in names else names[-1]
+
+        def inner(axis: str) -> str:  # the named axis, else the innermost
+            return axis if axis in names else names[-1]
+
+        def besides(axis: str) -> tuple[str, ...]:
+            return tuple(a for a in names if a != axis)
+
+        model, context, expert = inner("model"), inner("context"), inner("expert")
         pipe = "pipe" if "pipe" in names else names[0]
-        others = tuple(a for a in names if a != model)
         roles = {
             "dp": {"data": names},
             "fsdp": {"fsdp": names},
-            "hsdp": {"fsdp": (model,), "data": others},
-            "tp": {"tensor": (model,), "data": others},
-            "fsdp+tp": {"tensor": (model,), "fsdp": others},
-            "pp": {"pipe": (pipe,), "data": tuple(a for a in names if a != pipe)},
+            "hsdp": {"fsdp": (model,), "data": besides(model)},
+            "tp": {"tensor": (model,), "data": besides(model)},
+            "fsdp+tp": {"tensor": (model,), "fsdp": besides(model)},
+            "pp": {"pipe": (pipe,), "data": besides(pipe)},
+            "cp": {"context": (context,), "data": besides(context)},
+            "fsdp+cp": {"context": (context,), "fsdp": besides(context)},
+            "ep": {"expert": (expert,), "data": besides(expert)},
+            "fsdp+ep": {"expert": (expert,), "fsdp": besides(expert)},
         }[name]
         axes = {f"{r}_axes": a for r, a in roles.items()}
         return cls(names, tuple(shape.values()), **axes, zero=zero)
 
     @classmethod
     def from_degrees(
-        cls, *, pp: int = 1, dp: int = 1, fsdp: int = 1, tp: int = 1, zero: int = 0
+        cls,
+        *,
+        pp: int = 1,
+        dp: int = 1,
+        fsdp: int = 1,
+        ep: int = 1,
+        cp: int = 1,
+        tp: int = 1,
+        zero: int = 0,
     ) -> Layout:
-        """A layout of the given degrees on axes ``pipe``, ``data``, ``fsdp``, ``model``.
+        """A layout of the given degrees, on axes named after the roles (``model`` for tensor).
 
-        Axes of size 1 are left out (one device: a ``data`` axis of size 1). The planner's
+        The axes are ``pipe``, ``data``, ``fsdp``, ``expert``, ``context``, ``model``. Axes of
+        size 1 are left out (one device: a ``data`` axis of size 1). The planner's
         candidates are built this way.
 
         Args:
           pp: Pipeline stages.
           dp: Replicas.
           fsdp: FSDP degree.
+          ep: Expert-parallel degree.
+          cp: Context-parallel degree.
           tp: Tensor-parallel degree.
           zero: ZeRO's stage over the replicas (see :attr:`zero`).
 
@@ -205,7 +256,7 @@ class Layout:
         Raises:
           ValueError: If a degree is not a positive integer, or ``zero`` not 0, 1 or 2.
         """
-        degrees = {"pipe": pp, "data": dp, "fsdp": fsdp, "tensor": tp}
+        degrees = {"pipe": pp, "data": dp, "fsdp": fsdp, "expert": ep, "context": cp, "tensor": tp}
         for role, degree in degrees.items():
             if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
                 raise ValueError(f"The {role} degree must be a positive integer, got {degree!r}.")
@@ -299,6 +350,16 @@ class Layout:
         return self._degree("fsdp")
 
     @property
+    def ep(self) -> int:
+        """The expert-parallel degree."""
+        return self._degree("expert")
+
+    @property
+    def cp(self) -> int:
+        """The context-parallel degree (devices the sequence is split over)."""
+        return self._degree("context")
+
+    @property
     def tp(self) -> int:
         """The tensor-parallel degree."""
         return self._degree("tensor")
@@ -315,24 +376,24 @@ class Layout:
     def name(self) -> str:
         """The kind of layout: ``dp``, ``fsdp``, ``hsdp``, ``tp``, ``fsdp+tp``, ``pp``, ...
 
-        Roles of size 1 do not count; combinations join with ``+`` (``pp+fsdp+tp``).
+        Roles of size 1 do not count; combinations join with ``+`` (``pp+fsdp+tp``,
+        ``fsdp+cp``).
         """
         parts = ["pp"] if self._active("pipe") else []
+        inner = [_SHORT[r] for r in ("expert", "context", "tensor") if self._active(r)]
         if self._active("fsdp"):
             parts.append("hsdp" if self._active("data") else "fsdp")
         elif self.zero and self._active("data"):
             parts.append(f"zero{self.zero}")
-        elif self._active("data") and not self._active("tensor") and not parts:
+        elif self._active("data") and not inner and not parts:
             parts.append("dp")
-        if self._active("tensor"):
-            parts.append("tp")
-        return "+".join(parts) or "dp"
+        return "+".join(parts + inner) or "dp"
 
     @property
     def label(self) -> str:
         """Degrees such as ``"fsdp 512 x tp 8"`` (``"single device"`` for one)."""
-        dp = f"zero{self.zero} dp" if self.zero else "dp"
-        degrees = (("pp", self.pp), (dp, self.dp), ("fsdp", self.fsdp), ("tp", self.tp))
+        degrees = [(f"zero{self.zero} dp" if r == "data" and self.zero else _SHORT[r],
+                    self._degree(r)) for r in ROLES]  # fmt: skip
         return " x ".join(f"{k} {v}" for k, v in degrees if v > 1) or "single device"
 
     @property
@@ -377,16 +438,29 @@ class Layout:
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
-        """The mesh axes the batch's leading dimension is split over: replica and FSDP axes."""
-        return tuple(a for a in self.axis_names if a in self.data_axes + self.fsdp_axes)
+        """The mesh axes the batch's leading dimension is split over: replica, FSDP, expert."""
+        split = self.data_axes + self.fsdp_axes + self.expert_axes
+        return tuple(a for a in self.axis_names if a in split)
+
+    @property
+    def gather_axes(self) -> tuple[str, ...]:
+        """The batch axes every parameter is whole on where it is used: replica and FSDP axes.
+
+        A step gathers the parameters sharded over them (FSDP) and reduces every gradient over
+        them; substrax's manual data-parallel step makes them manual. Expert axes split the
+        batch too, but an expert's weights stay on their devices and the tokens travel.
+        """
+        split = self.data_axes + self.fsdp_axes
+        return tuple(a for a in self.axis_names if a in split)
 
     @property
     def param_rules(self) -> MeshRules:
         """How parameters are stored, as rules.
 
         ``embed`` over the FSDP axes, ``heads``, ``kv_heads``, ``mlp`` and ``vocab`` over the
-        tensor axes, ``layers`` over the stage axes, ``data`` and ``batch`` over the batch axes;
-        ``kv`` (head width) replicated.
+        tensor axes, ``layers`` over the stage axes, ``expert`` over the expert axes, ``seq``
+        over the context axes, ``data`` and ``batch`` over the batch axes; ``kv`` (head width)
+        replicated.
         """
         table: dict[str, tuple[str, ...]] = {name: () for name in _NAMES}
         for role, names in _ROLE_NAMES.items():
@@ -410,8 +484,8 @@ class Layout:
         (:class:`~substrax.mesh.FSDPStrategy` with ``shard="largest"``, for variables of at
         least ``fsdp_min_weight_size`` elements), tensor axes split layers as
         :class:`~substrax.mesh.TensorParallelStrategy` does; both merge into a
-        :class:`~substrax.mesh.MultiDimensionalStrategy`. Replica and stage axes shard no
-        unannotated variable.
+        :class:`~substrax.mesh.MultiDimensionalStrategy`. Replica, stage, expert and context
+        axes shard no unannotated variable.
 
         Returns:
           The strategy, or None when no axis shards parameters.
@@ -435,10 +509,11 @@ class Layout:
         """The layout's degrees as a :class:`~substrax.mesh.ShardingConfig`.
 
         Returns:
-          ``data_parallel_size`` = replicas x FSDP degree, ``fsdp_enabled`` when FSDP > 1.
+          ``data_parallel_size`` = replicas x FSDP x expert x context degrees (the config
+          has no roles of its own for the last two), ``fsdp_enabled`` when FSDP > 1.
         """
         return ShardingConfig(
-            data_parallel_size=self.dp * self.fsdp,
+            data_parallel_size=self.dp * self.fsdp * self.ep * self.cp,
             tensor_parallel_size=self.tp,
             pipeline_parallel_size=self.pp,
             fsdp_enabled=self.fsdp > 1,

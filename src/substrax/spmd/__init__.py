@@ -5,8 +5,11 @@ data-parallel step needs for XLA to insert the gradient all-reduce.
 """
 
 from substrax.spmd._attention import VARIANTS as VARIANTS
+from substrax.spmd._attention import attention as attention
 from substrax.spmd._attention import context_attention as context_attention
+from substrax.spmd._attention import context_axes as context_axes
 from substrax.spmd._attention import context_positions as context_positions
+from substrax.spmd._attention import positions as positions
 from substrax.spmd._attention import unzigzag as unzigzag
 from substrax.spmd._attention import zigzag as zigzag
 from substrax.spmd._batch import batch_sharding as batch_sharding
@@ -16,7 +19,11 @@ from substrax.spmd._batch import shard_batch as shard_batch
 from substrax.spmd._constrain import active_rules as active_rules
 from substrax.spmd._constrain import constrain as constrain
 from substrax.spmd._constrain import lay_out as lay_out
+from substrax.spmd._constrain import manual_batch_axes as manual_batch_axes
 from substrax.spmd._constrain import use_rules as use_rules
+from substrax.spmd._experts import ExpertStats as ExpertStats
+from substrax.spmd._experts import expert_capacity as expert_capacity
+from substrax.spmd._experts import experts as experts
 from substrax.spmd._precision import PRECISIONS as PRECISIONS
 from substrax.spmd._precision import MixedPrecision as MixedPrecision
 from substrax.spmd._precision import as_precision as as_precision
@@ -24,19 +31,26 @@ from substrax.spmd._remat import REMAT as REMAT
 from substrax.spmd._remat import checkpoint_policy as checkpoint_policy
 
 __all__ = [
+    "ExpertStats",
     "PRECISIONS",
     "REMAT",
     "VARIANTS",
     "MixedPrecision",
     "active_rules",
     "as_precision",
+    "attention",
     "batch_sharding",
     "check_batch",
     "checkpoint_policy",
     "constrain",
     "context_attention",
+    "context_axes",
     "context_positions",
+    "expert_capacity",
+    "experts",
     "lay_out",
+    "manual_batch_axes",
+    "positions",
     "replicate",
     "shard_batch",
     "unzigzag",

@@ -10,14 +10,37 @@ Causal attention gives the device with the last chunk the most work. :func:`zigz
 sequence so that device ``i`` holds chunks ``i`` and ``2 cp - 1 - i`` (an early and a late one),
 which evens the work out; pass ``balanced=True`` for sequences laid out that way
 (:func:`unzigzag` restores the order).
+
+Model code calls :func:`attention` instead: it reads the context axes from the active rules
+(the logical name ``seq``, which a context-parallel :class:`~substrax.layout.Layout` maps to its
+``context`` axes), enters ``shard_map`` over them itself and runs the ring, on a sequence that
+substrax's steps lay out in zigzag order; :func:`positions` gives the tokens' positions in that
+order. Without context axes both are the plain computation.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec
 
-__all__ = ["VARIANTS", "context_attention", "context_positions", "unzigzag", "zigzag"]
+from substrax.spmd._constrain import active_rules
+from substrax.spmd._region import recomputed_region
+
+__all__ = [
+    "VARIANTS",
+    "attention",
+    "context_attention",
+    "context_axes",
+    "context_positions",
+    "positions",
+    "unzigzag",
+    "zigzag",
+]
 
 VARIANTS = ("ring", "all_gather")
 """The context-parallel attention variants of :func:`context_attention`."""
@@ -41,7 +64,8 @@ def zigzag(x: jax.Array, cp: int, axis: int = 1) -> jax.Array:
       ValueError: If the sequence does not split into ``2 cp`` chunks.
     """
     chunks = _chunks(x, cp, axis)
-    return jnp.concatenate([chunks[c] for c in _zigzag_order(cp)], axis=axis)
+    xp = np if isinstance(x, np.ndarray) else jnp  # host batches stay on the host
+    return xp.concatenate([chunks[c] for c in _zigzag_order(cp)], axis=axis)
 
 
 def unzigzag(x: jax.Array, cp: int, axis: int = 1) -> jax.Array:
@@ -74,7 +98,106 @@ def _chunks(x: jax.Array, cp: int, axis: int) -> list[jax.Array]:
             f"A sequence of {x.shape[axis]} does not split into 2 x cp = {2 * cp} chunks; "
             f"use a length that is a multiple of {2 * cp}."
         )
-    return jnp.split(x, 2 * cp, axis=axis)
+    return (np if isinstance(x, np.ndarray) else jnp).split(x, 2 * cp, axis=axis)
+
+
+def context_axes() -> tuple[str, ...]:
+    """The mesh axes the sequence is split over under the active rules (``seq``'s), or ().
+
+    Axes of size 1 and axes that are already manual (inside ``shard_map``) are left out.
+
+    Returns:
+      The context axes.
+    """
+    active = active_rules()
+    if active is None:
+        return ()
+    mesh, rules = active
+    entry = rules.as_dict().get("seq")
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return tuple(a for a in axes if dict(mesh.shape)[a] > 1 and a not in manual)
+
+
+def positions(length: int) -> jax.Array:
+    """The positions of a sequence of ``length`` tokens as the active layout orders it.
+
+    Under a context-parallel layout substrax's steps put the sequence in :func:`zigzag` order
+    (so causal attention's work is even over the devices); position embeddings and rotary
+    angles must then use these positions instead of ``jnp.arange(length)``. Without context
+    axes this is ``jnp.arange(length)``.
+
+    Args:
+      length: The sequence length (the whole sequence, as model code sees it).
+
+    Returns:
+      ``int32`` positions ``[length]``.
+    """
+    natural = jnp.arange(length, dtype=jnp.int32)
+    cp = _size(context_axes())
+    return natural if cp == 1 else zigzag(natural[None], cp)[0]
+
+
+def _size(axes: tuple[str, ...]) -> int:
+    active = active_rules()
+    return 1 if active is None else math.prod(dict(active[0].shape)[a] for a in axes)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    variant: str = "ring",
+    scale: float | None = None,
+) -> jax.Array:
+    """Attention for model code: context parallel where the active layout splits ``seq``.
+
+    Takes the whole sequence as model code sees it (``[batch, length, heads, head_dim]``, as
+    ``jax.nn.dot_product_attention``). Under a layout with context axes (inside substrax's
+    train steps, or any :func:`~substrax.spmd.use_rules` context whose rules map ``seq``), it
+    runs :func:`context_attention` in ``shard_map`` over those axes, on a sequence in
+    :func:`zigzag` order (the order substrax's steps give the batch); the other dimensions stay
+    as XLA lays them out. Otherwise it is exact attention on one block. Either way the
+    softmax is accumulated in float32.
+
+    Args:
+      q: Queries ``[B, T, H, D]``.
+      k: Keys ``[B, T, Hkv, D]`` (``Hkv`` divides ``H``: grouped-query attention).
+      v: Values ``[B, T, Hkv, D]``.
+      causal: Each token attends to itself and earlier tokens only (by :func:`positions`).
+      variant: ``"ring"`` or ``"all_gather"`` (see :func:`context_attention`).
+      scale: The score scale (default ``1 / sqrt(D)``).
+
+    Returns:
+      The output ``[B, T, H, D]`` in ``q``'s dtype.
+
+    Raises:
+      ValueError: For an unknown variant, heads that do not group, or a length that does not
+        split into ``2 x cp`` chunks.
+    """
+    axes = context_axes()
+    if not axes:
+        if variant not in VARIANTS:
+            raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}.")
+        _check_heads(q, k)
+        where = jnp.arange(q.shape[1], dtype=jnp.int32)
+        state = _block(_empty(q), q, k, v, where, where, causal, _scale(q, scale))
+        return _normalised(state, q.dtype)
+    cp = _size(axes)
+    if q.shape[1] % (2 * cp):
+        raise ValueError(
+            f"A sequence of {q.shape[1]} tokens does not split into 2 x cp = {2 * cp} chunks "
+            f"over the context axes {axes}; use a length that is a multiple of {2 * cp}."
+        )
+    context = jax.sharding.get_abstract_mesh()
+    mesh = context if set(axes) <= set(context.axis_names) else active_rules()[0]
+    spec = PartitionSpec(None, axes if len(axes) > 1 else axes[0])
+    name = axes if len(axes) > 1 else axes[0]
+    ring = functools.partial(context_attention, axis_name=name, causal=causal, balanced=True,
+                             variant=variant, scale=scale)  # fmt: skip
+    return recomputed_region(ring, mesh, (spec,) * 3, spec, set(axes))(q, k, v)
 
 
 def context_positions(length: int, axis_name: str, *, balanced: bool = False) -> jax.Array:
@@ -140,11 +263,8 @@ def context_attention(
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}.")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(
-            f"q has {q.shape[2]} heads and k {k.shape[2]}: the key/value heads must divide them."
-        )
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    _check_heads(q, k)
+    scale = _scale(q, scale)
     cp, device, length = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name), q.shape[1]
     q_pos = _positions(device, length, cp, balanced)
     state = _empty(q)
@@ -161,8 +281,23 @@ def context_attention(
             state = _block(state, q, k, v, q_pos, k_pos, causal, scale)
             if step < cp - 1:
                 k, v = jax.lax.ppermute((k, v), axis_name, shift)
+    return _normalised(state, q.dtype)
+
+
+def _check_heads(q: jax.Array, k: jax.Array) -> None:
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(
+            f"q has {q.shape[2]} heads and k {k.shape[2]}: the key/value heads must divide them."
+        )
+
+
+def _scale(q: jax.Array, scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
+
+
+def _normalised(state, dtype) -> jax.Array:
     _, total, out = state
-    return (out / total[..., None]).astype(q.dtype)
+    return (out / total[..., None]).astype(dtype)
 
 
 def _empty(q: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:

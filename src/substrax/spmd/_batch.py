@@ -10,6 +10,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from substrax.spmd._attention import zigzag
+
 __all__ = ["batch_sharding", "check_batch", "replicate", "shard_batch"]
 
 DataAxes = str | Sequence[str]
@@ -22,27 +24,35 @@ def _axes(data_axes: DataAxes) -> tuple[str, ...]:
     return axes
 
 
-def batch_sharding(mesh: Mesh, data_axes: DataAxes = "data") -> NamedSharding:
+def batch_sharding(
+    mesh: Mesh, data_axes: DataAxes = "data", seq_axes: Sequence[str] = ()
+) -> NamedSharding:
     """The sharding of a batch: leading dimension over ``data_axes``, the rest replicated.
 
     Args:
       mesh: The device mesh.
       data_axes: The mesh axis, or axes, the batch is split over.
+      seq_axes: Mesh axes the second dimension (the sequence) is split over: context
+        parallelism. None by default.
 
     Returns:
-      ``NamedSharding(mesh, P(data_axes))``.
+      ``NamedSharding(mesh, P(data_axes))``, or ``P(data_axes, seq_axes)``.
 
     Raises:
       ValueError: If an axis is not in the mesh or is named twice.
     """
-    axes = _axes(data_axes)
-    missing = [a for a in axes if a not in mesh.axis_names]
-    if missing or len(set(axes)) != len(axes):
+    axes, seq = _axes(data_axes), tuple(seq_axes)
+    every = axes + seq
+    missing = [a for a in every if a not in mesh.axis_names]
+    if missing or len(set(every)) != len(every):
         raise ValueError(
-            f"data_axes {axes} must be distinct axes of the mesh; its axes are "
-            f"{tuple(mesh.axis_names)}."
+            f"data_axes {axes} and seq_axes {seq} must be distinct axes of the mesh; its axes "
+            f"are {tuple(mesh.axis_names)}."
         )
-    return NamedSharding(mesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))
+    entries = [axes if len(axes) > 1 else axes[0]]
+    if seq:
+        entries.append(seq if len(seq) > 1 else seq[0])
+    return NamedSharding(mesh, PartitionSpec(*entries))
 
 
 def check_batch(batch: Any) -> int:
@@ -92,30 +102,41 @@ def check_batch(batch: Any) -> int:
     return rows
 
 
-def shard_batch(batch: Any, mesh: Mesh, data_axes: DataAxes = "data") -> Any:
+def shard_batch(
+    batch: Any, mesh: Mesh, data_axes: DataAxes = "data", *, seq_axes: Sequence[str] = ()
+) -> Any:
     """Puts a host batch on the mesh, split along its leading dimension.
 
     Each process passes the part of the global batch it loaded (its local slice, as
     ``jax.make_array_from_process_local_data`` expects); with one process that is the whole
     batch. The global batch is the processes' slices stacked in process order.
 
+    With ``seq_axes`` (context parallelism) every leaf of two or more dimensions is a sequence
+    along its second: it is put in :func:`~substrax.spmd.zigzag` order for the ``cp`` devices
+    of ``seq_axes`` and split over them, so each device holds an early and a late chunk
+    (:func:`~substrax.spmd.attention` and :func:`~substrax.spmd.positions` expect that order).
+    Shift next-token targets before this: a split sequence has no next token at a chunk's end.
+
     Args:
       batch: A pytree of arrays (numpy or jax) with a common leading batch dimension.
       mesh: The device mesh.
       data_axes: The mesh axis, or axes, the batch is split over.
+      seq_axes: Mesh axes the sequence (second dimension) is split over, in zigzag order.
 
     Returns:
-      The same pytree of global ``jax.Array``s, sharded along their leading dimension.
+      The same pytree of global ``jax.Array``s, sharded along their leading dimension (and
+      their sequence).
 
     Raises:
       TypeError: If a leaf is not an array (see :func:`check_batch`).
       ValueError: If a leaf is a scalar, the leaves' leading sizes differ, the batch has no
-        rows, or the global batch size does not divide the product of the data axes' sizes.
+        rows, the global batch size does not divide the product of the data axes' sizes, or a
+        sequence does not split into ``2 x cp`` chunks.
     """
     check_batch(batch)
-    sharding = batch_sharding(mesh, data_axes)
-    axes = _axes(data_axes)
+    axes, seq = _axes(data_axes), tuple(seq_axes)
     devices = math.prod(dict(mesh.shape)[a] for a in axes)
+    cp = math.prod(dict(mesh.shape)[a] for a in seq)
     processes = len({d.process_index for d in mesh.devices.flat})
 
     def place(path, leaf):
@@ -127,8 +148,17 @@ def shard_batch(batch: Any, mesh: Mesh, data_axes: DataAxes = "data") -> Any:
                 f"(shape {local.shape}) does not divide the {devices} devices of mesh axes "
                 f"{axes}; use a multiple of {devices}."
             )
+        split = seq if local.ndim > 1 else ()
+        if split and cp > 1:
+            if local.shape[1] % (2 * cp):
+                raise ValueError(
+                    f"Leaf {jax.tree_util.keystr(path)} (shape {local.shape}) has a sequence of "
+                    f"{local.shape[1]}, which does not split into 2 x cp = {2 * cp} chunks over "
+                    f"the context axes {seq}; use a length that is a multiple of {2 * cp}."
+                )
+            local = zigzag(local, cp)
         return jax.make_array_from_process_local_data(
-            sharding, local, (global_size, *local.shape[1:])
+            batch_sharding(mesh, axes, split), local, (global_size, *local.shape[1:])
         )
 
     return jax.tree_util.tree_map_with_path(place, batch)

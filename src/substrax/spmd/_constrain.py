@@ -11,7 +11,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from substrax.mesh import MeshRules, partition_spec_for_names
 
-__all__ = ["active_rules", "constrain", "lay_out", "use_rules"]
+__all__ = ["active_rules", "constrain", "lay_out", "manual_batch_axes", "use_rules"]
 
 # One stack of active (mesh, rules) entries per context: each thread and each asyncio task
 # sees its own (a task starts from a copy of its creator's context).
@@ -22,7 +22,9 @@ _TRACE_KEY = jax.make_user_context(default_value=())
 
 
 @contextlib.contextmanager
-def use_rules(mesh: Mesh, rules: MeshRules) -> Iterator[MeshRules]:
+def use_rules(
+    mesh: Mesh, rules: MeshRules, *, manual_batch_axes: tuple[str, ...] = ()
+) -> Iterator[MeshRules]:
     """Makes ``rules`` on ``mesh`` the active rules for :func:`constrain` in this context.
 
     substrax's train steps activate their compute rules while tracing, so model code can call
@@ -36,6 +38,10 @@ def use_rules(mesh: Mesh, rules: MeshRules) -> Iterator[MeshRules]:
     Args:
       mesh: The device mesh.
       rules: The rules that resolve logical names.
+      manual_batch_axes: Batch axes the caller has made manual around the model (each device
+        holds its own rows there; the rules no longer name them). Layers whose statistics
+        span the batch, such as :func:`~substrax.spmd.experts`' load balance, reduce over
+        them.
 
     Yields:
       ``rules``, validated against ``mesh``.
@@ -44,7 +50,7 @@ def use_rules(mesh: Mesh, rules: MeshRules) -> Iterator[MeshRules]:
       ValueError: If a rule names a mesh axis that ``mesh`` lacks.
     """
     rules.validate(mesh)
-    entry = (mesh, rules)
+    entry = (mesh, rules, tuple(manual_batch_axes))
     _ACTIVE.set((*_ACTIVE.get(), entry))
     try:
         with _TRACE_KEY(_ACTIVE.get()):
@@ -65,7 +71,17 @@ def active_rules() -> tuple[Mesh, MeshRules] | None:
       The active mesh and rules, or None outside any :func:`use_rules` context.
     """
     stack = _ACTIVE.get()
-    return stack[-1] if stack else None
+    return stack[-1][:2] if stack else None
+
+
+def manual_batch_axes() -> tuple[str, ...]:
+    """The batch axes the innermost :func:`use_rules` context declared manual, or ().
+
+    Returns:
+      The axes (inside substrax's manual data-parallel step: its region's batch axes).
+    """
+    stack = _ACTIVE.get()
+    return stack[-1][2] if stack else ()
 
 
 def constrain(x: jax.Array, *logical_names: str | None) -> jax.Array:

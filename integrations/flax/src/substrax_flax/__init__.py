@@ -9,6 +9,7 @@ report take it from there. ``substrax_flax.planner`` plans your own models for t
 
 from substrax_flax._checkpoint import Checkpointer as Checkpointer
 from substrax_flax._checkpoint import CheckpointWarning as CheckpointWarning
+from substrax_flax._experts import MixtureOfExperts as MixtureOfExperts
 from substrax_flax._nonfinite import NonFiniteWarning as NonFiniteWarning
 from substrax_flax._optimizer import create_sharded_optimizer as create_sharded_optimizer
 from substrax_flax._pipeline_step import PipelineTrainStep as PipelineTrainStep
@@ -28,6 +29,7 @@ from substrax_flax._train import make_train_step as make_train_step
 __all__ = [
     "CheckpointWarning",
     "Checkpointer",
+    "MixtureOfExperts",
     "ModelPlan",
     "NonFiniteWarning",
     "PipelineTrainStep",

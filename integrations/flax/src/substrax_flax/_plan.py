@@ -184,15 +184,24 @@ class ModelPlan:
         return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
     @property
+    def gather_axes(self) -> tuple[str, ...]:
+        """The batch axes parameters are whole on where they are used.
+
+        The layout's :attr:`~substrax.layout.Layout.gather_axes` (expert axes keep their
+        experts), else the batch axes.
+        """
+        return self.layout.gather_axes if self.layout is not None else self.batch_axes
+
+    @property
     def compute_rules(self) -> MeshRules:
-        """Rules where parameters are used: the parameter rules gathered over the batch axes."""
-        return self.rules.gathered_over(self.batch_axes)
+        """Rules where parameters are used: the parameter rules gathered over the gather axes."""
+        return self.rules.gathered_over(self.gather_axes)
 
     def compute_shardings(self, state: Any) -> Any:
-        """Each parameter of ``state`` where it is used: its planned spec without batch axes.
+        """Each parameter of ``state`` where it is used: its planned spec without gather axes.
 
         A parameter stored sharded over an axis that also splits the batch (FSDP) is gathered
-        there once per step; every other axis (tensor, stage) is kept.
+        there once per step; every other axis (tensor, stage, expert) is kept.
 
         Args:
           state: The differentiated part of the model's state (by default its ``nnx.Param``s).
@@ -200,7 +209,7 @@ class ModelPlan:
         Returns:
           A state of ``NamedSharding``s.
         """
-        drop = set(self.batch_axes)
+        drop = set(self.gather_axes)
         by_path = {row.path: row for row in self.rows}
 
         def gathered(path, _):

@@ -56,6 +56,8 @@ class Built:
     #: For a step that chose the manual region itself: builds the XLA-partitioned step when
     #: model code turns out to name the batch axes in a sharding (given jax's error).
     fallback: Callable[[Exception], Built] | None = None
+    #: Mesh axes the batch's sequences are split over (context parallelism), in zigzag order.
+    seq_axes: tuple[str, ...] = ()
 
 
 def optimizer_shardings(optimizer: nnx.Optimizer, plan: ModelPlan) -> Any:
@@ -136,7 +138,7 @@ class JittedStep:
         check_batch(batch)
         if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(batch)):
             return batch
-        return shard_batch(batch, built.mesh, built.data_axes)
+        return shard_batch(batch, built.mesh, built.data_axes, seq_axes=built.seq_axes)
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> dict:
         """Runs one step and updates ``model`` and ``optimizer`` in place.
@@ -300,7 +302,8 @@ class TrainStep(JittedStep):
             # Inside the manual region the batch axes are manual: activations and
             # parameters are constrained over the other axes only.
             active = manual_rules(rules, manual[0]) if manual else rules
-            with use_rules(mesh, active), nnx.use_eager_sharding(False):
+            region = manual[0] if manual else ()
+            with use_rules(mesh, active, manual_batch_axes=region), nnx.use_eager_sharding(False):
                 model = nnx.merge(model_def, model_state)
                 _, params, rest = nnx.split(model, self.wrt, ...)
                 rest_leaves, rest_def = jax.tree.flatten(rest)
@@ -349,7 +352,10 @@ class TrainStep(JittedStep):
         opt_sh = optimizer_shardings(optimizer, plan)
         compute_sh, rules = self._compute(plan, nnx.state(model, self.wrt))
         manual = None
-        split = tuple(a for a in data_axes if dict(plan.mesh.shape)[a] > 1)
+        # The manual region spans the batch axes parameters are whole on where used; expert
+        # axes also split the batch, but stay with XLA (the expert layer enters its own region).
+        experts = plan.layout.expert_axes if plan.layout is not None else ()
+        split = tuple(a for a in data_axes if dict(plan.mesh.shape)[a] > 1 and a not in experts)
         # One replica: nothing to split; accumulation still runs slice by slice, region-less.
         mode = mode or (self._mode(model, plan.mesh, split) if split else "xla")
         if not split and self.microbatches > 1:
@@ -374,7 +380,8 @@ class TrainStep(JittedStep):
         fallback = None
         if mode == "manual" and self.data_parallel == "auto":
             fallback = functools.partial(self._fall_back, model, optimizer)
-        return Built(jitted, plan.mesh, tuple(data_axes), mode, fallback)
+        seq_axes = plan.layout.context_axes if plan.layout is not None else ()
+        return Built(jitted, plan.mesh, tuple(data_axes), mode, fallback, seq_axes)
 
     def _fall_back(self, model: nnx.Module, optimizer: nnx.Optimizer, error: Exception) -> Built:
         """The XLA-partitioned step, with a warning naming why the manual one could not be."""
