@@ -21,15 +21,13 @@ order. Without context axes both are the plain computation.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from substrax.spmd._constrain import active_rules
-from substrax.spmd._region import recomputed_region
+from substrax.spmd._region import axes_size, free_axes, recomputed_region, region_mesh, spec_entry
 
 __all__ = [
     "VARIANTS",
@@ -109,14 +107,7 @@ def context_axes() -> tuple[str, ...]:
     Returns:
       The context axes.
     """
-    active = active_rules()
-    if active is None:
-        return ()
-    mesh, rules = active
-    entry = rules.as_dict().get("seq")
-    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    return tuple(a for a in axes if dict(mesh.shape)[a] > 1 and a not in manual)
+    return free_axes("seq")
 
 
 def positions(length: int) -> jax.Array:
@@ -134,13 +125,8 @@ def positions(length: int) -> jax.Array:
       ``int32`` positions ``[length]``.
     """
     natural = jnp.arange(length, dtype=jnp.int32)
-    cp = _size(context_axes())
+    cp = axes_size(context_axes())
     return natural if cp == 1 else zigzag(natural[None], cp)[0]
-
-
-def _size(axes: tuple[str, ...]) -> int:
-    active = active_rules()
-    return 1 if active is None else math.prod(dict(active[0].shape)[a] for a in axes)
 
 
 def attention(
@@ -158,9 +144,9 @@ def attention(
     ``jax.nn.dot_product_attention``). Under a layout with context axes (inside substrax's
     train steps, or any :func:`~substrax.spmd.use_rules` context whose rules map ``seq``), it
     runs :func:`context_attention` in ``shard_map`` over those axes, on a sequence in
-    :func:`zigzag` order (the order substrax's steps give the batch); the other dimensions stay
-    as XLA lays them out. Otherwise it is exact attention on one block. Either way the
-    softmax is accumulated in float32.
+    :func:`zigzag` order (the order substrax's steps give the batch), each device on its own
+    rows and (where the layout splits ``heads`` and they divide) its own heads. Otherwise it
+    is exact attention on one block. Either way the softmax is accumulated in float32.
 
     Args:
       q: Queries ``[B, T, H, D]``.
@@ -185,19 +171,22 @@ def attention(
         where = jnp.arange(q.shape[1], dtype=jnp.int32)
         state = _block(_empty(q), q, k, v, where, where, causal, _scale(q, scale))
         return _normalised(state, q.dtype)
-    cp = _size(axes)
+    cp = axes_size(axes)
     if q.shape[1] % (2 * cp):
         raise ValueError(
             f"A sequence of {q.shape[1]} tokens does not split into 2 x cp = {2 * cp} chunks "
             f"over the context axes {axes}; use a length that is a multiple of {2 * cp}."
         )
-    context = jax.sharding.get_abstract_mesh()
-    mesh = context if set(axes) <= set(context.axis_names) else active_rules()[0]
-    spec = PartitionSpec(None, axes if len(axes) > 1 else axes[0])
-    name = axes if len(axes) > 1 else axes[0]
-    ring = functools.partial(context_attention, axis_name=name, causal=causal, balanced=True,
-                             variant=variant, scale=scale)  # fmt: skip
-    return recomputed_region(ring, mesh, (spec,) * 3, spec, set(axes))(q, k, v)
+    # Each device's own rows and heads: XLA may not regroup them around the region.
+    rows, heads = free_axes("batch"), free_axes("heads")
+    if q.shape[2] % axes_size(heads) or k.shape[2] % axes_size(heads):
+        heads = ()  # too few key/value heads to split: XLA keeps them whole in the region
+    spec = PartitionSpec(spec_entry(rows), spec_entry(axes), spec_entry(heads))
+    ring = functools.partial(context_attention, axis_name=spec_entry(axes), causal=causal,
+                             balanced=True, variant=variant, scale=scale)  # fmt: skip
+    every = rows + axes + heads
+    region = recomputed_region(ring, region_mesh(every), (spec,) * 3, spec, set(every))
+    return region(q, k, v)
 
 
 def context_positions(length: int, axis_name: str, *, balanced: bool = False) -> jax.Array:

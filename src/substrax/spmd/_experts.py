@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from substrax.spmd._constrain import active_rules, manual_batch_axes
-from substrax.spmd._region import recomputed_region
+from substrax.spmd._constrain import manual_batch_axes
+from substrax.spmd._region import axes_size, free_axes, recomputed_region, region_mesh, spec_entry
 
 __all__ = ["ExpertStats", "experts", "expert_capacity"]
 
@@ -103,8 +103,8 @@ def experts(
     """
     count = router.shape[-1]
     _check(x, router, w_in, w_out, top_k, capacity_factor)
-    tokens, expert = _axes("batch"), _axes("expert")
-    size = _size(expert)
+    tokens, expert = free_axes("batch"), free_axes("expert")
+    size = axes_size(expert)
     if count % size:
         raise ValueError(
             f"{count} experts do not divide over the {size} devices of the expert axes "
@@ -116,11 +116,10 @@ def experts(
                       tokens)  # fmt: skip
 
     if tokens:
-        context = jax.sharding.get_abstract_mesh()
-        mesh = context if set(tokens) <= set(context.axis_names) else active_rules()[0]
-        rows, weights = PartitionSpec(_entry(tokens)), PartitionSpec(_entry(expert))
-        group = recomputed_region(group, mesh, (rows, PartitionSpec(), weights, weights),
-                                  (rows, PartitionSpec()), set(tokens))  # fmt: skip
+        rows, weights = PartitionSpec(spec_entry(tokens)), PartitionSpec(spec_entry(expert))
+        specs = (rows, PartitionSpec(), weights, weights)
+        group = recomputed_region(group, region_mesh(tokens), specs, (rows, PartitionSpec()),
+                                  set(tokens))  # fmt: skip
     y, sums = group(x, router, w_in, w_out)
     outer = manual_batch_axes()
     if outer:  # the step's region: every device holds its own rows
@@ -148,28 +147,6 @@ def _check(x, router, w_in, w_out, top_k, capacity_factor) -> None:
             )
 
 
-def _axes(name: str) -> tuple[str, ...]:
-    """The not-yet-manual mesh axes of size > 1 that ``name`` maps to under the active rules."""
-    active = active_rules()
-    if active is None:
-        return ()
-    mesh, rules = active
-    entry = rules.as_dict().get(name)
-    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
-    return tuple(a for a in axes if dict(mesh.shape)[a] > 1 and a not in manual)
-
-
-def _size(axes: tuple[str, ...]) -> int:
-    return math.prod(dict(active_rules()[0].shape)[a] for a in axes) if axes else 1
-
-
-def _entry(axes: tuple[str, ...]):
-    if not axes:
-        return None
-    return axes if len(axes) > 1 else axes[0]
-
-
 def _group(x, router, w_in, w_out, top_k, capacity_factor, activation, expert, tokens):
     """One group's tokens through their experts; also ``[choices, probabilities, kept]`` sums."""
     batch, length, features = x.shape
@@ -180,11 +157,11 @@ def _group(x, router, w_in, w_out, top_k, capacity_factor, activation, expert, t
     dispatch, combine, chosen = _route(probs, top_k, capacity)
     slots = jnp.einsum("tec,td->ecd", dispatch.astype(x.dtype), flat)
     if expert:  # [experts, capacity] -> [local experts, devices x capacity]
-        slots = jax.lax.all_to_all(slots, _entry(expert), 0, 1, tiled=True)
+        slots = jax.lax.all_to_all(slots, spec_entry(expert), 0, 1, tiled=True)
     hidden = activation(jnp.einsum("ecd,edh->ech", slots, w_in.astype(x.dtype)))
     out = jnp.einsum("ech,ehd->ecd", hidden, w_out.astype(x.dtype))
     if expert:
-        out = jax.lax.all_to_all(out, _entry(expert), 1, 0, tiled=True)
+        out = jax.lax.all_to_all(out, spec_entry(expert), 1, 0, tiled=True)
     y = jnp.einsum("tec,ecd->td", combine.astype(x.dtype), out).reshape(x.shape)
     sums = jnp.stack([chosen.sum(0), probs.sum(0), dispatch.sum((0, 2))])
     if tokens:

@@ -1,13 +1,62 @@
-"""``shard_map`` regions that layers enter themselves, inside or outside a step's region."""
+"""``shard_map`` regions that layers enter themselves, inside or outside a step's region.
+
+Layers that need collectives of their own (ring attention, expert dispatch) find the mesh axes
+of their logical names under the active rules (:func:`free_axes`) and enter a region over them
+on the mesh in context (:func:`region_mesh`): the whole mesh, or the abstract mesh of the
+enclosing step's manual region.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 
-__all__ = ["recomputed_region"]
+from substrax.spmd._constrain import active_rules
+
+__all__ = ["axes_size", "free_axes", "recomputed_region", "region_mesh", "spec_entry"]
+
+
+def free_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes logical ``name`` maps to under the active rules, if not yet manual.
+
+    Axes of size 1 and axes an enclosing ``shard_map`` made manual are left out; outside any
+    :func:`~substrax.spmd.use_rules` context there are none.
+
+    Args:
+      name: A logical name (``"seq"``, ``"batch"``, ``"expert"``).
+
+    Returns:
+      The axes, in the rule's order.
+    """
+    active = active_rules()
+    if active is None:
+        return ()
+    mesh, rules = active
+    entry = rules.as_dict().get(name)
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return tuple(a for a in axes if dict(mesh.shape)[a] > 1 and a not in manual)
+
+
+def axes_size(axes: tuple[str, ...]) -> int:
+    """The devices ``axes`` of the active mesh span (1 for none)."""
+    return math.prod(dict(active_rules()[0].shape)[a] for a in axes) if axes else 1
+
+
+def region_mesh(axes: tuple[str, ...]) -> Any:
+    """The mesh a region over ``axes`` is entered on: the context's, else the active rules'."""
+    context = jax.sharding.get_abstract_mesh()
+    return context if set(axes) <= set(context.axis_names) else active_rules()[0]
+
+
+def spec_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
+    """A ``PartitionSpec`` entry for ``axes``: None, one name, or the tuple."""
+    if not axes:
+        return None
+    return axes if len(axes) > 1 else axes[0]
 
 
 def recomputed_region(

@@ -107,7 +107,9 @@ def manual_obstacle(
 
     Batch statistics and dropout masks would be computed per device (each device's rows, the
     same random stream), so they would differ from one device's; Explicit mesh axes let
-    model code name the batch axes in its shardings, which a manual region forbids. On CPU,
+    model code name the batch axes in its shardings, which a manual region forbids. XLA
+    aborts on a region that leaves two or more mesh axes of size > 1 outside it (context or
+    expert axes with tensor axes, found on CPU; the check is in XLA's partitioner). On CPU,
     XLA (jax 0.10.2) aborts the process compiling a bfloat16 all-reduce over tensor axes
     inside a manual region, so tensor parallelism with a 16-bit compute dtype stays with XLA.
 
@@ -123,6 +125,11 @@ def manual_obstacle(
     narrow = precision is not None and precision.compute_dtype is not None
     narrow = narrow and precision.compute_dtype.itemsize < 4
     tensor = [a for a, size in dict(mesh.shape).items() if size > 1 and a not in batch_axes]
+    if len(tensor) > 1:
+        return (
+            f"XLA (jax 0.10.2) fails a CHECK (spmd_partitioner_util) partitioning a manual "
+            f"region that leaves two mesh axes of size > 1 to it, here {tuple(tensor)}"
+        )
     if narrow and tensor and mesh.devices.flat[0].platform == "cpu":
         return (
             f"XLA's CPU compiler aborts on {precision.compute_dtype.name} all-reduces over "
