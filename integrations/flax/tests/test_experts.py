@@ -1,0 +1,130 @@
+"""Expert parallelism: MixtureOfExperts with experts sharded over an ``expert`` axis."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import substrax_flax as sf
+from substrax.hlo import traffic_by_kind
+from substrax.layout import Layout
+from substrax.spmd import constrain, expert_capacity, experts, use_rules
+
+VOCAB, D, HIDDEN, EXPERTS = 64, 32, 64, 8
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs, capacity_factor=None):
+        init = nnx.initializers.normal(0.5)
+        self.emb = nnx.Param(init(rngs.params(), (VOCAB, D)), out_sharding=("vocab", "embed"))
+        self.moe = sf.MixtureOfExperts(
+            D, HIDDEN, EXPERTS, top_k=2, capacity_factor=capacity_factor, rngs=rngs
+        )
+        self.head = nnx.Param(init(rngs.params(), (D, VOCAB)), out_sharding=("embed", "vocab"))
+
+    def __call__(self, tokens):
+        x = constrain(self.emb[...][tokens], "batch", None, "embed")
+        y, stats = self.moe(x)
+        return (x + y) @ self.head[...], stats
+
+
+def loss_fn(model, batch):
+    logits, stats = model(batch[:, :-1])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    return ce + 0.01 * stats.aux_loss, {
+        "aux": stats.aux_loss,
+        "dropped": stats.dropped,
+        "load": stats.load,
+    }
+
+
+BATCHES = np.random.default_rng(0).integers(0, VOCAB, (2, 16, 17)).astype(np.int32)
+
+
+def _train(layout, capacity_factor=None, **step_args):
+    model = sf.create_sharded_model(lambda: Model(nnx.Rngs(0), capacity_factor), layout=layout)
+    optimizer = sf.create_sharded_optimizer(model, optax.adam(1e-2))
+    step = sf.make_train_step(loss_fn, has_aux=True, **step_args)
+    metrics = [step(model, optimizer, batch) for batch in BATCHES]
+    return metrics, nnx.state(model, nnx.Param), model
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _train(Layout.named("dp", {"data": 1}))
+
+
+@pytest.mark.parametrize(
+    "name,data_parallel", [("fsdp+ep", "auto"), ("ep", "auto"), ("fsdp+ep", "xla")]
+)
+def test_no_drop_experts_equal_one_device(one_device, name, data_parallel):
+    """Uneven loads, nothing dropped: losses, aux loss and parameters as on one device.
+
+    Tolerance: the tokens are summed per device and then over devices, so rtol 1e-5 on the
+    losses and 1e-4 on the parameters after two adam steps.
+    """
+    metrics, params, _ = _train(
+        Layout.named(name, {"data": 2, "expert": 4}), data_parallel=data_parallel
+    )
+    reference, reference_params, _ = one_device
+    load = np.asarray(reference[0]["load"])
+    assert load.max() > 2 * load.min() > 0  # the router's load is uneven
+    for got, want in zip(metrics, reference, strict=True):
+        np.testing.assert_allclose(
+            [got["loss"], got["aux"]], [want["loss"], want["aux"]], rtol=1e-5
+        )
+        assert float(got["dropped"]) == 0.0
+    for got, want in zip(jax.tree.leaves(params), jax.tree.leaves(reference_params), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
+
+
+def test_dropping_groups_tokens_by_device_whatever_the_expert_axis():
+    """With a capacity, each device's rows are a group: fsdp 8 and fsdp 2 x ep 4 agree."""
+    fsdp, _, _ = _train(Layout.named("fsdp", {"data": 8}), capacity_factor=1.0)
+    ep, _, model = _train(Layout.named("fsdp+ep", {"data": 2, "expert": 4}), capacity_factor=1.0)
+    assert float(ep[0]["dropped"]) > 0.05
+    for got, want in zip(ep, fsdp, strict=True):
+        np.testing.assert_allclose(
+            [got["loss"], got["dropped"]], [want["loss"], want["dropped"]], rtol=1e-5
+        )
+    # each device holds 1/ep of the experts (and 1/2 of their embed dimension)
+    w_in = model.moe.w_in[...]
+    assert w_in.addressable_shards[0].data.shape == (EXPERTS // 4, D // 2, HIDDEN)
+
+
+def test_two_all_to_alls_per_layer_forward_of_the_theoretical_size():
+    """Dispatch and combine: each [experts, capacity, features] of one device, (ep-1)/ep sent."""
+    layout = Layout.named("ep", {"data": 2, "expert": 4})
+    model = sf.create_sharded_model(lambda: Model(nnx.Rngs(0), 1.0), layout=layout)
+    mesh = layout.make_mesh()
+    rows = NamedSharding(mesh, P(("data", "expert")))
+    with use_rules(mesh, layout.compute_rules):
+        forward = jax.jit(lambda model, tokens: model(tokens)[0])
+        hlo = forward.lower(model, jax.device_put(BATCHES[0, :, :-1], rows)).compile().as_text()
+    moved = traffic_by_kind(hlo, 8)["all-to-all"]
+    local_tokens = 16 * 16 // 8
+    capacity = expert_capacity(local_tokens, EXPERTS, 2, 1.0)
+    assert moved["count"] == 2
+    assert moved["bytes"] == 2 * EXPERTS * capacity * D * 4 * 3 / 4
+
+
+def test_routing_keeps_first_choices_first_and_bad_input_is_named():
+    x = jnp.ones((1, 4, 2))
+    router = jnp.array([[1.0, 0.5, 0.0], [1.0, 0.5, 0.0]])  # every token: expert 0, then 1
+    w_in, w_out = jnp.ones((3, 2, 2)), jnp.ones((3, 2, 2))
+    _, stats = experts(x, router, w_in, w_out, top_k=2, capacity_factor=0.75)
+    # capacity = ceil(0.75 * 4 * 2 / 3) = 2 per expert: 2 first choices and 2 second kept
+    assert expert_capacity(4, 3, 2, 0.75) == 2
+    assert float(stats.dropped) == 0.5 and np.asarray(stats.load).tolist() == [0.5, 0.5, 0.0]
+    _, stats = experts(x, router, w_in, w_out, top_k=2, capacity_factor=None)
+    assert float(stats.dropped) == 0.0
+    with pytest.raises(ValueError, match=r"top_k must be an integer in \[1, 3\]"):
+        experts(x, router, w_in, w_out, top_k=4)
+    with pytest.raises(ValueError, match=r"w_out has shape \(3, 2, 2\).* needs \(3, 5, 2\)"):
+        experts(x, router, jnp.ones((3, 2, 5)), w_out)
+    with pytest.raises(ValueError, match="num_experts"):
+        sf.MixtureOfExperts(4, 4, 2, top_k=3, rngs=nnx.Rngs(0))
