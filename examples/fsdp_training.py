@@ -76,6 +76,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--mlp", type=int, default=defaults.mlp)
     parser.add_argument("--layers", type=int, default=defaults.layers)
     parser.add_argument("--seq", type=int, default=defaults.seq)
+    parser.add_argument(
+        "--moe-experts", type=int, default=0,
+        help="experts per mixture-of-experts MLP, 2 per token (0: dense MLPs); shard them with "
+        "--strategy fsdp+ep --mesh data=2,expert=4",
+    )  # fmt: skip
+    parser.add_argument(
+        "--capacity-factor", type=float, default=defaults.capacity_factor,
+        help="expert slots relative to an even load; 0 drops no token",
+    )  # fmt: skip
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("runs/fsdp"))
     parser.add_argument("--quiet", action="store_true", help="no sharding report")
     parser.add_argument("--stacked", action="store_true", help="layers stacked with nnx.vmap")
@@ -120,6 +129,10 @@ def build(args):
     shape = parse_mesh(args.mesh)
     if args.strategy == "pp" and args.remat == "selective":
         raise UsageError("--strategy pp recomputes whole stages: use --remat none or full")
+    if args.moe_experts and (args.stacked or args.strategy == "pp"):
+        raise UsageError("--moe-experts runs the blocks in a loop: drop --stacked and pp")
+    if args.moe_experts < 0 or args.capacity_factor < 0:
+        raise UsageError("--moe-experts and --capacity-factor must not be negative")
     if args.strategy == "pp" and "pipe" not in shape:
         raise UsageError(
             f"--strategy pp needs a pipe= axis in --mesh (got {args.mesh!r}), e.g. "
@@ -143,9 +156,20 @@ def build(args):
             f"--batch-size {args.batch_size} does not split into --microbatches "
             f"{args.microbatches} x {data_devices} data devices"
         )
+    if layout.ep > 1 and args.moe_experts % layout.ep:
+        raise UsageError(
+            f"--moe-experts {args.moe_experts} does not divide over the {layout.ep} devices of "
+            f"the expert axes {layout.expert_axes}"
+        )
+    if layout.cp > 1 and args.seq % (2 * layout.cp):
+        raise UsageError(
+            f"--seq {args.seq} does not split into 2 x {layout.cp} chunks over the context axes "
+            f"{layout.context_axes} (zigzag order); use a multiple of {2 * layout.cp}"
+        )
     config = gpt.Config(
         vocab=args.vocab, d_model=args.d_model, heads=args.heads, mlp=args.mlp,
-        layers=args.layers, seq=args.seq,
+        layers=args.layers, seq=args.seq, moe_experts=args.moe_experts,
+        capacity_factor=args.capacity_factor or None,
     )  # fmt: skip
     return mesh, layout, config
 
@@ -238,7 +262,10 @@ def train(args) -> dict:
     for step in range(start_step, args.steps):
         batch = gpt.batch_at(step, args.batch_size, config.seq, args.seed)
         tick = time.perf_counter()
-        metrics = step_fn(model, optimizer, local_rows(batch))
+        rows = local_rows(batch)  # next-token targets shifted before the sequence is split
+        metrics = step_fn(
+            model, optimizer, rows if args.strategy == "pp" else gpt.next_tokens(rows)
+        )
         loss = float(metrics["loss"])
         losses.append(loss)
         if not bool(metrics["finite"]):  # the step skipped its update (and warned)
@@ -266,6 +293,8 @@ def train(args) -> dict:
         "remat": args.remat,
         "precision": args.precision,
         "microbatches": args.microbatches,
+        "moe_experts": args.moe_experts,
+        "capacity_factor": args.capacity_factor,
     }
     if primary:
         args.output_dir.mkdir(parents=True, exist_ok=True)

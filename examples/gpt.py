@@ -1,8 +1,11 @@
 """A GPT-style decoder in plain Flax NNX with logical-axis annotations, its data, and layouts.
 
 Shared by ``fsdp_training.py`` (the main job) and ``benchmarks/``. The model code knows only
-logical names (``vocab``, ``embed``, ``heads``, ``kv``, ``mlp``, ``data``); a layout
-(:class:`substrax.layout.Layout`) maps them to mesh axes.
+logical names (``vocab``, ``embed``, ``heads``, ``kv``, ``mlp``, ``data``, ``seq``, ``expert``);
+a layout (:class:`substrax.layout.Layout`) maps them to mesh axes. Attention is
+:func:`substrax.spmd.attention`, so a context-parallel layout (``fsdp+cp``) splits the sequence;
+``Config.moe_experts`` swaps each MLP for a :class:`substrax_flax.MixtureOfExperts`, which an
+expert-parallel layout (``fsdp+ep``) shards.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import optax
 from flax import nnx
 
 import substrax_flax as sf
-from substrax.spmd import constrain
+from substrax.spmd import attention, constrain
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +32,10 @@ class Config:
     mlp: int = 1024
     layers: int = 4
     seq: int = 64
+    #: Experts per mixture-of-experts MLP (0: dense MLPs), each token routed to two.
+    moe_experts: int = 0
+    #: Expert slots relative to an even load (None: no token dropped).
+    capacity_factor: float | None = 1.25
 
     @property
     def head_dim(self) -> int:
@@ -55,26 +62,35 @@ class Block(nnx.Module):
         self.wv = _param(rngs, (d, h, k), ("embed", "heads", "kv"))
         self.wo = _param(rngs, (h, k, d), ("heads", "kv", "embed"))
         self.mlp_norm = nnx.Param(jnp.ones((d,)), out_sharding=("embed",))
-        self.up = _param(rngs, (d, m), ("embed", "mlp"))
-        self.down = _param(rngs, (m, d), ("mlp", "embed"))
+        if config.moe_experts:
+            self.moe = sf.MixtureOfExperts(
+                d, m, config.moe_experts, capacity_factor=config.capacity_factor, rngs=rngs
+            )
+        else:
+            self.up = _param(rngs, (d, m), ("embed", "mlp"))
+            self.down = _param(rngs, (m, d), ("mlp", "embed"))
+
+    def __call__(self, x):
+        return self.forward(x)[0]
 
     @sf.remat  # recomputed in the backward pass under make_train_step(remat=...)
-    def __call__(self, x):
+    def forward(self, x):
+        """The block's output and its load-balancing loss (0 for a dense MLP)."""
         h = _rms_norm(x, self.attn_norm[...])
-        q = constrain(jnp.einsum("bte,ehk->bthk", h, self.wq[...]), "data", None, "heads", "kv")
-        k = constrain(jnp.einsum("bte,ehk->bthk", h, self.wk[...]), "data", None, "heads", "kv")
-        v = constrain(jnp.einsum("bte,ehk->bthk", h, self.wv[...]), "data", None, "heads", "kv")
-        scores = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(q.shape[-1])
-        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
-        attended = jnp.einsum("bhts,bshk->bthk", weights, v)
+        names = ("data", "seq", "heads", "kv")
+        q = constrain(jnp.einsum("bte,ehk->bthk", h, self.wq[...]), *names)
+        k = constrain(jnp.einsum("bte,ehk->bthk", h, self.wk[...]), *names)
+        v = constrain(jnp.einsum("bte,ehk->bthk", h, self.wv[...]), *names)
+        attended = attention(q, k, v, causal=True)
         x = constrain(
-            x + jnp.einsum("bthk,hke->bte", attended, self.wo[...]), "data", None, "embed"
+            x + jnp.einsum("bthk,hke->bte", attended, self.wo[...]), "data", "seq", "embed"
         )
-        h = constrain(
-            jax.nn.gelu(_rms_norm(x, self.mlp_norm[...]) @ self.up[...]), "data", None, "mlp"
-        )
-        return constrain(x + h @ self.down[...], "data", None, "embed")
+        h = _rms_norm(x, self.mlp_norm[...])
+        if hasattr(self, "moe"):
+            out, stats = self.moe(h)
+            return constrain(x + out, "data", "seq", "embed"), stats.aux_loss
+        h = constrain(jax.nn.gelu(h @ self.up[...]), "data", "seq", "mlp")
+        return constrain(x + h @ self.down[...], "data", "seq", "embed"), jnp.zeros(())
 
 
 class GPT(nnx.Module):
@@ -89,11 +105,17 @@ class GPT(nnx.Module):
         self.head = _param(rngs, (config.d_model, config.vocab), ("embed", "vocab"))
 
     def __call__(self, tokens):
-        x = constrain(jnp.take(self.embedding[...], tokens, axis=0), "data", None, "embed")
+        return self.forward(tokens)[0]
+
+    def forward(self, tokens):
+        """The logits and the blocks' summed load-balancing loss (0 without experts)."""
+        x = constrain(jnp.take(self.embedding[...], tokens, axis=0), "data", "seq", "embed")
+        aux = jnp.zeros(())
         for block in self.blocks:
-            x = block(x)
+            x, block_aux = block.forward(x)
+            aux = aux + block_aux
         logits = _rms_norm(x, self.norm[...]) @ self.head[...]
-        return constrain(logits, "data", None, "vocab")
+        return constrain(logits, "data", "seq", "vocab"), aux
 
 
 class StackedGPT(nnx.Module):
@@ -146,10 +168,29 @@ def pipeline_head(model: StackedGPT, y: jax.Array, targets: jax.Array) -> jax.Ar
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
 
-def loss_fn(model: GPT, batch: jax.Array) -> jax.Array:
-    """Next-token cross-entropy of a batch of token rows ``[batch, seq + 1]``."""
-    logits = model(batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+#: Weight of the experts' load-balancing loss (Switch Transformer's).
+AUX_WEIGHT = 0.01
+
+
+def loss_fn(model: GPT, batch: jax.Array | dict) -> jax.Array:
+    """Next-token cross-entropy, plus the experts' load-balancing loss if the model has experts.
+
+    Args:
+      model: The model.
+      batch: Token rows ``[batch, seq + 1]``, or ``{"inputs", "targets"}`` already shifted
+        (:func:`next_tokens`): a sequence split over devices (context parallelism) must be
+        shifted before it is split.
+    """
+    if not isinstance(batch, dict):
+        batch = next_tokens(batch)
+    logits, aux = model.forward(batch["inputs"])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    return loss + AUX_WEIGHT * aux
+
+
+def next_tokens(rows: jax.Array | np.ndarray) -> dict:
+    """``{"inputs": rows[:, :-1], "targets": rows[:, 1:]}``."""
+    return {"inputs": rows[:, :-1], "targets": rows[:, 1:]}
 
 
 def optimizer(learning_rate: float = 3e-3) -> optax.GradientTransformation:
