@@ -112,7 +112,8 @@ def plot(memory: list[dict], path: pathlib.Path) -> None:
     axes.set(xlabel="sequence length (tokens)", ylabel="step activations (temp MiB / device)",
              xscale="log", yscale="log", title="Activations per device by cp degree")  # fmt: skip
     axes.set_xticks([r["seq"] for r in memory if r["cp"] == 1], minor=False)
-    axes.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    axes.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    axes.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes.legend()
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -145,6 +145,10 @@ class StackedGPT(nnx.Module):
 
         return self.logits(run(self.embed(tokens), self.blocks))
 
+    def forward(self, tokens):
+        """The logits, and no load-balancing loss (the stacked blocks have dense MLPs)."""
+        return self(tokens), jnp.zeros(())
+
     def embed(self, tokens):
         return jnp.take(self.embedding[...], tokens, axis=0)
 

@@ -93,7 +93,10 @@ def test_every_named_layout_is_listed():
 def test_context_and_expert_roles_split_the_sequence_and_the_experts():
     cp = Layout.named("fsdp+cp", {"data": 2, "context": 4})
     assert (cp.context_axes, cp.fsdp_axes, cp.batch_axes, cp.label) == (
-        ("context",), ("data",), ("data",), "fsdp 2 x cp 4"
+        ("context",),
+        ("data",),
+        ("data",),
+        "fsdp 2 x cp 4",
     )
     assert cp.param_rules.as_dict()["seq"] == "context" and cp.cp == 4
     ep = Layout.named("fsdp+ep", {"data": 2, "expert": 4})

@@ -76,6 +76,44 @@ def test_zero_divides_the_optimizer_state_and_keeps_the_traffic_of_dp():
     assert "zero1 dp 64 x tp 8" in labels and "zero2 dp 64 x tp 8" in labels
 
 
+def test_mixtral_is_a_named_mixture_of_experts_with_its_published_counts():
+    config = architecture("mixtral-8x7b")
+    leaves = transformer_leaves(config)
+    total = sum(math.prod(leaf.shape) for leaf in leaves)
+    active = sum(
+        math.prod(leaf.shape) * (config.top_k / config.experts if "expert" in leaf.names else 1)
+        for leaf in leaves
+    )
+    assert round(total / 1e9, 1) == 46.7 and round(active / 1e9, 1) == 12.9  # Mistral's figures
+    ep = evaluate(config, leaves, Layout.from_degrees(fsdp=32, ep=8), WORK, H100)
+    fsdp = evaluate(config, leaves, Layout.from_degrees(fsdp=256), WORK, H100)
+    assert ep.traffic_bytes_per_step["expert/all-to-all"] > 0
+    expert = next(p for p in ep.leaves if p.path == "layers/w_in")
+    assert expert.spec[1] == ("expert",) and expert.params_per_device * 256 == math.prod(
+        next(leaf.shape for leaf in leaves if leaf.path == "layers/w_in")
+    )
+    assert fsdp.flops_per_device == pytest.approx(ep.flops_per_device)  # same work, other split
+
+
+def test_the_planner_ranks_context_and_expert_layouts_with_the_rest():
+    long = plan("llama3-8b", 256, H100, Workload(batch_tokens=2**22, seq=131072))
+    labels = [c.layout.label for c in long.candidates]
+    assert any(" cp " in f" {label} " for label in labels)
+    assert not any("ep" in label.split() for label in labels)  # a dense model has no experts
+    short = plan("llama3-8b", 256, H100, Workload(batch_tokens=2**22, seq=1024))
+    assert not any("cp" in c.layout.label.split() for c in short.candidates)  # too short to split
+    fixed = Workload(batch_tokens=2**22, seq=131072, remat="none", microbatches=1)
+    config, leaves = architecture("llama3-8b"), transformer_leaves(architecture("llama3-8b"))
+    per_row = [
+        evaluate(config, leaves, layout, fixed, H100).bytes_per_device["activations"]
+        * layout.batch_degree  # / rows per device
+        for layout in (Layout.from_degrees(fsdp=4, cp=8, tp=8), Layout.from_degrees(fsdp=32, tp=8))
+    ]
+    assert per_row[0] < per_row[1] / 8  # the sequence is split, and attention's square with it
+    moe = plan("mixtral-8x7b", 256, H100, Workload(batch_tokens=2**22, seq=4096))
+    assert any(c.layout.ep > 1 for c in moe.candidates)
+
+
 TWINS = [
     TransformerConfig(layers=4, d_model=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256),
     TransformerConfig(layers=2, d_model=32, heads=8, kv_heads=8, head_dim=4, ffn=96, vocab=100,

@@ -96,7 +96,7 @@ class Layout:
       expert_axes: Expert-parallel axes: the batch is split, and the ``expert`` dimension of
         mixture-of-experts weights is sharded (the other parameters are whole on them, as on
         replica axes); tokens reach their experts with ``all_to_all``
-        (:class:`substrax_flax.MixtureOfExperts`).
+        (:func:`substrax.spmd.experts`).
       context_axes: Context-parallel axes: the sequence (``seq``) of the batch and of
         activations is split, in :func:`~substrax.spmd.zigzag` order; parameters are whole on
         them. Attention runs through :func:`substrax.spmd.attention`.
@@ -441,6 +441,11 @@ class Layout:
         """The mesh axes the batch's leading dimension is split over: replica, FSDP, expert."""
         split = self.data_axes + self.fsdp_axes + self.expert_axes
         return tuple(a for a in self.axis_names if a in split)
+
+    @property
+    def batch_degree(self) -> int:
+        """The devices the batch's rows are split over (the product of :attr:`batch_axes`)."""
+        return math.prod(self.shape[a] for a in self.batch_axes)
 
     @property
     def gather_axes(self) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ class Model(nnx.Module):
         init = nnx.initializers.normal(0.5)
         self.emb = nnx.Param(init(rngs.params(), (VOCAB, D)), out_sharding=("vocab", "embed"))
         self.moe = sf.MixtureOfExperts(
-            D, HIDDEN, EXPERTS, top_k=2, capacity_factor=capacity_factor, rngs=rngs
+            D, HIDDEN, EXPERTS, top_k=2, capacity_factor=capacity_factor, gated=True, rngs=rngs
         )
         self.head = nnx.Param(init(rngs.params(), (D, VOCAB)), out_sharding=("embed", "vocab"))
 

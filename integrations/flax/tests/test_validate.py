@@ -71,6 +71,24 @@ def test_zero_state_and_traffic_match_a_twin(zero):
     assert estimate == compiled
 
 
+@pytest.mark.parametrize(
+    "model,layout,twin",
+    [
+        ("llama3-8b", Layout.from_degrees(fsdp=64, cp=4, tp=8), "fsdp 2 x cp 2 x tp 2"),
+        ("mixtral-8x7b", Layout.from_degrees(fsdp=32, ep=8), "fsdp 4 x ep 2"),
+    ],
+    ids=["cp", "ep"],
+)
+def test_context_and_expert_state_match_a_twin(model, layout, twin):
+    """The planner's bytes for sequence-split and expert-sharded layouts are XLA's."""
+    result = _validate_layout(architecture(model), layout)
+    assert result["twin"]["layout"] == twin
+    estimate, compiled = result["state_bytes"]
+    assert estimate == compiled
+    estimate, compiled = result["arguments_bytes"]  # with the batch's split over the sequence
+    assert estimate == compiled
+
+
 def test_twins_keep_the_kinds_of_parallelism():
     assert _twin_layout(Layout.from_degrees(fsdp=512, tp=8), 8) == Layout.from_degrees(fsdp=4, tp=2)
     twin = _twin_layout(Layout.from_degrees(dp=8, fsdp=64), 8)

@@ -45,6 +45,10 @@ class TransformerConfig:
       tied: Output head shares the embedding.
       biases: Linear layers have biases (GPT-2).
       positions: Learned position embeddings of this many positions (0: none).
+      experts: Experts per mixture-of-experts MLP (0: dense MLPs). Each layer then has a
+        router ``[embed, experts]`` and ``experts`` copies of the MLP's matrices (logical
+        name ``expert`` on their leading dimension).
+      top_k: Experts each token is routed to.
     """
 
     layers: int
@@ -58,13 +62,15 @@ class TransformerConfig:
     tied: bool = False
     biases: bool = False
     positions: int = 0
+    experts: int = 0
+    top_k: int = 2
 
 
 def transformer_leaves(c: TransformerConfig) -> list[Leaf]:
     """The parameters of ``c``, each with its logical axis names.
 
     The names are ``layers`` (the stacked layer axis), ``vocab``, ``embed``, ``heads``,
-    ``kv_heads``, ``kv`` (head width) and ``mlp``.
+    ``kv_heads``, ``kv`` (head width), ``mlp`` and, for mixtures of experts, ``expert``.
 
     Args:
       c: The configuration.
@@ -88,6 +94,12 @@ def transformer_leaves(c: TransformerConfig) -> list[Leaf]:
     ]
     if c.gated:
         layer.append(("w_gate", (d, c.ffn), ("embed", "mlp")))
+    if c.experts:  # every MLP matrix once per expert, and a router
+        layer = [
+            (name, (c.experts, *shape), ("expert", *names)) if name.startswith("w_")
+            else (name, shape, names) for name, shape, names in layer
+        ]  # fmt: skip
+        layer.append(("router", (d, c.experts), ("embed", None)))
     if c.biases:
         layer += [
             ("bq", (c.heads, c.head_dim), ("heads", "kv")),
@@ -124,6 +136,13 @@ ARCHITECTURES = {
     "llama3-405b": TransformerConfig(
         layers=126, d_model=16384, heads=128, kv_heads=8, head_dim=128, ffn=53248, vocab=128256
     ),
+    # Mixtral 8x7B (Jiang et al. 2024, "Mixtral of Experts", arXiv:2401.04088, and its
+    # released config): 32 layers, 8 SwiGLU experts of 14336, top 2, 32k vocabulary; 46.7B
+    # parameters, 12.9B active per token.
+    "mixtral-8x7b": TransformerConfig(
+        layers=32, d_model=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336, vocab=32000,
+        experts=8, top_k=2,
+    ),
 }  # fmt: skip
 """The built-in architectures, by name."""
 
@@ -151,7 +170,7 @@ def config_from_leaves(leaves: list[Leaf]) -> TransformerConfig:
     For the planner's closed forms (activations, FLOPs) on a model that is not built in: the
     sizes of the dimensions named ``layers``, ``embed``, ``heads``, ``kv_heads``, ``kv``,
     ``mlp`` and ``vocab``; a missing name falls back to 1 layer, one head, ``kv`` =
-    ``embed / heads``, ``mlp`` = 4 x ``embed``, and ``vocab`` = 0.
+    ``embed / heads``, ``mlp`` = 4 x ``embed``, ``vocab`` = 0 and no experts (``expert``).
 
     Args:
       leaves: The model's parameters with their logical names.
@@ -177,4 +196,5 @@ def config_from_leaves(leaves: list[Leaf]) -> TransformerConfig:
         layers=sizes.get("layers", 1), d_model=d, heads=heads,
         kv_heads=sizes.get("kv_heads", heads), head_dim=sizes.get("kv", max(d // heads, 1)),
         ffn=sizes.get("mlp", 4 * d), vocab=sizes.get("vocab", 0), gated=False,
+        experts=sizes.get("expert", 0),
     )  # fmt: skip

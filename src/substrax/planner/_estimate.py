@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -210,11 +211,16 @@ def _leaf_plan(leaf: Leaf, layout: Layout) -> LeafPlan:
 
 
 def _activations(c: TransformerConfig, w: Workload, layout: Layout, act: int) -> float:
-    """Korthikanti et al. 2022 activation bytes of one device's live microbatches."""
-    rows = w.batch / (layout.dp * layout.fsdp)
+    """Korthikanti et al. 2022 activation bytes of one device's live microbatches.
+
+    Context parallelism divides the sequence (ring attention holds one key/value block at a
+    time, so the score term shrinks with the square); a mixture of experts is counted as its
+    dense MLP (its dispatch buffers are left out).
+    """
+    rows = w.batch / layout.batch_degree
     micro = w.microbatches or (layout.pp if layout.pp > 1 else 1)
     in_flight = min(layout.pp, micro) if layout.pp > 1 else 1
-    b, s, h, a, t = rows / micro, w.seq, c.d_model, c.heads, layout.tp
+    b, s, h, a, t = rows / micro, w.seq / layout.cp, c.d_model, c.heads, layout.tp
     if w.remat == "full":
         per_layer = 2 * s * b * h
     elif w.remat == "selective":
@@ -264,9 +270,11 @@ def evaluate(
     plans = leaf_plans(leaves, layout)
     per_device = sum(p.params_per_device for p in plans)
     stored, width = PRECISION_BYTES[workload.precision]
-    rows = workload.batch / (layout.dp * layout.fsdp)
+    rows = workload.batch / layout.batch_degree
     layer_params = sum(
-        math.prod(leaf.shape[1:]) for leaf in leaves if leaf.names[:1] == ("layers",)
+        math.prod(leaf.shape[1:]) / (layout.ep if "expert" in leaf.names else 1)
+        for leaf in leaves
+        if leaf.names[:1] == ("layers",)
     )
     layer_shard = layer_params / (layout.tp * layout.fsdp) * width
     sharded = sum(p.sharded_per_device for p in plans)  # over the replicas under ZeRO
@@ -280,12 +288,14 @@ def evaluate(
         "logits": rows
         / max(workload.microbatches or 1, 1)
         * workload.seq
+        / layout.cp
         * config.vocab
         / layout.tp
         * 4,
     }
     memory["peak"] = sum(memory.values())
-    traffic = _traffic(config, workload, layout, per_device * width, width)
+    dense = sum(p.params_per_device for p in plans if "expert" not in p.names)
+    traffic = _traffic(config, workload, layout, (per_device * width, dense * width), width)
     tokens = workload.batch * workload.seq
     flops = _flops_per_token(config, leaves, workload.seq) * tokens
     flops *= 8 / 6 if workload.remat == "full" else 1
@@ -321,7 +331,11 @@ def _flops_per_token(c: TransformerConfig, leaves: Sequence[Leaf], seq: int) -> 
     lookups = sum(
         math.prod(leaf.shape) for leaf in leaves if leaf.path in ("embedding", "positions")
     )
-    matmul = sum(math.prod(leaf.shape) for leaf in leaves) - lookups
+    active = c.top_k / c.experts if c.experts else 1.0  # each token meets top_k experts
+    matmul = sum(
+        math.prod(leaf.shape) * (active if "expert" in leaf.names else 1) for leaf in leaves
+    )
+    matmul -= lookups
     if c.tied:
         matmul += c.vocab * c.d_model
     attention = 12 * c.layers * c.heads * c.head_dim * seq
@@ -330,10 +344,17 @@ def _flops_per_token(c: TransformerConfig, leaves: Sequence[Leaf], seq: int) -> 
     return 6 * matmul + attention + elementwise
 
 
-def _traffic(c, w, layout, state_bytes, width) -> dict[str, float]:
-    """Ring volumes of one step, per device, keyed ``"axis/kind"``."""
-    rows = w.batch / (layout.dp * layout.fsdp)
-    activation = rows * w.seq * c.d_model * width
+def _traffic(c, w, layout, state, width) -> dict[str, float]:
+    """Ring volumes of one step, per device, keyed ``"axis/kind"``.
+
+    ``state`` is ``(bytes of this device's parameters, of those that are not experts')`` in
+    the wire width.
+    """
+    state_bytes, dense_bytes = state
+    rows = w.batch / layout.batch_degree
+    tokens = rows * w.seq / layout.cp
+    activation = tokens * c.d_model * width
+    layers = math.ceil(c.layers / layout.pp)
     traffic = {}
     if layout.fsdp > 1:  # parameter all-gathers (one, or two when re-gathered), one reduce-scatter
         f, gathers = layout.fsdp, 1 if w.gather == "keep" else 2
@@ -344,8 +365,15 @@ def _traffic(c, w, layout, state_bytes, width) -> dict[str, float]:
         traffic["data/all-gather"] = state_bytes * (layout.dp - 1) / layout.dp
     elif layout.dp > 1:  # gradient all-reduce of this device's shard
         traffic["data/all-reduce"] = 2 * state_bytes * (layout.dp - 1) / layout.dp
+    if layout.cp > 1:  # the ring: forward, its recomputation, and the key/value gradients back
+        kv = tokens * c.kv_heads * c.head_dim * 2 * width / min(layout.tp, c.kv_heads)
+        traffic["context/collective-permute"] = 3 * layers * (layout.cp - 1) * kv
+        traffic["context/all-reduce"] = 2 * state_bytes * (layout.cp - 1) / layout.cp
+    if layout.ep > 1 and c.experts:  # dispatch and combine: forward, recomputed, backward
+        slots = CAPACITY_FACTOR * tokens * c.top_k * c.d_model * width
+        traffic["expert/all-to-all"] = 6 * layers * slots * (layout.ep - 1) / layout.ep
+        traffic["expert/all-reduce"] = 2 * dense_bytes * (layout.ep - 1) / layout.ep
     if layout.tp > 1:  # two activation all-reduces per layer forward, two backward
-        layers = math.ceil(c.layers / layout.pp)
         traffic["model/all-reduce"] = 4 * layers * 2 * activation * (layout.tp - 1) / layout.tp
     if layout.pp > 1:  # activations forward and cotangents back across each stage boundary
         traffic["pipe/collective-permute"] = 2 * activation
@@ -361,9 +389,10 @@ def _time(flops, traffic, bubble, layout, hw) -> float:
         axis = key.split("/")[0]
         per_axis[axis] = per_axis.get(axis, 0.0) + volume
     comm = 0.0
+    degrees = {"fsdp": layout.fsdp, "context": layout.cp, "expert": layout.ep}
     for axis, volume in per_axis.items():
         fast = axis == "model" or (
-            axis == "fsdp" and layout.tp * layout.fsdp <= hw.devices_per_host
+            axis in degrees and layout.tp * degrees[axis] <= hw.devices_per_host
         )
         bandwidth = hw.intra_host_bandwidth if fast else hw.inter_host_bandwidth
         comm = max(comm, volume / bandwidth) if bandwidth else comm
@@ -383,26 +412,42 @@ def _warnings(c, plans, layout, per_device) -> tuple[str, ...]:
     return tuple(found)
 
 
-#: What :func:`layouts` may combine: the four degrees, and ZeRO over the replicas.
-STRATEGIES = ("dp", "fsdp", "tp", "pp", "zero")
+#: What :func:`layouts` may combine: the degrees, and ZeRO over the replicas.
+STRATEGIES = ("dp", "fsdp", "tp", "pp", "zero", "cp", "ep")
+
+#: Expert slots relative to an even load, for the all-to-all volumes (substrax's default).
+CAPACITY_FACTOR = 1.25
+
+#: The fewest tokens of a sequence a context-parallel device holds in :func:`layouts`.
+MIN_CONTEXT_TOKENS = 1024
 
 
-def layouts(devices: int, config: TransformerConfig, *, devices_per_host: int = 8,
-            strategies: Sequence[str] = STRATEGIES) -> list[Layout]:  # fmt: skip
+def layouts(
+    devices: int,
+    config: TransformerConfig,
+    *,
+    devices_per_host: int = 8,
+    strategies: Sequence[str] = STRATEGIES,
+    seq: int | None = None,
+) -> list[Layout]:
     """Every layout of ``devices`` that the strategies allow.
 
     Tensor parallelism stays within a host, pipelines have at most one stage per layer, and every
-    size divides the device count. Each is a :class:`substrax.layout.Layout` on axes ``pipe``,
-    ``data``, ``fsdp`` and ``model`` (:meth:`~substrax.layout.Layout.from_degrees`): the same
-    object the Flax adapter applies.
+    size divides the device count. Expert parallelism divides a mixture of experts' experts;
+    context parallelism needs ``seq`` and leaves each device at least
+    :data:`MIN_CONTEXT_TOKENS` tokens in ``2 x cp`` whole chunks. Each is a
+    :class:`substrax.layout.Layout` on axes ``pipe``, ``data``, ``fsdp``, ``expert``,
+    ``context`` and ``model`` (:meth:`~substrax.layout.Layout.from_degrees`): the same object
+    the Flax adapter applies.
 
     Args:
       devices: The device count.
-      config: The architecture (its layer count bounds the pipeline).
+      config: The architecture (its layer count bounds the pipeline, its experts ep).
       devices_per_host: The largest tensor-parallel degree.
-      strategies: Which of ``dp``, ``fsdp``, ``tp``, ``pp`` may exceed 1, and whether
-        layouts with replicas also come as ``zero`` 1 and 2 (optimizer state, and gradients,
-        sharded over the replicas; not combined with fsdp).
+      strategies: Which of ``dp``, ``fsdp``, ``tp``, ``pp``, ``cp`` and ``ep`` may exceed
+        1, and whether layouts with replicas (and no fsdp, cp or ep) also come as ``zero`` 1
+        and 2 (optimizer state, and gradients, sharded over the replicas).
+      seq: The sequence length (None: no context parallelism).
 
     Returns:
       The layouts.
@@ -418,14 +463,32 @@ def layouts(devices: int, config: TransformerConfig, *, devices_per_host: int = 
             f"Unknown strategies {sorted(unknown)}; choose from {', '.join(STRATEGIES)}."
         )
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+
+    def allowed(strategy: str, degree: int) -> bool:
+        return degree == 1 or strategy in strategies
+
+    tps = [d for d in divisors if d <= devices_per_host and allowed("tp", d)]
+    pps = [d for d in divisors if d <= config.layers and allowed("pp", d)]
+    eps = [d for d in divisors if allowed("ep", d) and (d == 1 or _divides(d, config.experts))]
+    cps = [d for d in divisors if allowed("cp", d) and (d == 1 or _splits(seq, d))]
     found = []
-    for tp in (d for d in divisors if d <= devices_per_host and ("tp" in strategies or d == 1)):
-        for pp in (d for d in divisors if d <= config.layers and ("pp" in strategies or d == 1)):
-            rest = devices // (tp * pp) if devices % (tp * pp) == 0 else 0
-            for fsdp in (d for d in divisors if rest and rest % d == 0):
-                dp = rest // fsdp
-                if (fsdp == 1 or "fsdp" in strategies) and (dp == 1 or "dp" in strategies):
-                    found.append(Layout.from_degrees(pp=pp, dp=dp, fsdp=fsdp, tp=tp))
-                    if "zero" in strategies and dp > 1 and fsdp == 1:
-                        found += [Layout.from_degrees(pp=pp, dp=dp, tp=tp, zero=z) for z in (1, 2)]
+    for tp, pp, ep, cp in itertools.product(tps, pps, eps, cps):
+        if devices % (tp * pp * ep * cp):
+            continue
+        rest = devices // (tp * pp * ep * cp)
+        for fsdp in (d for d in divisors if rest % d == 0):
+            dp = rest // fsdp
+            if allowed("fsdp", fsdp) and allowed("dp", dp):
+                found.append(Layout.from_degrees(pp=pp, dp=dp, fsdp=fsdp, ep=ep, cp=cp, tp=tp))
+                if "zero" in strategies and dp > 1 and fsdp == ep == cp == 1:
+                    found += [Layout.from_degrees(pp=pp, dp=dp, tp=tp, zero=z) for z in (1, 2)]
     return found
+
+
+def _divides(ep: int, experts: int) -> bool:
+    return experts > 0 and experts % ep == 0
+
+
+def _splits(seq: int | None, cp: int) -> bool:
+    """Whether ``cp`` devices can split a sequence of ``seq`` in zigzag order, usefully."""
+    return seq is not None and seq % (2 * cp) == 0 and seq // cp >= MIN_CONTEXT_TOKENS

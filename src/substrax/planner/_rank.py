@@ -97,7 +97,8 @@ def plan(
       devices: The device count.
       hardware: Memory per device (and optional speeds).
       workload: Batch, sequence, precision, optimizer, remat.
-      strategies: Which of ``dp``, ``fsdp``, ``tp``, ``pp`` and ``zero`` to consider.
+      strategies: Which of :data:`~substrax.planner.STRATEGIES` to consider (``cp`` and
+        ``ep`` only where the sequence and the experts allow them).
       leaves: The parameters, for a model that is not a built-in transformer (its closed
         forms still use ``model``'s configuration).
 
@@ -123,11 +124,12 @@ def plan(
     config = architecture(model) if isinstance(model, str) else model
     leaves = list(leaves) if leaves is not None else transformer_leaves(config)
     options = layouts(
-        devices, config, devices_per_host=hardware.devices_per_host, strategies=strategies
-    )
+        devices, config, devices_per_host=hardware.devices_per_host, strategies=strategies,
+        seq=workload.seq,
+    )  # fmt: skip
     if not options:
         raise ValueError(f"No layout of {devices} devices uses only {list(strategies)}.")
-    feasible = [o for o in options if o.dp * o.fsdp <= workload.batch]
+    feasible = [o for o in options if o.batch_degree <= workload.batch]
     if not feasible:
         raise ValueError(
             f"Every layout of {devices} devices has more data-parallel devices than the batch "
@@ -147,7 +149,7 @@ def _settings(workload: Workload, layout) -> list[Workload]:
     """The workloads to try on ``layout``: ``workload`` with each open choice filled in."""
     remats = REMAT if workload.remat is None else (workload.remat,)
     if workload.microbatches is None:
-        rows = max(workload.batch // (layout.dp * layout.fsdp), 1)
+        rows = max(workload.batch // layout.batch_degree, 1)
         micros = tuple(m for m in MICROBATCH_CHOICES if m <= rows) or (1,)
     else:
         micros = (workload.microbatches,)

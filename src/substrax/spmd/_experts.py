@@ -73,6 +73,7 @@ def experts(
     w_in: jax.Array,
     w_out: jax.Array,
     *,
+    w_gate: jax.Array | None = None,
     top_k: int = 2,
     capacity_factor: float | None = 1.25,
     activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
@@ -88,6 +89,8 @@ def experts(
       router: Router weights ``[features, experts]`` (computed in float32).
       w_in: Expert input weights ``[experts, features, hidden]``.
       w_out: Expert output weights ``[experts, hidden, features]``.
+      w_gate: Gate weights shaped as ``w_in`` for gated experts (Mixtral's SwiGLU:
+        ``activation(x @ w_gate) * (x @ w_in)``, with ``activation=jax.nn.silu``), or None.
       top_k: Experts per token.
       capacity_factor: Slots per expert relative to an even load (see the module); None
         drops nothing.
@@ -102,7 +105,10 @@ def experts(
         positive, the shapes disagree, or the experts do not divide over the expert axes.
     """
     count = router.shape[-1]
-    _check(x, router, w_in, w_out, top_k, capacity_factor)
+    weights = (w_in, w_out) if w_gate is None else (w_in, w_out, w_gate)
+    _check(x, router, *weights[:2], top_k, capacity_factor)
+    if w_gate is not None and w_gate.shape != w_in.shape:
+        raise ValueError(f"w_gate has shape {w_gate.shape}; it needs w_in's, {w_in.shape}.")
     tokens, expert = free_axes("batch"), free_axes("expert")
     size = axes_size(expert)
     if count % size:
@@ -111,16 +117,15 @@ def experts(
             f"{expert}; use a multiple of {size} experts."
         )
 
-    def group(x, router, w_in, w_out):
-        return _group(x, router, w_in, w_out, top_k, capacity_factor, activation, expert,
-                      tokens)  # fmt: skip
+    def group(x, router, weights):
+        return _group(x, router, weights, top_k, capacity_factor, activation, expert, tokens)
 
     if tokens:
-        rows, weights = PartitionSpec(spec_entry(tokens)), PartitionSpec(spec_entry(expert))
-        specs = (rows, PartitionSpec(), weights, weights)
+        rows, sharded = PartitionSpec(spec_entry(tokens)), PartitionSpec(spec_entry(expert))
+        specs = (rows, PartitionSpec(), (sharded,) * len(weights))
         group = recomputed_region(group, region_mesh(tokens), specs, (rows, PartitionSpec()),
                                   set(tokens))  # fmt: skip
-    y, sums = group(x, router, w_in, w_out)
+    y, sums = group(x, router, weights)
     outer = manual_batch_axes()
     if outer:  # the step's region: every device holds its own rows
         sums = jax.lax.psum(sums, outer)
@@ -147,7 +152,7 @@ def _check(x, router, w_in, w_out, top_k, capacity_factor) -> None:
             )
 
 
-def _group(x, router, w_in, w_out, top_k, capacity_factor, activation, expert, tokens):
+def _group(x, router, weights, top_k, capacity_factor, activation, expert, tokens):
     """One group's tokens through their experts; also ``[choices, probabilities, kept]`` sums."""
     batch, length, features = x.shape
     flat = x.reshape(batch * length, features)
@@ -158,8 +163,13 @@ def _group(x, router, w_in, w_out, top_k, capacity_factor, activation, expert, t
     slots = jnp.einsum("tec,td->ecd", dispatch.astype(x.dtype), flat)
     if expert:  # [experts, capacity] -> [local experts, devices x capacity]
         slots = jax.lax.all_to_all(slots, spec_entry(expert), 0, 1, tiled=True)
-    hidden = activation(jnp.einsum("ecd,edh->ech", slots, w_in.astype(x.dtype)))
-    out = jnp.einsum("ech,ehd->ecd", hidden, w_out.astype(x.dtype))
+    w_in, w_out, *gate = (w.astype(x.dtype) for w in weights)
+    hidden = jnp.einsum("ecd,edh->ech", slots, w_in)
+    if gate:
+        hidden = activation(jnp.einsum("ecd,edh->ech", slots, gate[0])) * hidden
+    else:
+        hidden = activation(hidden)
+    out = jnp.einsum("ech,ehd->ecd", hidden, w_out)
     if expert:
         out = jax.lax.all_to_all(out, spec_entry(expert), 1, 0, tiled=True)
     y = jnp.einsum("tec,ecd->td", combine.astype(x.dtype), out).reshape(x.shape)

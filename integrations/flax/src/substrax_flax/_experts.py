@@ -38,6 +38,7 @@ class MixtureOfExperts(nnx.Module):
         top_k: int = 2,
         capacity_factor: float | None = 1.25,
         activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
+        gated: bool = False,
         param_dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
@@ -50,7 +51,9 @@ class MixtureOfExperts(nnx.Module):
           top_k: Experts per token.
           capacity_factor: Slots per expert relative to an even load; None drops no token
             (exact, ``num_experts`` x tokens slots: for tests and small models).
-          activation: The experts' activation.
+          activation: The experts' activation (``jax.nn.silu`` for Mixtral's experts).
+          gated: Gated experts, ``activation(x @ w_gate) * (x @ w_in)`` (``w_gate`` named as
+            ``w_in``).
           param_dtype: The parameters' dtype.
           rngs: The random streams (``params`` is used).
 
@@ -78,6 +81,11 @@ class MixtureOfExperts(nnx.Module):
             expert_init(rngs.params(), (num_experts, hidden, features), param_dtype),
             out_sharding=("expert", "mlp", "embed"),
         )
+        if gated:
+            self.w_gate = nnx.Param(
+                expert_init(rngs.params(), (num_experts, features, hidden), param_dtype),
+                out_sharding=("expert", "embed", "mlp"),
+            )
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ExpertStats]:
         """Routes ``x`` through its experts.
@@ -88,8 +96,13 @@ class MixtureOfExperts(nnx.Module):
         Returns:
           ``(y, stats)``: the output, shaped as ``x``, and the routing's
           :class:`~substrax.spmd.ExpertStats` (add ``stats.aux_loss`` to the loss).
+
+        Raises:
+          ValueError: If ``x`` is not ``[batch, length, features]`` or the experts do not
+            divide over the layout's expert axes.
         """
+        gate = self.w_gate[...] if hasattr(self, "w_gate") else None
         return experts(
-            x, self.router[...], self.w_in[...], self.w_out[...], top_k=self.top_k,
+            x, self.router[...], self.w_in[...], self.w_out[...], w_gate=gate, top_k=self.top_k,
             capacity_factor=self.capacity_factor, activation=self.activation,
         )  # fmt: skip

@@ -41,6 +41,7 @@ from substrax.planner import (
 )
 from substrax.planner import main as planner_main
 from substrax.planner import transformer_leaves as leaves_of
+from substrax.spmd import attention, context_axes, experts
 from substrax_flax._optimizer import create_sharded_optimizer
 from substrax_flax._plan import create_sharded_model
 from substrax_flax._report import sharding_report
@@ -101,18 +102,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _twin_layout(layout: Layout, devices: int) -> Layout:
     """The layout scaled down to at most ``devices`` devices, keeping each kind of parallelism.
 
-    tp, fsdp and dp become at most 2, 4 and 2 (while they fit), each above 1 where the
-    original's is; a ZeRO layout stays one.
+    tp, cp, ep, fsdp and dp become at most 2, 2, 2, 4 and 2 (while they fit), each above 1
+    where the original's is; a ZeRO layout stays one.
 
     Raises:
       ValueError: For a pipeline layout (``benchmarks/pipeline.py`` measures those).
     """
     if layout.pp > 1:
         raise ValueError(f"validate does not twin pipeline layouts ({layout.label}).")
-    tp = min(layout.tp, 2)
-    fsdp = min(layout.fsdp, max(devices // (tp * 2 if layout.dp > 1 else tp), 1), 4)
-    dp = min(layout.dp, max(devices // (tp * fsdp), 1), 2)
-    return Layout.from_degrees(dp=dp, fsdp=fsdp, tp=tp, zero=layout.zero if dp > 1 else 0)
+    tp, cp, ep = min(layout.tp, 2), min(layout.cp, 2), min(layout.ep, 2)
+    inner = tp * cp * ep
+    fsdp = min(layout.fsdp, max(devices // (inner * 2 if layout.dp > 1 else inner), 1), 4)
+    dp = min(layout.dp, max(devices // (inner * fsdp), 1), 2)
+    zero = layout.zero if dp > 1 else 0
+    return Layout.from_degrees(dp=dp, fsdp=fsdp, ep=ep, cp=cp, tp=tp, zero=zero)
 
 
 def _twin_config(config: TransformerConfig) -> TransformerConfig:
@@ -120,6 +123,7 @@ def _twin_config(config: TransformerConfig) -> TransformerConfig:
     return dataclasses.replace(
         config, layers=2, d_model=64, heads=4, kv_heads=2 if grouped else 4, head_dim=16,
         ffn=128, vocab=256, positions=16 if config.positions else 0,
+        experts=4 if config.experts else 0,
     )  # fmt: skip
 
 
@@ -159,11 +163,20 @@ class _Twin(nnx.Module):
         v = jnp.einsum("bte,ehk->bthk", h, p["wv"])
         if c.biases:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-        k, v = (jnp.repeat(a, c.heads // c.kv_heads, axis=2) for a in (k, v))
-        scores = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(c.head_dim)
-        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
-        x = x + jnp.einsum("bhts,bshk,hke->bte", weights, v, p["wo"])
+        if context_axes():  # the sequence is split: ring attention
+            x = x + jnp.einsum("bthk,hke->bte", attention(q, k, v, causal=True), p["wo"])
+        else:
+            k, v = (jnp.repeat(a, c.heads // c.kv_heads, axis=2) for a in (k, v))
+            scores = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(c.head_dim)
+            causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+            weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+            x = x + jnp.einsum("bhts,bshk,hke->bte", weights, v, p["wo"])
+        if c.experts:
+            out, _ = experts(
+                _norm(x, p["mlp_norm"]), p["router"], p["w_in"], p["w_out"],
+                w_gate=p.get("w_gate"), top_k=c.top_k, activation=jax.nn.silu,
+            )  # fmt: skip
+            return x + out
         h = _norm(x, p["mlp_norm"]) @ p["w_in"]
         h = jax.nn.silu(_norm(x, p["mlp_norm"]) @ p["w_gate"]) * h if c.gated else jax.nn.gelu(h)
         return x + h @ p["w_out"]
@@ -173,9 +186,9 @@ def _norm(x: jax.Array, scale: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
 
 
-def _loss(model: _Twin, batch: jax.Array) -> jax.Array:
-    logits = model(batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+def _loss(model: _Twin, batch: dict) -> jax.Array:
+    logits = model(batch["inputs"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
 def validate(plan: Plan, rank: int = 0, *, devices: int | None = None) -> dict[str, Any]:
@@ -228,14 +241,15 @@ def _validate_layout(
     devices = devices or jax.device_count()
     twin, small = _twin_layout(layout, devices), _twin_config(config)
     leaves = leaves_of(small)
-    batch_rows = 2 * twin.dp * twin.fsdp
+    batch_rows = 2 * twin.batch_degree
     workload = Workload(batch_tokens=batch_rows * 16, seq=16, precision=precision,
                         optimizer="adamw", remat="none")  # fmt: skip
     estimate = evaluate(small, leaves, twin, workload, Hardware(memory_bytes=2**40))
     model = create_sharded_model(lambda: _Twin(small, nnx.Rngs(0)), layout=twin)
     optimizer = create_sharded_optimizer(model, optax.adamw(1e-3))
     step = make_train_step(_loss, precision="bf16" if precision == "mixed" else None)
-    batch = np.zeros((batch_rows, 17), np.int32)
+    rows = np.zeros((batch_rows, 16), np.int32)  # shifted targets: the sequence may be split
+    batch = {"inputs": rows, "targets": rows}
     lowered = step.lower(model, optimizer, batch)
     compiled = lowered.compile()
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
@@ -244,7 +258,7 @@ def _validate_layout(
     planned = estimate.bytes_per_device
     scalars = 8  # adam's count and the optimizer's step: two 4-byte scalars
     traffic = traffic_by_kind((lowered if precision == "mixed" else compiled).as_text(), devices)
-    batch_per_device = batch.nbytes // (twin.dp * twin.fsdp)
+    batch_per_device = 2 * rows.nbytes // (twin.batch_degree * twin.cp)
     return {
         "twin": {
             "layout": twin.label,
