@@ -20,9 +20,7 @@ def _run(*args, tmp_path):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("strategy", "precision", "microbatches"), [("fsdp", "bf16", 2), ("fsdp+tp", "f32", 1)]
-)
+@pytest.mark.parametrize(("strategy", "precision", "microbatches"), [("fsdp", "bf16", 2)])
 def test_example_trains_and_writes_metrics(tmp_path, strategy, precision, microbatches):
     result = _run(*TINY, "--steps", "12", "--strategy", strategy, "--precision", precision,
                   "--microbatches", str(microbatches), "--batch-size", "16",
@@ -34,6 +32,23 @@ def test_example_trains_and_writes_metrics(tmp_path, strategy, precision, microb
     assert (metrics["precision"], metrics["microbatches"]) == (precision, microbatches)
     assert metrics["losses"][-1] < metrics["losses"][0]
     assert "loss" in result.stdout and "MiB per device" in result.stdout
+
+
+def test_context_and_expert_runs_train(tmp_path):
+    """The issue's two commands at a tiny size (their losses equal the runs without the new
+    axis: test_context_parallel.py and test_experts.py compare the layouts themselves)."""
+    runs = {
+        "cp": ["--strategy", "fsdp+cp", "--mesh", "data=2,context=4"],
+        "ep": ["--moe-experts", "4", "--strategy", "fsdp+ep", "--mesh", "data=2,expert=4"],
+    }
+    for name, args in runs.items():
+        out = tmp_path / name
+        result = _run(*TINY, "--steps", "6", *args, "--output-dir", str(out), tmp_path=tmp_path)
+        assert result.returncode == 0, result.stderr
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert metrics["strategy"] == args[args.index("--strategy") + 1]
+        assert metrics["moe_experts"] == (4 if name == "ep" else 0)
+        assert metrics["losses"][-1] < metrics["losses"][0]
 
 
 PIPELINE_SIZE = [*TINY, "--layers", "4", "--steps", "4"]
@@ -66,6 +81,14 @@ def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelin
         (["--mesh", "data"], "expected name=size pairs"),
         (["--strategy", "pp", "--mesh", "data=8"], "--strategy pp needs a pipe= axis in --mesh"),
         (["--microbatches", "0"], "--microbatches must be a positive integer, got 0"),
+        (
+            ["--strategy", "fsdp+cp", "--mesh", "data=2,context=4", "--seq", "12"],
+            "--seq 12 does not split into 2 x 4 chunks",
+        ),
+        (
+            ["--moe-experts", "6", "--strategy", "fsdp+ep", "--mesh", "data=2,expert=4"],
+            "--moe-experts 6 does not divide over the 4 devices",
+        ),
         (["--microbatches", "3"], "does not split into --microbatches 3 x 2 data devices"),
         (["--output-dir", "/dev/null/out"], "--output-dir /dev/null/out is not writable"),
         (["--checkpoint-dir", "/dev/null/ckpt"], "--checkpoint-dir /dev/null/ckpt is not writable"),

@@ -71,18 +71,11 @@ def test_zero_state_and_traffic_match_a_twin(zero):
     assert estimate == compiled
 
 
-@pytest.mark.parametrize(
-    "model,layout,twin",
-    [
-        ("llama3-8b", Layout.from_degrees(fsdp=64, cp=4, tp=8), "fsdp 2 x cp 2 x tp 2"),
-        ("mixtral-8x7b", Layout.from_degrees(fsdp=32, ep=8), "fsdp 4 x ep 2"),
-    ],
-    ids=["cp", "ep"],
-)
-def test_context_and_expert_state_match_a_twin(model, layout, twin):
-    """The planner's bytes for sequence-split and expert-sharded layouts are XLA's."""
-    result = _validate_layout(architecture(model), layout)
-    assert result["twin"]["layout"] == twin
+def test_context_and_expert_state_match_a_twin():
+    """The planner's bytes for a sequence-split, expert-sharded Mixtral layout are XLA's."""
+    layout = Layout.from_degrees(fsdp=16, ep=8, cp=4)
+    result = _validate_layout(architecture("mixtral-8x7b"), layout)
+    assert result["twin"]["layout"] == "fsdp 2 x ep 2 x cp 2"
     estimate, compiled = result["state_bytes"]
     assert estimate == compiled
     estimate, compiled = result["arguments_bytes"]  # with the batch's split over the sequence

@@ -4,7 +4,8 @@
 layout with expert axes (the logical name ``expert``, see :class:`~substrax.layout.Layout`) it
 enters ``shard_map`` over the batch axes, so each device routes the tokens it holds; tokens
 travel to the devices of their experts with one ``all_to_all`` over the expert axes and come
-back with another (two per layer forward, two more in the backward pass).
+back with another: two per layer forward; the backward pass recomputes the layer in its own
+region (two more) and sends the cotangents back (two more).
 
 Routing follows Switch Transformer / GShard: a softmax over the experts, the ``top_k`` largest
 chosen and their weights renormalised to sum to 1 (Mixtral's gating). Each expert takes at most
@@ -102,7 +103,8 @@ def experts(
 
     Raises:
       ValueError: If ``top_k`` is not in ``[1, experts]``, the capacity factor is not
-        positive, the shapes disagree, or the experts do not divide over the expert axes.
+        positive, the shapes disagree, the experts do not divide over the expert axes, or
+        the expert axes do not split the batch.
     """
     count = router.shape[-1]
     weights = (w_in, w_out) if w_gate is None else (w_in, w_out, w_gate)
@@ -111,6 +113,12 @@ def experts(
         raise ValueError(f"w_gate has shape {w_gate.shape}; it needs w_in's, {w_in.shape}.")
     tokens, expert = free_axes("batch"), free_axes("expert")
     size = axes_size(expert)
+    if not set(expert) <= set(tokens):
+        raise ValueError(
+            f"The expert axes {expert} must also split the batch (rules map 'batch' to "
+            f"{tokens}): tokens reach their experts within the devices that hold them. A "
+            "Layout with an expert role does both."
+        )
     if count % size:
         raise ValueError(
             f"{count} experts do not divide over the {size} devices of the expert axes "
