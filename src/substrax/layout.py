@@ -194,7 +194,7 @@ class Layout:
         shape = _shape_of(mesh)
         names = tuple(shape)
         zero, name = (int(name[4]), name[6:] or "dp") if name.startswith("zero") else (0, name)
-        if name in ("hsdp", "fsdp+tp", "pp", "fsdp+cp", "fsdp+ep") and len(names) < 2:
+        if name in ("hsdp", "fsdp+tp", "pp", "cp", "fsdp+cp", "fsdp+ep") and len(names) < 2:
             raise ValueError(
                 f"Layout {name!r} needs a mesh of at least two axes (its roles differ); the "
                 f"mesh has {shape}."
