@@ -1,6 +1,7 @@
-"""SPMD helpers for model code and steps: batches on the mesh, logical-name constraints, and
-layers that enter their own ``shard_map`` region (ring attention over the context axes,
-mixture-of-experts dispatch over the expert axes).
+"""SPMD helpers for model code and steps: batches, constraints, and layers with own regions.
+
+Batches on the mesh, logical-name constraints, and layers that enter their own ``shard_map``
+region (ring attention over the context axes, mixture-of-experts dispatch over the expert axes).
 
 Sharding inference is left to XLA on Auto meshes: a batch sharded over the data axes is all a
 data-parallel step needs for XLA to insert the gradient all-reduce.

@@ -33,7 +33,7 @@ def batch_sharding(
       mesh: The device mesh.
       data_axes: The mesh axis, or axes, the batch is split over.
       seq_axes: Mesh axes the second dimension (the sequence) is split over: context
-        parallelism. None by default.
+        parallelism (none by default).
 
     Returns:
       ``NamedSharding(mesh, P(data_axes))``, or ``P(data_axes, seq_axes)``.
