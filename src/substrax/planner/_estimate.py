@@ -359,7 +359,10 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
     if layout.fsdp > 1:  # parameter all-gathers (one, or two when re-gathered), one reduce-scatter
         f, gathers = layout.fsdp, 1 if w.gather == "keep" else 2
         traffic["fsdp/all-gather"] = gathers * state_bytes * f * (f - 1) / f
-        traffic["fsdp/reduce-scatter"] = state_bytes * f * (f - 1) / f
+        if _xla_step(layout):  # XLA's partitioning all-reduces the gathered gradients
+            traffic["fsdp/all-reduce"] = 2 * state_bytes * f * (f - 1) / f
+        else:
+            traffic["fsdp/reduce-scatter"] = state_bytes * f * (f - 1) / f
     if layout.dp > 1 and layout.zero:  # gradients reduce-scattered, new parameters gathered
         traffic["data/reduce-scatter"] = state_bytes * (layout.dp - 1) / layout.dp
         traffic["data/all-gather"] = state_bytes * (layout.dp - 1) / layout.dp
@@ -378,6 +381,16 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
     if layout.pp > 1:  # activations forward and cotangents back across each stage boundary
         traffic["pipe/collective-permute"] = 2 * activation
     return traffic
+
+
+def _xla_step(layout: Layout) -> bool:
+    """Whether substrax's train step runs ``layout`` with XLA's partitioning, not by hand.
+
+    Its manual data-parallel region must leave at most one axis of size > 1 to XLA (tensor,
+    context or expert; see the Flax adapter's train step and its obstacles), else XLA
+    (jax 0.10.2) fails a CHECK; the step then uses XLA's partitioning.
+    """
+    return sum(degree > 1 for degree in (layout.tp, layout.cp, layout.ep)) > 1
 
 
 def _time(flops, traffic, bubble, layout, hw) -> float:
@@ -405,6 +418,11 @@ def _warnings(c, plans, layout, per_device) -> tuple[str, ...]:
         found.append(
             f"{c.layers} layers do not divide {layout.pp} pipeline stages: stages get "
             f"{c.layers // layout.pp} or {c.layers // layout.pp + 1} layers"
+        )
+    if _xla_step(layout) and layout.fsdp > 1:
+        found.append(
+            "two of tp, cp and ep: the step uses XLA's partitioning, which all-reduces the "
+            "FSDP gradients instead of reduce-scattering them"
         )
     replicated = sum(p.params_per_device for p in plans if not any(p.spec))
     if layout.devices > 1 and replicated > 0.05 * per_device:
