@@ -368,9 +368,10 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
         traffic["data/all-gather"] = state_bytes * (layout.dp - 1) / layout.dp
     elif layout.dp > 1:  # gradient all-reduce of this device's shard
         traffic["data/all-reduce"] = 2 * state_bytes * (layout.dp - 1) / layout.dp
-    if layout.cp > 1:  # the ring: forward, its recomputation, and the key/value gradients back
+    if layout.cp > 1:  # the ring: forward, its recomputation, and a backward ring that
+        # carries each block with its gradients (twice the bytes) and brings those home
         kv = tokens * c.kv_heads * c.head_dim * 2 * width / min(layout.tp, c.kv_heads)
-        traffic["context/collective-permute"] = 3 * layers * (layout.cp - 1) * kv
+        traffic["context/collective-permute"] = layers * (4 * (layout.cp - 1) + 1) * kv
         traffic["context/all-reduce"] = 2 * state_bytes * (layout.cp - 1) / layout.cp
     if layout.ep > 1 and c.experts:  # dispatch and combine: forward, recomputed, backward
         slots = CAPACITY_FACTOR * tokens * c.top_k * c.d_model * width

@@ -252,23 +252,87 @@ def context_attention(
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}.")
     _check_heads(q, k)
     scale = _scale(q, scale)
-    cp, device, length = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name), q.shape[1]
-    q_pos = _positions(device, length, cp, balanced)
-    state = _empty(q)
     if variant == "all_gather":
+        cp, device, length = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name), q.shape[1]
+        q_pos = _positions(device, length, cp, balanced)
         keys = jax.lax.all_gather(k, axis_name, axis=1, tiled=True)
         values = jax.lax.all_gather(v, axis_name, axis=1, tiled=True)
         k_pos = jnp.concatenate([_positions(j, length, cp, balanced) for j in range(cp)])
-        state = _block(state, q, keys, values, q_pos, k_pos, causal, scale)
-    else:
-        shift = [(j, (j + 1) % cp) for j in range(cp)]
-        for step in range(cp):
-            source = (device - step) % cp
-            k_pos = _positions(source, length, cp, balanced)
-            state = _block(state, q, k, v, q_pos, k_pos, causal, scale)
-            if step < cp - 1:
-                k, v = jax.lax.ppermute((k, v), axis_name, shift)
-    return _normalised(state, q.dtype)
+        state = _block(_empty(q), q, keys, values, q_pos, k_pos, causal, scale)
+        return _normalised(state, q.dtype)
+    return _ring(q, k, v, axis_name, causal, balanced, scale)
+
+
+def _shift(cp: int) -> list[tuple[int, int]]:
+    return [(j, (j + 1) % cp) for j in range(cp)]
+
+
+def _ring_forward(q, k, v, axis_name, causal, balanced, scale):
+    """The ring's output and each query's log-sum-exp (float32), one K/V block at a time."""
+    cp, device, length = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name), q.shape[1]
+    q_pos, state = _positions(device, length, cp, balanced), _empty(q)
+    for step in range(cp):
+        k_pos = _positions((device - step) % cp, length, cp, balanced)
+        state = _block(state, q, k, v, q_pos, k_pos, causal, scale)
+        if step < cp - 1:
+            k, v = jax.lax.ppermute((k, v), axis_name, _shift(cp))
+    maximum, total, _ = state
+    return _normalised(state, q.dtype), maximum + jnp.log(total)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ring(q, k, v, axis_name, causal, balanced, scale):
+    """Ring attention whose backward pass is a ring too (Liu et al. 2023's blockwise form)."""
+    return _ring_forward(q, k, v, axis_name, causal, balanced, scale)[0]
+
+
+def _ring_saving(q, k, v, axis_name, causal, balanced, scale):
+    out, lse = _ring_forward(q, k, v, axis_name, causal, balanced, scale)
+    return out, (q, k, v, out, lse)
+
+
+def _ring_backward(axis_name, causal, balanced, scale, saved, g):
+    """Gradients block by block: each K/V block travels the ring with its gradients' sums.
+
+    Per block, the probabilities are recomputed from the saved log-sum-exp (flash attention's
+    backward), so one block's scores are held at a time; after ``cp`` steps the key and value
+    gradients are back on the device that holds the block.
+    """
+    q, k, v, out, lse = saved
+    cp, device, length = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name), q.shape[1]
+    groups = q.shape[2] // k.shape[2]
+    q_pos = _positions(device, length, cp, balanced)
+    g32 = g.astype(jnp.float32)
+    delta = jnp.sum(g32 * out.astype(jnp.float32), axis=-1)  # [b, t, h]
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for step in range(cp):
+        k_pos = _positions((device - step) % cp, length, cp, balanced)
+        keys, values = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+        scores = jnp.einsum("bqhd,bkhd->bqhk", q, keys, preferred_element_type=jnp.float32)
+        probs = jnp.exp(scores * scale - lse[..., None])
+        if causal:
+            visible = q_pos[:, None] >= k_pos[None, :]
+            probs = jnp.where(visible[None, :, None, :], probs, 0.0)
+        dprobs = jnp.einsum("bqhd,bkhd->bqhk", g32, values.astype(jnp.float32))
+        dscores = probs * (dprobs - delta[..., None]) * scale
+        dq = dq + jnp.einsum("bqhk,bkhd->bqhd", dscores, keys.astype(jnp.float32))
+        dk = dk + _group_sum(jnp.einsum("bqhk,bqhd->bkhd", dscores, q.astype(jnp.float32)), groups)
+        dv = dv + _group_sum(jnp.einsum("bqhk,bqhd->bkhd", probs, g32), groups)
+        if step < cp - 1:
+            k, v, dk, dv = jax.lax.ppermute((k, v, dk, dv), axis_name, _shift(cp))
+        else:  # home: the block's gradients return to the device that holds it
+            dk, dv = jax.lax.ppermute((dk, dv), axis_name, _shift(cp))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _group_sum(x: jax.Array, groups: int) -> jax.Array:
+    """``[b, t, h, d]`` summed over each group of ``groups`` query heads: ``[b, t, h/g, d]``."""
+    b, t, h, d = x.shape
+    return x.reshape(b, t, h // groups, groups, d).sum(axis=3)
+
+
+_ring.defvjp(_ring_saving, _ring_backward)
 
 
 def _plain(q, k, v, causal, scale) -> jax.Array:
