@@ -70,7 +70,6 @@ def one_device():
 CASES = [
     ("fsdp+cp", {"data": 2, "context": 4}, "ring", "auto"),
     ("fsdp+cp", {"data": 2, "context": 4}, "all_gather", "auto"),
-    ("cp", {"data": 2, "context": 4}, "ring", "xla"),
 ]
 
 

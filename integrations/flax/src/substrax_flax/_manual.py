@@ -133,7 +133,7 @@ def manual_obstacle(
     if narrow and tensor and mesh.devices.flat[0].platform == "cpu":
         return (
             f"XLA's CPU compiler aborts on {precision.compute_dtype.name} all-reduces over "
-            f"the tensor axes {tuple(tensor)} inside a manual region"
+            f"the axes {tuple(tensor)} that a manual region leaves to it"
         )
     for path, variable in variables(nnx.state(model)):
         if isinstance(variable, nnx.BatchStat):
