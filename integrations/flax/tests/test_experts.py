@@ -58,9 +58,7 @@ def one_device():
     return _train(Layout.named("dp", {"data": 1}))
 
 
-@pytest.mark.parametrize(
-    "name,data_parallel", [("fsdp+ep", "auto"), ("fsdp+ep", "xla")]
-)
+@pytest.mark.parametrize("name,data_parallel", [("fsdp+ep", "auto"), ("fsdp+ep", "xla")])
 def test_no_drop_experts_equal_one_device(one_device, name, data_parallel):
     """Uneven loads, nothing dropped: losses, aux loss and parameters as on one device.
 
