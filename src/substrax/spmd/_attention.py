@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from substrax.spmd._region import axes_size, free_axes, recomputed_region, region_mesh, spec_entry
+from substrax.mesh._resolve import spec_entry
+from substrax.spmd._region import axes_size, free_axes, recomputed_region, region_mesh
 
 __all__ = [
     "VARIANTS",

@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from substrax.mesh._resolve import spec_entry
 from substrax.spmd._constrain import manual_batch_axes
-from substrax.spmd._region import axes_size, free_axes, recomputed_region, region_mesh, spec_entry
+from substrax.spmd._region import axes_size, free_axes, recomputed_region, region_mesh
 
 __all__ = ["ExpertStats", "experts", "expert_capacity"]
 

@@ -14,9 +14,10 @@ from typing import Any
 
 import jax
 
+from substrax.mesh._resolve import as_axes
 from substrax.spmd._constrain import active_rules
 
-__all__ = ["axes_size", "free_axes", "recomputed_region", "region_mesh", "spec_entry"]
+__all__ = ["axes_size", "free_axes", "recomputed_region", "region_mesh"]
 
 
 def free_axes(name: str) -> tuple[str, ...]:
@@ -35,8 +36,7 @@ def free_axes(name: str) -> tuple[str, ...]:
     if active is None:
         return ()
     mesh, rules = active
-    entry = rules.as_dict().get(name)
-    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    axes = as_axes(rules.as_dict().get(name))
     manual = set(jax.sharding.get_abstract_mesh().manual_axes)
     return tuple(a for a in axes if dict(mesh.shape)[a] > 1 and a not in manual)
 
@@ -50,13 +50,6 @@ def region_mesh(axes: tuple[str, ...]) -> Any:
     """The mesh a region over ``axes`` is entered on: the context's, else the active rules'."""
     context = jax.sharding.get_abstract_mesh()
     return context if set(axes) <= set(context.axis_names) else active_rules()[0]
-
-
-def spec_entry(axes: tuple[str, ...]) -> str | tuple[str, ...] | None:
-    """A ``PartitionSpec`` entry for ``axes``: None, one name, or the tuple."""
-    if not axes:
-        return None
-    return axes if len(axes) > 1 else axes[0]
 
 
 def recomputed_region(
