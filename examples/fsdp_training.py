@@ -245,15 +245,18 @@ class Progress:
 def train(args) -> dict:
     mesh, layout, config = build(args)
     primary = jax.process_index() == 0
+    step_fn = make_step(args, mesh)
     model_class = gpt.StackedGPT if args.stacked or args.strategy == "pp" else gpt.GPT
-    factory = lambda: model_class(config, nnx.Rngs(args.seed))  # noqa: E731
+    stored = config  # a pipeline stores an uneven stack padded to its slots (masked)
+    if args.strategy == "pp":
+        stored = dataclasses.replace(config, layers=step_fn.num_slots(config.layers))
+    factory = lambda: model_class(stored, nnx.Rngs(args.seed))  # noqa: E731
     plan = sf.plan_model(factory, mesh, layout=layout)
     if primary and not args.quiet:
         print(f"mesh {dict(mesh.shape)}, strategy {args.strategy}")
         print(plan.report())
     model = plan.create()
     optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(args.learning_rate))
-    step_fn = make_step(args, mesh)
     checkpointer = resume(args, model, optimizer, primary)
     start_step = int(optimizer.step[...])
     losses, skipped, progress = [], [], Progress(args.steps, start_step)
@@ -322,7 +325,7 @@ def make_step(args, mesh):
             gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh,
             layout=Layout.named("pp", mesh), stack="blocks", num_microbatches=args.microbatches,
             schedule=args.schedule, repeats=args.repeats, remat=args.remat == "full",
-            precision=args.precision,
+            precision=args.precision, num_layers=args.layers,
         )  # fmt: skip
     except ValueError as error:
         raise UsageError(str(error)) from None

@@ -114,6 +114,49 @@ def test_the_planner_ranks_context_and_expert_layouts_with_the_rest():
     assert any(c.layout.ep > 1 for c in moe.candidates)
 
 
+def test_llama3_405b_as_trained_fits_with_its_stack_padded_over_16_stages():
+    config = architecture("llama3-405b")  # Llama 3 (2024): TP8 x PP16 x DP128, 16M tokens
+    work = Workload(batch_tokens=16 * 2**20, seq=8192, remat="full", microbatches=16)
+    layout = Layout.from_degrees(pp=16, dp=128, tp=8, zero=1)
+    candidate = evaluate(config, transformer_leaves(config), layout, work, H100)
+    per_layer = (
+        2 * 16_384 + (2 * 16_384 * 128 * 128 + 2 * 16_384 * 8 * 128 + 3 * 16_384 * 53_248) // 8
+    )
+    ends = 2 * 128_256 * 16_384 // 8 + 16_384  # embedding and head over tp, final norm
+    assert candidate.params_per_device == 8 * per_layer + ends  # 128 slots: 8 per stage
+    assert candidate.fits
+    assert candidate.bytes_per_device["optimizer"] < candidate.bytes_per_device["params"] / 16
+    assert any("stored padded to 128 slots (2 masked" in w for w in candidate.warnings)
+    whole = evaluate(config, transformer_leaves(config), Layout.from_degrees(pp=16, tp=8,
+                     dp=128), work, H100)  # fmt: skip
+    saved = {k: whole.bytes_per_device[k] - v for k, v in candidate.bytes_per_device.items()}
+    assert saved["peak"] == saved["optimizer"] == 127 / 128 * whole.bytes_per_device["optimizer"]
+
+
+def test_an_uneven_stack_is_counted_as_the_pipeline_stores_it():
+    from substrax.mesh import PipelineParallelStrategy
+    from substrax.pipeline import Pipeline
+
+    config = TransformerConfig(layers=6, d_model=48, heads=6, kv_heads=3, head_dim=8, ffn=64,
+                               vocab=64)  # fmt: skip
+    layout = Layout.from_degrees(pp=4, dp=2, zero=1)
+    leaves = transformer_leaves(config)
+    candidate = evaluate(config, leaves, layout, Workload(batch_tokens=64, seq=16), H100)
+    mesh = layout.make_mesh()
+    pipe = Pipeline(lambda p, x: x, lambda y, t: 0.0, mesh,
+                    PipelineParallelStrategy("pipe", 0, 4), num_microbatches=4)  # fmt: skip
+    slots = pipe.num_slots(config.layers)
+    assert slots == 8
+    params = [
+        jax.ShapeDtypeStruct((slots, *leaf.shape[1:]) if leaf.names[0] == "layers" else leaf.shape,
+                             np.float32,
+                             sharding=NamedSharding(mesh, P(*(a or None for a in plan.spec))))
+        for leaf, plan in zip(leaves, candidate.leaves, strict=True)
+    ]  # fmt: skip
+    compiled = jax.jit(lambda ps: sum(p.sum() for p in ps)).lower(params).compile()
+    assert compiled.memory_analysis().argument_size_in_bytes == candidate.params_per_device * 4
+
+
 TWINS = [
     TransformerConfig(layers=4, d_model=64, heads=4, kv_heads=2, head_dim=16, ffn=128, vocab=256),
     TransformerConfig(layers=2, d_model=32, heads=8, kv_heads=8, head_dim=4, ffn=96, vocab=100,

@@ -16,6 +16,7 @@ from flax_test_models import (
 from jax.sharding import PartitionSpec as P
 
 import substrax_flax as sf
+from substrax import ShardingWarning
 from substrax.mesh import DeviceMeshManager, MeshRules
 
 NAMES = dict(vocab=None, kv=None, mlp=None, heads=None, embed=None)
@@ -43,7 +44,7 @@ def reference():
     mesh = DeviceMeshManager.create_device_mesh({"data": 8})
     rules = MeshRules(data="data").extend(layers=None, **NAMES)
     results = {}
-    for layers in (4, 8):
+    for layers in (4, 6, 8):
         model = sf.create_sharded_model(_factory(layers), mesh, rules)
         optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
         step = sf.make_train_step(token_loss, mesh, rules)
@@ -77,6 +78,57 @@ def test_pipelined_training_matches_and_keeps_shardings(reference, schedule, rep
     leaves = zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(ref_state), strict=True)
     for got, want in leaves:
         assert relative_error(got, want) < 5e-5
+
+
+def _padded(layers, mesh):
+    """The 6-layer reference's stack in a stack of the pipeline's 8 slots (slot order)."""
+    from substrax.mesh import PipelineParallelStrategy
+    from substrax.pipeline import Pipeline
+
+    pipe = Pipeline(block, head, mesh, PipelineParallelStrategy("pipe", 0, 4), num_microbatches=4)
+    slots = pipe.num_slots(6)  # [2, 2, 1, 1] layers per stage: 4 x 2 slots, two masked
+    return slots, pipe.unstack(pipe.stack(layers)[0], 6, keep_padding=True)
+
+
+def test_a_padded_uneven_stack_is_sharded_over_the_stages_and_trains_like_its_layers(reference):
+    mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
+    rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
+    ref_losses, ref_state = reference[6]
+    with nnx.use_eager_sharding(False):
+        layers = nnx.state(_factory(6)().blocks)  # the reference's initial layers
+    slots, stack = _padded(layers, mesh)
+    assert slots == 8
+    model = sf.create_sharded_model(_factory(slots), mesh, rules)
+    nnx.update(model.blocks, jax.tree.map(lambda a, b: jax.device_put(a, b.sharding),
+                                          stack, nnx.state(model.blocks)))  # fmt: skip
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
+    assert model.blocks.wq[...].sharding.spec == P("pipe", None, None, None)
+    step = sf.make_pipeline_train_step(
+        embed, block, head, mesh, rules, stack="blocks", num_microbatches=4, num_layers=6
+    )
+    losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    real = np.array([0, 1, 2, 3, 4, 6])  # stage 2's and 3's second slots are padding
+    got = jax.tree.map(lambda a: np.asarray(a)[real], nnx.state(model.blocks))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(ref_state["blocks"]), strict=True):
+        assert relative_error(g, w) < 5e-5
+
+
+def test_an_uneven_stack_warns_and_a_wrong_layer_count_is_named():
+    mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
+    rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
+    with pytest.warns(ShardingWarning):
+        model = sf.create_sharded_model(_factory(6), mesh, rules)  # 6 does not divide 4
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
+    step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
+                                       num_microbatches=4)  # fmt: skip
+    with pytest.warns(ShardingWarning, match=r"step.num_slots\(6\) = 8 layers"):
+        step(model, optimizer, tokens())
+    step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
+                                       num_microbatches=4, num_layers=5)  # fmt: skip
+    with pytest.raises(ValueError, match="num_layers=5: the stack stores 6 layers, but 5 layers "
+                                         "take 8 padded slots"):  # fmt: skip
+        step(model, optimizer, tokens())
 
 
 def test_bad_configuration():

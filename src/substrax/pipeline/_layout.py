@@ -78,27 +78,47 @@ class StageLayout:
                 start += count
         return index, mask
 
-    def stack(self, params: Any) -> tuple[Any, jax.Array]:
+    def num_slots(self, num_layers: int) -> int:
+        """Slots of the padded stack: ``stages x repeats x`` the widest chunk's layers."""
+        index, _ = self.slots(num_layers)
+        return index.size
+
+    def stack(self, params: Any, num_layers: int | None = None) -> tuple[Any, jax.Array]:
         """Pads and places a layer stack (see ``Pipeline.stack``)."""
         counts = {leaf.shape[0] for leaf in jax.tree.leaves(params)}
         if len(counts) != 1:
             raise ValueError(f"Every parameter needs the same leading layer axis, got {counts}.")
-        index, mask = self.slots(counts.pop())
+        stored = counts.pop()
+        real = stored if num_layers is None else num_layers
+        index, mask = self.slots(real)
+        if stored == real:
+            take = lambda a: jnp.asarray(a)[index]  # noqa: E731
+        elif stored == index.size:  # already in slot order: the stages' own rows
+            take = lambda a: jnp.reshape(a, (*index.shape, *a.shape[1:]))  # noqa: E731
+        else:
+            raise ValueError(
+                f"A stack of {stored} layers is neither the {real} layers of num_layers nor "
+                f"their {index.size} padded slots ({self.num_stages} stages x {self.repeats} "
+                f"repeats x {index.shape[-1]})."
+            )
         sharding = NamedSharding(self.mesh, PartitionSpec(self.stage_axis))
         padded = jax.tree.map(
             lambda a: jax.device_put(
-                jnp.asarray(a)[index], NamedSharding(self.mesh, self.param_spec(a.shape[1:]))
+                take(a), NamedSharding(self.mesh, self.param_spec(a.shape[1:]))
             ),
             params,
         )
         return padded, jax.device_put(jnp.asarray(mask), sharding)
 
-    def unstack(self, padded: Any, num_layers: int) -> Any:
-        """``[S, R, Lc, ...]`` back to ``[L, ...]``, padding slots dropped."""
+    def unstack(self, padded: Any, num_layers: int, keep_padding: bool = False) -> Any:
+        """``[S, R, Lc, ...]`` back to ``[L, ...]`` (or to the padded slots in slot order)."""
+        flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:]), padded)
+        if keep_padding:
+            return flat
         index, mask = self.slots(num_layers)
         order = np.argsort(np.where(mask, index, num_layers).reshape(-1), kind="stable")
         keep = order[:num_layers]
-        return jax.tree.map(lambda a: a.reshape(-1, *a.shape[3:])[keep], padded)
+        return jax.tree.map(lambda a: a[keep], flat)
 
     def fsdp_dim(self, layer_shape: Sequence[int]) -> int | None:
         """The per-layer dimension FSDP shards: the first the ``fsdp_axis`` divides, or None.

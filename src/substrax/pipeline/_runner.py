@@ -19,6 +19,9 @@ Schedules, for ``S`` stages and ``M`` microbatches (a tick runs one stage step o
   recomputing the stage inside ``jax.vjp``: activation memory is bounded by ``S``, not ``M``.
 
 Uneven layer counts are padded with masked identity layers whose gradients are exactly zero.
+A stack to be sharded over the stage axis while it is stored (a model's parameters) must
+already have :meth:`Pipeline.num_slots` rows, since a sharded dimension must divide its axis;
+:meth:`Pipeline.stack` takes such a stack with its real ``num_layers``.
 """
 
 from __future__ import annotations
@@ -152,21 +155,45 @@ class Pipeline:
         """
         return self.layout.layer_counts(num_layers)
 
-    def stack(self, params: Any) -> tuple[Any, jax.Array]:
+    def num_slots(self, num_layers: int) -> int:
+        """Slots a padded stack of ``num_layers`` layers has: ``S x R x Lc``.
+
+        A stack that does not divide the stages is padded: 126 layers on 16 stages take 128
+        slots, 8 per stage, and the last two stages hold 7 layers and one masked slot each.
+        Store a stack with this many layers (in slot order, see :meth:`unstack`) to shard it
+        over the stage axis, which needs a size the axis divides; give ``num_layers`` to
+        :meth:`stack`.
+
+        Args:
+          num_layers: Layers in the stack.
+
+        Returns:
+          The slot count (``num_layers`` itself when the stages divide it evenly).
+
+        Raises:
+          ValueError: If there are fewer layers than stages (or chunks, for circular).
+        """
+        return self.layout.num_slots(num_layers)
+
+    def stack(self, params: Any, num_layers: int | None = None) -> tuple[Any, jax.Array]:
         """Pads and places a layer stack for the pipeline.
 
         Args:
-          params: A pytree whose leaves have a leading layer axis ``L``.
+          params: A pytree whose leaves have a leading layer axis: the ``L`` layers, or their
+            :meth:`num_slots` padded slots in slot order (stage-major, as :meth:`unstack`
+            with ``keep_padding=True`` returns them), which is only a reshape.
+          num_layers: The real layer count ``L`` of a padded stack (None: the leading axis).
 
         Returns:
           ``(padded, mask)``: leaves of shape ``[S, R, Lc, ...]`` sharded over the stage axis
-          (padding slots hold copies of layer 0 and are masked out), and the ``[S, R, Lc]``
-          mask.
+          (padding slots hold copies of layer 0, or whatever a padded stack stores there, and
+          are masked out), and the ``[S, R, Lc]`` mask.
 
         Raises:
-          ValueError: If the leaves disagree on the layer count.
+          ValueError: If the leaves disagree on the layer count, or it is neither
+            ``num_layers`` nor ``num_slots(num_layers)``.
         """
-        return self.layout.stack(params)
+        return self.layout.stack(params, num_layers)
 
     def fsdp_dim(self, layer_shape: Sequence[int]) -> int | None:
         """The per-layer dimension that FSDP shards for a parameter of ``layer_shape``.
@@ -180,17 +207,20 @@ class Pipeline:
         """
         return self.layout.fsdp_dim(layer_shape)
 
-    def unstack(self, padded: Any, num_layers: int) -> Any:
+    def unstack(self, padded: Any, num_layers: int, *, keep_padding: bool = False) -> Any:
         """The inverse of :meth:`stack`: ``[S, R, Lc, ...]`` back to ``[L, ...]``.
 
         Args:
           padded: A pytree like the first result of :meth:`stack` (such as its gradients).
           num_layers: Layers in the stack.
+          keep_padding: Keep the padding slots: leaves of :meth:`num_slots` rows in slot
+            order (the gradients of a padded stack; a padding slot's are exactly zero).
 
         Returns:
-          The pytree with leading layer axis ``L``; padding slots are dropped.
+          The pytree with leading layer axis ``L`` (padding slots dropped) or, with
+          ``keep_padding``, ``S x R x Lc``.
         """
-        return self.layout.unstack(padded, num_layers)
+        return self.layout.unstack(padded, num_layers, keep_padding)
 
     # --- schedules (Schedule) ---------------------------------------------------------------
 

@@ -114,7 +114,8 @@ class LeafPlan:
       path: The parameter's path.
       names: Its logical names.
       spec: Mesh axes per dimension (empty tuple: replicated).
-      params_per_device: Elements one device holds.
+      params_per_device: Elements one device holds (a layer stack under a pipeline counts
+        its padded slots, ``Pipeline.num_slots``).
       why: Why a dimension that a rule maps stays whole (not divisible, unknown name), if any.
       sharded_per_device: Elements per device of its optimizer state (and, for ZeRO-2, its
         gradient): ``params_per_device``, divided by the replicas under a ZeRO layout when a
@@ -193,19 +194,35 @@ class Candidate:
         }
 
 
+def _stage_slots(layers: int, pp: int) -> int:
+    """Slots of a layer stack padded for ``pp`` stages: ``pp x ceil(layers / pp)``.
+
+    A stack sharded over the stage axis must divide it, so an uneven one is stored padded
+    (``substrax.pipeline.Pipeline.num_slots`` with one repeat; the extra slots are masked).
+    """
+    return pp * -(-layers // pp)
+
+
+def _stored_shape(leaf: Leaf, layout: Layout) -> tuple[int, ...]:
+    if layout.pp > 1 and leaf.names[:1] == ("layers",):
+        return (_stage_slots(leaf.shape[0], layout.pp), *leaf.shape[1:])
+    return leaf.shape
+
+
 def _leaf_plan(leaf: Leaf, layout: Layout) -> LeafPlan:
     sizes, rules = layout.shape, layout.param_rules.as_dict()
+    shape = _stored_shape(leaf, layout)
     resolution = resolve_names(
-        rules, leaf.names, leaf.shape, sizes, unknown_names="replicate", where=leaf.path
+        rules, leaf.names, shape, sizes, unknown_names="replicate", where=leaf.path
     )
     spec = tuple(as_axes(entry) for entry in resolution.spec)
     count = math.prod(
-        dim // math.prod(sizes[a] for a in axes) for dim, axes in zip(leaf.shape, spec, strict=True)
+        dim // math.prod(sizes[a] for a in axes) for dim, axes in zip(shape, spec, strict=True)
     )
     why = "; ".join(str(r) for r in resolution.of_kind("indivisible", "unknown_name"))
     sharded = count
     if layout.zero:
-        _, whole = layout.optimizer_spec(resolution.spec, leaf.shape)
+        _, whole = layout.optimizer_spec(resolution.spec, shape)
         sharded = count if whole else count // layout.dp
     return LeafPlan(leaf.path, leaf.names, spec, count, why, sharded)
 
@@ -416,9 +433,12 @@ def _time(flops, traffic, bubble, layout, hw) -> float:
 def _warnings(c, plans, layout, per_device) -> tuple[str, ...]:
     found = [f"{p.path}: {p.why}" for p in plans if p.why]
     if layout.pp > 1 and c.layers % layout.pp:
+        slots = _stage_slots(c.layers, layout.pp)
         found.append(
             f"{c.layers} layers do not divide {layout.pp} pipeline stages: stages get "
-            f"{c.layers // layout.pp} or {c.layers // layout.pp + 1} layers"
+            f"{c.layers // layout.pp} or {c.layers // layout.pp + 1} layers, and the stack is "
+            f"stored padded to {slots} slots ({slots - c.layers} masked; build it with "
+            f"Pipeline.num_slots({c.layers}) layers and give the step num_layers={c.layers})"
         )
     if _xla_step(layout) and layout.fsdp > 1:
         found.append(

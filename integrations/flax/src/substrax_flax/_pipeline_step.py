@@ -9,6 +9,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from substrax import ShardingWarning, warn_user
 from substrax.mesh import PipelineParallelStrategy
 from substrax.pipeline import Pipeline
 from substrax.spmd import MixedPrecision, as_precision
@@ -54,6 +55,7 @@ class PipelineTrainStep(JittedStep):
         layout: LayoutLike,
         stack: str,
         data_axes: Sequence[str],
+        num_layers: int | None = None,
         on_nonfinite: NonFinite = "skip",
         precision: MixedPrecision | None = None,
     ):
@@ -69,6 +71,8 @@ class PipelineTrainStep(JittedStep):
           layout: The layout, for a model substrax did not place.
           stack: The attribute holding the stacked layers.
           data_axes: Mesh axes of the batch.
+          num_layers: The real layer count of a stack stored padded (see
+            :func:`make_pipeline_train_step`), or None.
           on_nonfinite: ``"skip"``, ``"raise"`` or ``"apply"`` (see :func:`make_train_step`).
           precision: The mixed-precision policy (see :func:`make_pipeline_train_step`).
         """
@@ -78,6 +82,23 @@ class PipelineTrainStep(JittedStep):
         self.embed_fn, self.user_layer_fn, self.head_fn = embed_fn, layer_fn, head_fn
         self.mesh, self.rules, self.layout = mesh, rules, layout
         self.stack, self.data_axes = stack, tuple(data_axes)
+        self.num_layers = num_layers
+
+    def num_slots(self, num_layers: int) -> int:
+        """The layers a stack of ``num_layers`` is stored with on this step's stages.
+
+        Args:
+          num_layers: The real layer count.
+
+        Returns:
+          ``Pipeline.num_slots(num_layers)``: ``num_layers`` when the stages divide it, else
+          the padded count to build the stack with (then pass ``num_layers`` to
+          :func:`make_pipeline_train_step`).
+
+        Raises:
+          ValueError: If there are fewer layers than stages (or chunks, for circular).
+        """
+        return self.make_pipeline(lambda p, x: x, lambda y, t: 0.0).num_slots(num_layers)
 
     def _parts(self, model: nnx.Module):
         state = nnx.state(model)
@@ -99,7 +120,8 @@ class PipelineTrainStep(JittedStep):
         layer_def = nnx.graphdef(getattr(model, self.stack))
         _only_params(stack, f"stack {self.stack!r}")
         _only_params(rest, "other attributes")
-        num_layers = jax.tree.leaves(stack)[0].shape[0]
+        stored = jax.tree.leaves(stack)[0].shape[0]
+        num_layers = self.num_layers or stored
         plan = model_plan(
             model, self.mesh, self.rules, None, self.layout, what="make_pipeline_train_step"
         )
@@ -122,6 +144,7 @@ class PipelineTrainStep(JittedStep):
             return self.precision.cast_to_output(loss)
 
         pipeline = self.make_pipeline(layer_fn, loss_fn)
+        _check_stack(pipeline, stored, num_layers, self.num_layers)
         # The head sees the model with placeholders for the stack: it must not read the stack.
         stack_template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack)
 
@@ -135,13 +158,14 @@ class PipelineTrainStep(JittedStep):
                 return compute(inputs), targets  # the stages' activations in the compute dtype
 
             inputs, embed_vjp, targets = jax.vjp(embed, rest_state, has_aux=True)
-            padded, mask = pipeline.stack(stack_state)
+            padded, mask = pipeline.stack(stack_state, num_layers)
             loss, (dpadded, dhead, dinputs) = pipeline.value_and_grad(
                 padded, mask, inputs, targets, rest_state
             )
             (dembed,) = embed_vjp(dinputs)
             drest = jax.tree.map(lambda a, b: a + b, dhead, dembed)
-            grads = nnx.State({**dict(drest), self.stack: pipeline.unstack(dpadded, num_layers)})
+            dstack = pipeline.unstack(dpadded, num_layers, keep_padding=stored != num_layers)
+            grads = nnx.State({**dict(drest), self.stack: dstack})
             finite = all_finite(loss, grads)
             new_model, new_opt = guarded_update(
                 model_def, opt_def, model_state, opt_state, None, grads, finite,
@@ -163,6 +187,25 @@ class PipelineTrainStep(JittedStep):
         return Built(jitted, plan.mesh, self.data_axes)
 
 
+def _check_stack(pipeline: Pipeline, stored: int, num_layers: int, given: int | None) -> None:
+    """A padded stack must have the pipeline's slot count; an uneven one is named."""
+    slots = pipeline.num_slots(num_layers)
+    if given is not None and stored not in (num_layers, slots):
+        raise ValueError(
+            f"num_layers={given}: the stack stores {stored} layers, but {given} layers take "
+            f"{slots} padded slots on {pipeline.num_stages} stages (x {pipeline.repeats} "
+            f"repeats); store {slots}, or {given} and leave num_layers out."
+        )
+    if stored != slots:
+        warn_user(
+            f"The stack's {stored} layers do not divide {pipeline.num_stages} pipeline stages, "
+            "so its parameters cannot be sharded over the stage axis: every stage stores "
+            f"the whole stack. Build it with step.num_slots({stored}) = {slots} layers and "
+            f"pass num_layers={stored}; its last {slots - stored} slot(s) are masked.",
+            ShardingWarning,
+        )
+
+
 def make_pipeline_train_step(
     embed_fn: Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]],
     layer_fn: Callable[[nnx.Module, jax.Array], jax.Array],
@@ -178,6 +221,7 @@ def make_pipeline_train_step(
     repeats: int = 1,
     remat: bool = False,
     data_axes: Sequence[str] | None = None,
+    num_layers: int | None = None,
     on_nonfinite: NonFinite = "skip",
     precision: MixedPrecision | str | None = None,
 ) -> PipelineTrainStep:
@@ -209,6 +253,13 @@ def make_pipeline_train_step(
       remat: Recompute stages in the backward pass (GPipe, circular).
       data_axes: Mesh axes of the batch; by default the layout's batch axes, or every axis
         but ``stage_axis`` that the rules' ``data`` names.
+      num_layers: The real layer count of a stack stored padded: a stack whose layers do
+        not divide the stages cannot be sharded over the stage axis (a sharded dimension
+        must divide its mesh axis), so build it with ``Pipeline.num_slots(num_layers)``
+        layers (126 layers on 16 stages: 128) and give ``num_layers``; the slots run in
+        slot order, the padding slots are masked (identity, zero gradients). None: every
+        stored layer is real (a stack that does not divide the stages then stays whole on
+        every stage, with a ``ShardingWarning``).
       on_nonfinite: A step with a NaN or inf loss or gradient: ``"skip"`` its update (and
         warn), ``"raise"``, or ``"apply"`` it; as for :func:`make_train_step`.
       precision: A :class:`substrax.spmd.MixedPrecision` policy, ``"bf16"`` or ``"f32"`` /
@@ -223,7 +274,8 @@ def make_pipeline_train_step(
 
     Raises:
       ValueError: As :class:`substrax.pipeline.Pipeline`, for an unknown ``on_nonfinite``,
-        or when the model holds variables other than ``nnx.Param`` (checked on the first
+        when the model holds variables other than ``nnx.Param``, or when its stack has
+        neither ``num_layers`` layers nor their padded slots (both checked on the first
         call).
     """
     check_policy(on_nonfinite)
@@ -244,7 +296,7 @@ def make_pipeline_train_step(
 
     return PipelineTrainStep(make_pipeline, embed_fn, layer_fn, head_fn, mesh=mesh, rules=rules,
                              layout=layout, stack=stack, data_axes=data_axes,
-                             on_nonfinite=on_nonfinite,
+                             num_layers=num_layers, on_nonfinite=on_nonfinite,
                              precision=as_precision(precision))  # fmt: skip
 
 
