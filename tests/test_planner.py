@@ -133,6 +133,18 @@ def test_llama3_405b_as_trained_fits_with_its_stack_padded_over_16_stages():
     assert saved["peak"] == saved["optimizer"] == 127 / 128 * whole.bytes_per_device["optimizer"]
 
 
+def test_the_command_line_shows_a_layout_it_did_not_choose(capsys):
+    run = ["--model", "llama3-405b", "--devices", "16384", "--hardware", "h100", "--batch-tokens",
+           "16Mi", "--seq", "8192", "--remat", "full", "--strategies", "dp,pp,tp,zero"]  # fmt: skip
+    assert main([*run, "--show", "pp 16  x zero1 dp 128 x tp 8"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    shown = next(line for line in out if "fits: pp 16 x zero1 dp 128 x tp 8" in line)
+    assert shown.startswith("#") and "optimizer 0.22, activations 32.00" in shown
+    assert "stored padded to 128 slots" in out[out.index(shown) + 1]
+    assert main([*run, "--show", "pp 16 x zero3 dp 128"]) == 2
+    assert "--show 'pp 16 x zero3 dp 128' is none of the 66 candidates'" in capsys.readouterr().err
+
+
 def test_an_uneven_stack_is_counted_as_the_pipeline_stores_it():
     from substrax.mesh import PipelineParallelStrategy
     from substrax.pipeline import Pipeline

@@ -106,15 +106,27 @@ def _leaf_table(candidate, workload) -> str:
     return "\n".join(lines)
 
 
-def _breakdown(candidate, searched: list[str]) -> str:
+def _breakdown(candidate, searched: list[str], what: str = "chosen") -> str:
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in candidate.bytes_per_device.items())
     work = candidate.workload
     setting = f"remat {work.remat}, {work.microbatches} microbatches"
     if searched:
         setting += f" ({' and '.join(searched)} chosen by the planner)"
     return (
-        f"chosen: {candidate.layout.label} (mesh {candidate.layout.shape}), {setting}; "
+        f"{what}: {candidate.layout.label} (mesh {candidate.layout.shape}), {setting}; "
         f"GiB per device: {parts}"
+    )
+
+
+def _shown(result, label: str):
+    """The candidate whose label is ``label`` (spaces aside), and its rank."""
+    wanted = " ".join(label.split())
+    for rank, candidate in enumerate(result.candidates, 1):
+        if candidate.layout.label == wanted:
+            return candidate, rank
+    raise ValueError(
+        f"--show {label!r} is none of the {len(result.candidates)} candidates' layouts; copy "
+        f"one from the table, such as {result.best.layout.label!r}."
     )
 
 
@@ -158,6 +170,9 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
     )
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--top", type=int, default=10)
+    parser.add_argument(
+        "--show", default=None, help="a layout from the table: its breakdown and warnings too"
+    )
     parser.add_argument("--leaves", action="store_true", help="per-parameter table of the best")
     parser.add_argument("--json", type=pathlib.Path, default=None)
     return parser
@@ -240,6 +255,7 @@ def main(
         model, leaves = _model(args, load_factory)
         devices = parse_count(args.devices)
         result = plan(model, devices, hardware, workload, strategies=strategies, leaves=leaves)
+        shown = _shown(result, args.show) if args.show else None
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -255,6 +271,11 @@ def main(
         print(f"warning: {message}")
     for warning in result.best.warnings:
         print(f"warning: {warning}")
+    if shown:
+        candidate, rank = shown
+        print(_breakdown(candidate, searched, f"#{rank}, fits" if candidate.fits else f"#{rank}"))
+        for warning in candidate.warnings:
+            print(f"warning: {warning}")
     if args.leaves:
         print(_leaf_table(result.best, workload))
     if args.json:
