@@ -117,13 +117,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per configuration")
+    parser.add_argument(
+        "--factors", type=int, nargs="*", default=[1, 2, 4, 8],
+        help="microbatches per configuration, as multiples of the 4 stages",
+    )  # fmt: skip
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks"))
     args = parser.parse_args(argv)
     mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
     rows = [
         measure(mesh, label, options, factor * 4, SIZES[args.size], args.steps)
         for label, options in SCHEDULES.items()
-        for factor in (1, 2, 4, 8)
+        for factor in args.factors
     ]
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "pipeline.json").write_text(json.dumps(rows, indent=2))

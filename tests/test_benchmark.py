@@ -49,9 +49,9 @@ def test_pipeline_benchmark_runs_at_a_tiny_size(tmp_path):
     import pipeline as pipeline_benchmark
 
     rows = pipeline_benchmark.main(
-        ["--size", "tiny", "--steps", "1", "--output-dir", str(tmp_path)]
+        ["--size", "tiny", "--steps", "1", "--factors", "1", "4", "--output-dir", str(tmp_path)]
     )
-    assert (tmp_path / "pipeline.md").exists() and len(rows) == 16
+    assert (tmp_path / "pipeline.md").exists() and len(rows) == 8
     for row in rows:
         assert row["idle_measured"] == pytest.approx(row["idle_formula"])
         assert row["reductions_in_loops"] == 0
