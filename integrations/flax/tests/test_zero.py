@@ -128,14 +128,18 @@ def test_a_state_no_dimension_of_divides_is_reported():
 
 def test_a_pipeline_with_zero_shards_the_optimizer_and_trains_alike():
     runs = {}
-    for zero in (0, 1):
+    for zero in (0, 1):  # 3 layers on 2 stages: stored padded to 4 slots
         layout = Layout.from_degrees(pp=2, dp=4, zero=zero)
-        model = sf.create_sharded_model(
-            lambda: StackedTransformer(nnx.Rngs(0), layers=4), layout=layout
-        )
-        optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2))
         step = sf.make_pipeline_train_step(embed, block, head, layout.make_mesh(), layout=layout,
-                                           stack="blocks", num_microbatches=2)  # fmt: skip
+                                           stack="blocks", num_microbatches=2,
+                                           num_layers=3)  # fmt: skip
+        slots = step.num_slots(3)
+        assert slots == 4
+        model = sf.create_sharded_model(
+            lambda slots=slots: StackedTransformer(nnx.Rngs(0), layers=slots), layout=layout
+        )
+        assert model.blocks.wq[...].sharding.spec[0] == "pipe"
+        optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2))
         losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(2)]
         runs[zero] = losses, sf.sharding_report(optimizer).bytes_per_device
     np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
