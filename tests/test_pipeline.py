@@ -85,6 +85,27 @@ def test_uneven_layers_pad_with_exactly_zero_gradients(mesh):
     assert padding.sum() == 2
 
 
+@pytest.mark.parametrize(("schedule", "repeats"), [("1f1b", 1), ("circular", 2)])
+def test_a_stack_stored_padded_is_placed_by_a_reshape_and_round_trips(mesh, schedule, repeats):
+    pipe = _pipeline(mesh, schedule, micro=8, repeats=repeats)
+    params = _params(10)
+    slots = pipe.num_slots(10)
+    assert slots == (12 if repeats == 1 else 16)  # widest stage (chunk) x stages (x rounds)
+    stored = pipe.unstack(pipe.stack(params)[0], 10, keep_padding=True)
+    assert {leaf.shape[0] for leaf in jax.tree.leaves(stored)} == {slots}
+    padded, mask = pipe.stack(stored, 10)
+    want, want_mask = pipe.stack(params)
+    np.testing.assert_array_equal(mask, want_mask)
+    for got, ref in zip(jax.tree.leaves(padded), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(got, ref)
+        assert got.sharding.spec[0] == "pipe"
+    back = pipe.unstack(padded, 10)
+    for got, ref in zip(jax.tree.leaves(back), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(got, ref)
+    with pytest.raises(ValueError, match="A stack of 11 layers is neither the 10 layers"):
+        pipe.stack(_params(11), 10)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "circular"])
 def test_hlo_reduces_gradients_after_the_loop_and_permutes_inside(mesh, schedule):
     pipe = _pipeline(mesh, schedule, micro=4, repeats=2 if schedule == "circular" else 1)
