@@ -31,10 +31,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
-# Two workers, a test file each at a time (module fixtures are computed once): a single pytest
-# process keeps one of two cores busy, since most of a test is XLA compiling.
+# Two workers: a single pytest process keeps one of two cores busy, since most of a test is XLA
+# compiling. worksteal balances the end of the run (a file's module fixtures may then run twice).
 test: lint
-	$(PY) -m pytest -n 2 --dist loadfile
+	$(PY) -m pytest -n 2 --dist worksteal
 	$(MAKE) docs
 
 # Builds the site into site/, executing every tutorial notebook; fails on any warning or error.

@@ -255,7 +255,7 @@ def make_pipeline_train_step(
         but ``stage_axis`` that the rules' ``data`` names.
       num_layers: The real layer count of a stack stored padded: a stack whose layers do
         not divide the stages cannot be sharded over the stage axis (a sharded dimension
-        must divide its mesh axis), so build it with ``Pipeline.num_slots(num_layers)``
+        must divide its mesh axis), so build it with :meth:`PipelineTrainStep.num_slots`
         layers (126 layers on 16 stages: 128) and give ``num_layers``; the slots run in
         slot order, the padding slots are masked (identity, zero gradients). None: every
         stored layer is real (a stack that does not divide the stages then stays whole on
