@@ -120,6 +120,43 @@ def test_hlo_reduces_gradients_after_the_loop_and_permutes_inside(mesh, schedule
     assert any(op.kind == "all-reduce" and op.computation not in bodies for op in ops)
 
 
+@pytest.mark.parametrize(("schedule", "repeats"), [("gpipe", 1), ("1f1b", 1), ("circular", 2)])
+def test_gradients_reduce_scatter_along_their_grad_dims(mesh, schedule, repeats):
+    pipe = _pipeline(mesh, schedule, micro=4, repeats=repeats)
+    params = _params(8)
+    padded, mask = pipe.stack(params)
+    x, t = _batch(16)
+    dims = {"w": 1, "b": None}  # ZeRO's slices: w's columns over the 2 data devices; b whole
+
+    def run(padded, mask, x, t):
+        loss, (grads, _, dx) = pipe.value_and_grad(padded, mask, x, t, grad_dims=dims)
+        return loss, grads, dx
+
+    loss, grads, dx = jax.jit(run)(padded, mask, x, t)
+    assert grads["w"].sharding.spec == P("pipe", None, None, None, "data")
+    assert grads["b"].sharding.spec == P("pipe")
+    ref_loss, (ref_grads, ref_dx) = jax.value_and_grad(pipe.reference_loss, argnums=(0, 1))(
+        params, x, t
+    )
+    assert abs(float(loss) - float(ref_loss)) < 1e-5
+    np.testing.assert_allclose(dx, ref_dx, atol=1e-6)
+    for got, want in zip(jax.tree.leaves(pipe.unstack(grads, 8)), jax.tree.leaves(ref_grads),
+                         strict=True):  # fmt: skip
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    text = jax.jit(run).lower(padded, mask, x, t).compile().as_text()
+    bodies = while_bodies(text)
+    after = [op for op in collectives(text) if op.computation not in bodies]
+    w_bytes = 2 * D * D * 4  # this stage's two layers of w
+    assert sum(op.result_bytes for op in after if op.kind == "reduce-scatter") == w_bytes / 2
+    assert sum(op.result_bytes for op in after if op.kind == "all-reduce") < w_bytes / 2
+    odd, _ = pipe.stack({"w": params["w"], "b": jnp.zeros((8, 3))})
+    with pytest.raises(ValueError, match=r"dimension 0 of a layer of shape \(3,\) does not div"):
+        pipe.value_and_grad(odd, mask, x, t, grad_dims={"w": None, "b": 0})
+    fsdp = _pipeline(mesh, schedule, micro=4, repeats=repeats, fsdp_axis="data")
+    with pytest.raises(ValueError, match="grad_dims reduce-scatter over the data axes; not with"):
+        fsdp.value_and_grad(padded, mask, x, t, grad_dims=dims)
+
+
 def _temp_bytes(pipe, micro, rows_per_microbatch=4):
     padded, mask = pipe.stack(_params(8))
     x, t = _batch(micro * rows_per_microbatch)

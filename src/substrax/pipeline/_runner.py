@@ -332,18 +332,24 @@ class Pipeline:
 
         return jax.tree.map(cast, tree)
 
-    def _reduce_grad(self, grad: jax.Array) -> jax.Array:
-        """Sums a ``[Lc, ...]`` gradient over the data axes, scattering it back over FSDP.
+    def _reduce_grad(self, grad: jax.Array, scatter: int = -1, lead: int = 1) -> jax.Array:
+        """Sums a gradient over the data axes, scattering it back over FSDP.
 
-        The gradient is whole along its FSDP dimension (the layers were gathered), so its
-        shape is the global one the FSDP dimension was chosen from.
+        The gradient has ``lead`` slot dimensions (``[Lc, ...]``: 1) before a layer's and is
+        whole along its FSDP dimension (the layers were gathered), so its shape is the global
+        one the FSDP dimension was chosen from. ``scatter`` >= 0 names a per-layer dimension
+        to reduce-scatter it along over every data axis instead (ZeRO).
         """
-        dim = self.fsdp_dim(grad.shape[1:])
+        if scatter >= 0:
+            return jax.lax.psum_scatter(
+                grad, self.data_axes, scatter_dimension=lead + scatter, tiled=True
+            )
+        dim = self.fsdp_dim(grad.shape[lead:])
         others = tuple(a for a in self.data_axes if dim is None or a != self.fsdp_axis)
         grad = jax.lax.psum(grad, others) if others else grad
         if dim is None:
             return grad
-        return jax.lax.psum_scatter(grad, self.fsdp_axis, scatter_dimension=1 + dim, tiled=True)
+        return jax.lax.psum_scatter(grad, self.fsdp_axis, scatter_dimension=lead + dim, tiled=True)
 
     def _mean(self, value: jax.Array) -> jax.Array:
         value = jax.lax.psum(value, self.stage_axis) / self.num_microbatches
@@ -352,7 +358,7 @@ class Pipeline:
     def _loss(self, y: jax.Array, target: jax.Array, head: Any) -> jax.Array:
         return self.loss_fn(y, target) if head is None else self.loss_fn(y, target, head)
 
-    def _shard_map(self, body, padded, head, out_specs):
+    def _shard_map(self, body, padded, head, out_specs, **options):
         param_spec, mask_spec, batch_spec = self._specs(padded)
         head_spec = jax.tree.map(lambda _: PartitionSpec(), head)
         if callable(out_specs):
@@ -360,7 +366,7 @@ class Pipeline:
         # FSDP dimensions from the global shapes (a local shard's shape can divide differently)
         dims = jax.tree.map(lambda a: _or_minus_one(self.fsdp_dim(a.shape[3:])), padded)
         return jax.shard_map(
-            functools.partial(body, dims=dims),
+            functools.partial(body, dims=dims, **options),
             mesh=self.mesh,
             in_specs=(param_spec, mask_spec, batch_spec, batch_spec, head_spec),
             out_specs=out_specs,
@@ -453,8 +459,14 @@ class Pipeline:
         head: Any = None,
         *,
         microbatched: bool = False,
+        grad_dims: Any = None,
     ) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
         """The loss, and the gradients of the layers, the loss's parameters and the inputs.
+
+        The layers' gradients are summed over the data axes once, after the loop: all-reduced,
+        or, for a leaf whose ``grad_dims`` entry names a per-layer dimension, reduce-scattered
+        along it over the data axes (ZeRO: each replica keeps the slice its optimizer state
+        updates, and the step moves half the bytes of an all-reduce).
 
         Args:
           padded: Parameters from :meth:`stack`.
@@ -463,15 +475,21 @@ class Pipeline:
           targets: The targets, shaped like ``inputs``.
           head: Parameters of the loss (see :meth:`loss`), or None.
           microbatched: Whether ``inputs`` and ``targets`` are already microbatched.
+          grad_dims: None, or a pytree like ``padded`` of per-layer dimensions (an int, or
+            None to all-reduce that leaf) to reduce-scatter each gradient along.
 
         Returns:
-          ``(loss, (grads, head_grads, input_grads))``: ``grads`` shaped and sharded like
-          ``padded`` (padding slots exactly zero), ``head_grads`` like ``head`` (None without
-          one), ``input_grads`` like ``inputs``, for backpropagating into what produced them.
+          ``(loss, (grads, head_grads, input_grads))``: ``grads`` shaped like ``padded``
+          (padding slots exactly zero) and sharded like it, plus the data axes on a
+          ``grad_dims`` dimension; ``head_grads`` like ``head`` (None without one),
+          ``input_grads`` like ``inputs``, for backpropagating into what produced them.
 
         Raises:
-          ValueError: For a batch that does not split, or a ``layer_fn`` that changes shapes.
+          ValueError: For a batch that does not split, a ``layer_fn`` that changes shapes,
+            ``grad_dims`` with an ``fsdp_axis``, or a dimension the data axes do not divide.
         """
+        if grad_dims is not None:
+            return self._scattered(padded, mask, inputs, targets, head, microbatched, grad_dims)
         if self.schedule != "1f1b":
             loss = functools.partial(self.loss, microbatched=microbatched)
             if head is None:
@@ -495,6 +513,57 @@ class Pipeline:
         if not microbatched:  # [M, rows] back to the batch's row order
             dxs = jnp.swapaxes(dxs, 0, 1).reshape(inputs.shape)
         return value, (grads, dhead, dxs)
+
+    def _scattered(self, padded, mask, inputs, targets, head, microbatched, grad_dims):
+        """:meth:`value_and_grad` with gradients reduce-scattered along ``grad_dims``."""
+        if self.fsdp_axis is not None:
+            raise ValueError("grad_dims reduce-scatter over the data axes; not with fsdp_axis.")
+        dims = jax.tree.leaves(grad_dims, is_leaf=lambda d: d is None)
+        scatter = jax.tree.unflatten(jax.tree.structure(padded), map(_or_minus_one, dims))
+        for leaf, dim in zip(jax.tree.leaves(padded), jax.tree.leaves(scatter), strict=True):
+            if dim >= 0 and leaf.shape[3 + dim] % self.data_size:
+                raise ValueError(
+                    f"grad_dims: dimension {dim} of a layer of shape {leaf.shape[3:]} does not "
+                    f"divide over the {self.data_size} devices of the data axes {self.data_axes}."
+                )
+        xs, ts = self._split(inputs, microbatched), self._split(targets, microbatched)
+        self._check_layer(padded, xs)
+        body = self._one_f_one_b if self.schedule == "1f1b" else self._grads_in_map
+        specs = jax.tree.map(self._grad_spec, padded, scatter)
+        run = self._shard_map(
+            body, padded, head,
+            lambda params, head_spec, batch: (PartitionSpec(), specs, head_spec, batch),
+            scatter=scatter,
+        )  # fmt: skip
+        value, grads, dhead, dxs = run(padded, mask, xs, ts, head)
+        if not microbatched:  # [M, rows] back to the batch's row order
+            dxs = jnp.swapaxes(dxs, 0, 1).reshape(inputs.shape)
+        return value, (grads, dhead, dxs)
+
+    def _grad_spec(self, padded: jax.Array, scatter: int) -> PartitionSpec:
+        spec = list(self.layout.param_spec(padded.shape[3:]))
+        if scatter < 0:
+            return PartitionSpec(*spec)
+        spec += [None] * (padded.ndim - len(spec))
+        spec[3 + scatter] = self.data_axes if len(self.data_axes) != 1 else self.data_axes[0]
+        return PartitionSpec(*spec)
+
+    def _grads_in_map(self, params, mask, xs, targets, head, *, dims, scatter):
+        """GPipe and circular differentiated inside the map, so the reduction is explicit.
+
+        The parameters are marked as varying over the data axes first: their per-device
+        gradients then stay apart (the loss's mean has already divided them by the replicas)
+        and are reduce-scattered, not implicitly all-reduced.
+        """
+        varied = self._vary(params)
+
+        def loss(p, x, h):
+            return self._forward_loop(p, mask, x, targets, h, dims=dims)
+
+        value, (grads, dxs, dhead) = jax.value_and_grad(loss, argnums=(0, 1, 2))(varied, xs, head)
+        if self.data_axes:
+            grads = jax.tree.map(lambda g, d: self._reduce_grad(g, d, lead=3), grads, scatter)
+        return value, grads, dhead, dxs
 
     def loss_and_grads(
         self,
@@ -526,7 +595,7 @@ class Pipeline:
         )
         return value, grads
 
-    def _one_f_one_b(self, params, mask, xs, targets, head, *, dims):
+    def _one_f_one_b(self, params, mask, xs, targets, head, *, dims, scatter=None):
         params = self._vary(jax.tree.map(lambda a: a[0, 0], self._gather(params, dims)))
         head = self._varying(head)
         mask, stages, micro = mask[0, 0], self.num_stages, self.num_microbatches
@@ -571,8 +640,10 @@ class Pipeline:
         final, _ = jax.lax.scan(tick, carry, jnp.arange(self.num_ticks))
         grads, dhead, dxs, total = final[3:]
         data = self.data_size
+        if scatter is None:
+            scatter = jax.tree.map(lambda _: -1, grads)
         if self.data_axes:
-            grads = jax.tree.map(lambda g: self._reduce_grad(g) / data, grads)
+            grads = jax.tree.map(lambda g, d: self._reduce_grad(g, d) / data, grads, scatter)
             dhead = jax.tree.map(lambda g: jax.lax.psum(g, self.data_axes), dhead)
         dhead = jax.tree.map(lambda g: jax.lax.psum(g, self.stage_axis) / data, dhead)
         dxs = jax.lax.psum(dxs, self.stage_axis) / data

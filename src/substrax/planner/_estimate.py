@@ -381,9 +381,7 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
         else:
             traffic["fsdp/reduce-scatter"] = state_bytes * f * (f - 1) / f
     if layout.dp > 1 and layout.zero:  # gradients reduce-scattered, new parameters gathered
-        # (a pipeline's loop all-reduces its stack's gradients: twice the bytes)
-        reduce = ("all-reduce", 2) if layout.pp > 1 else ("reduce-scatter", 1)
-        traffic[f"data/{reduce[0]}"] = reduce[1] * state_bytes * (layout.dp - 1) / layout.dp
+        traffic["data/reduce-scatter"] = state_bytes * (layout.dp - 1) / layout.dp
         traffic["data/all-gather"] = state_bytes * (layout.dp - 1) / layout.dp
     elif layout.dp > 1:  # gradient all-reduce of this device's shard
         traffic["data/all-reduce"] = 2 * state_bytes * (layout.dp - 1) / layout.dp
@@ -446,12 +444,6 @@ def _warnings(c, plans, layout, per_device) -> tuple[str, ...]:
         found.append(
             "two of tp, cp and ep: the step uses XLA's partitioning, which all-reduces the "
             "FSDP gradients instead of reduce-scattering them"
-        )
-    if layout.pp > 1 and layout.zero and layout.dp > 1:
-        found.append(
-            "a pipeline with ZeRO: the pipeline all-reduces the stack's gradients over the "
-            "replicas and the updated parameters are then gathered (1.5x dp's data traffic, "
-            "not ZeRO's 1x)"
         )
     replicated = sum(p.params_per_device for p in plans if not any(p.spec))
     if layout.devices > 1 and replicated > 0.05 * per_device:

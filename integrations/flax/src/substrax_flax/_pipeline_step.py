@@ -127,6 +127,7 @@ class PipelineTrainStep(JittedStep):
         )
         model_shardings = shardings_of(plan.rows, nnx.state(model), plan.mesh)
         opt_shardings = optimizer_shardings(optimizer, plan)
+        grad_dims = _grad_dims(plan.layout, model_shardings[self.stack], stack, self.data_axes)
         opt_def = nnx.graphdef(optimizer)
 
         compute = self.precision.cast_to_compute
@@ -160,7 +161,7 @@ class PipelineTrainStep(JittedStep):
             inputs, embed_vjp, targets = jax.vjp(embed, rest_state, has_aux=True)
             padded, mask = pipeline.stack(stack_state, num_layers)
             loss, (dpadded, dhead, dinputs) = pipeline.value_and_grad(
-                padded, mask, inputs, targets, rest_state
+                padded, mask, inputs, targets, rest_state, grad_dims=grad_dims
             )
             (dembed,) = embed_vjp(dinputs)
             drest = jax.tree.map(lambda a, b: a + b, dhead, dembed)
@@ -185,6 +186,30 @@ class PipelineTrainStep(JittedStep):
             donate_argnums=(0, 1),
         )
         return Built(jitted, plan.mesh, self.data_axes)
+
+
+def _grad_dims(layout: Any, shardings: Any, stack: Any, data_axes: Sequence[str]) -> Any:
+    """Under ZeRO, each stack leaf's per-layer dimension its optimizer state is sharded on.
+
+    The pipeline then reduce-scatters the layers' gradients along it (None: all-reduce), as
+    the default step does; it needs the replicas to be exactly the pipeline's data axes.
+    """
+    if layout is None or not layout.zero:
+        return None
+    sizes = layout.shape
+    if {a for a in layout.optimizer_axes if sizes[a] > 1} != {a for a in data_axes
+                                                             if sizes[a] > 1}:  # fmt: skip
+        return None
+
+    def dim(sharding: NamedSharding, shape: tuple[int, ...]) -> int | None:
+        spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+        zero, _ = layout.optimizer_spec(PartitionSpec(*spec), shape)
+        moved = [d for d, (a, b) in enumerate(zip(spec, zero, strict=True)) if a != b]
+        return moved[0] - 1 if moved and moved[0] > 0 else None
+
+    leaves = jax.tree.leaves(stack)
+    dims = [dim(s, a.shape) for s, a in zip(jax.tree.leaves(shardings), leaves, strict=True)]
+    return jax.tree.unflatten(jax.tree.structure(stack), dims)
 
 
 def _check_stack(pipeline: Pipeline, stored: int, num_layers: int, given: int | None) -> None:
