@@ -488,9 +488,7 @@ class Pipeline:
           ValueError: For a batch that does not split, a ``layer_fn`` that changes shapes,
             ``grad_dims`` with an ``fsdp_axis``, or a dimension the data axes do not divide.
         """
-        if grad_dims is not None:
-            return self._scattered(padded, mask, inputs, targets, head, microbatched, grad_dims)
-        if self.schedule != "1f1b":
+        if self.schedule != "1f1b" and grad_dims is None:  # jax.grad reduces the gradients
             loss = functools.partial(self.loss, microbatched=microbatched)
             if head is None:
                 value, (grads, dx) = jax.value_and_grad(loss, argnums=(0, 2))(
@@ -501,31 +499,7 @@ class Pipeline:
                 padded, mask, inputs, targets, head
             )
             return value, (grads, dhead, dx)
-        xs, ts = self._split(inputs, microbatched), self._split(targets, microbatched)
-        self._check_layer(padded, xs)
-        run = self._shard_map(
-            self._one_f_one_b,
-            padded,
-            head,
-            lambda params, head_spec, batch: (PartitionSpec(), params, head_spec, batch),
-        )
-        value, grads, dhead, dxs = run(padded, mask, xs, ts, head)
-        if not microbatched:  # [M, rows] back to the batch's row order
-            dxs = jnp.swapaxes(dxs, 0, 1).reshape(inputs.shape)
-        return value, (grads, dhead, dxs)
-
-    def _scattered(self, padded, mask, inputs, targets, head, microbatched, grad_dims):
-        """:meth:`value_and_grad` with gradients reduce-scattered along ``grad_dims``."""
-        if self.fsdp_axis is not None:
-            raise ValueError("grad_dims reduce-scatter over the data axes; not with fsdp_axis.")
-        dims = jax.tree.leaves(grad_dims, is_leaf=lambda d: d is None)
-        scatter = jax.tree.unflatten(jax.tree.structure(padded), map(_or_minus_one, dims))
-        for leaf, dim in zip(jax.tree.leaves(padded), jax.tree.leaves(scatter), strict=True):
-            if dim >= 0 and leaf.shape[3 + dim] % self.data_size:
-                raise ValueError(
-                    f"grad_dims: dimension {dim} of a layer of shape {leaf.shape[3:]} does not "
-                    f"divide over the {self.data_size} devices of the data axes {self.data_axes}."
-                )
+        scatter = self._scatter_dims(padded, grad_dims)
         xs, ts = self._split(inputs, microbatched), self._split(targets, microbatched)
         self._check_layer(padded, xs)
         body = self._one_f_one_b if self.schedule == "1f1b" else self._grads_in_map
@@ -539,6 +513,22 @@ class Pipeline:
         if not microbatched:  # [M, rows] back to the batch's row order
             dxs = jnp.swapaxes(dxs, 0, 1).reshape(inputs.shape)
         return value, (grads, dhead, dxs)
+
+    def _scatter_dims(self, padded: Any, grad_dims: Any) -> Any:
+        """``grad_dims`` checked, as a tree like ``padded`` of ints (-1: all-reduce)."""
+        if grad_dims is None:
+            return jax.tree.map(lambda _: -1, padded)
+        if self.fsdp_axis is not None:
+            raise ValueError("grad_dims reduce-scatter over the data axes; not with fsdp_axis.")
+        dims = jax.tree.leaves(grad_dims, is_leaf=lambda d: d is None)
+        scatter = jax.tree.unflatten(jax.tree.structure(padded), map(_or_minus_one, dims))
+        for leaf, dim in zip(jax.tree.leaves(padded), jax.tree.leaves(scatter), strict=True):
+            if dim >= 0 and leaf.shape[3 + dim] % self.data_size:
+                raise ValueError(
+                    f"grad_dims: dimension {dim} of a layer of shape {leaf.shape[3:]} does not "
+                    f"divide over the {self.data_size} devices of the data axes {self.data_axes}."
+                )
+        return scatter
 
     def _grad_spec(self, padded: jax.Array, scatter: int) -> PartitionSpec:
         spec = list(self.layout.param_spec(padded.shape[3:]))
@@ -595,7 +585,7 @@ class Pipeline:
         )
         return value, grads
 
-    def _one_f_one_b(self, params, mask, xs, targets, head, *, dims, scatter=None):
+    def _one_f_one_b(self, params, mask, xs, targets, head, *, dims, scatter):
         params = self._vary(jax.tree.map(lambda a: a[0, 0], self._gather(params, dims)))
         head = self._varying(head)
         mask, stages, micro = mask[0, 0], self.num_stages, self.num_microbatches
@@ -640,8 +630,6 @@ class Pipeline:
         final, _ = jax.lax.scan(tick, carry, jnp.arange(self.num_ticks))
         grads, dhead, dxs, total = final[3:]
         data = self.data_size
-        if scatter is None:
-            scatter = jax.tree.map(lambda _: -1, grads)
         if self.data_axes:
             grads = jax.tree.map(lambda g, d: self._reduce_grad(g, d) / data, grads, scatter)
             dhead = jax.tree.map(lambda g: jax.lax.psum(g, self.data_axes), dhead)

@@ -16,7 +16,7 @@ from substrax.spmd import MixedPrecision, as_precision
 from substrax_flax._nonfinite import NonFinite, all_finite, check_policy
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
 from substrax_flax._resolve import Rules, as_rules
-from substrax_flax._state import constrain_state
+from substrax_flax._state import constrain_state, map_variables
 from substrax_flax._train import Built, JittedStep, guarded_update, optimizer_shardings
 
 __all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
@@ -127,7 +127,7 @@ class PipelineTrainStep(JittedStep):
         )
         model_shardings = shardings_of(plan.rows, nnx.state(model), plan.mesh)
         opt_shardings = optimizer_shardings(optimizer, plan)
-        grad_dims = _grad_dims(plan.layout, model_shardings[self.stack], stack, self.data_axes)
+        grad_dims = _grad_dims(plan, self.stack, stack, self.data_axes)
         opt_def = nnx.graphdef(optimizer)
 
         compute = self.precision.cast_to_compute
@@ -188,12 +188,14 @@ class PipelineTrainStep(JittedStep):
         return Built(jitted, plan.mesh, self.data_axes)
 
 
-def _grad_dims(layout: Any, shardings: Any, stack: Any, data_axes: Sequence[str]) -> Any:
+def _grad_dims(plan: Any, name: str, stack: Any, data_axes: Sequence[str]) -> Any:
     """Under ZeRO, each stack leaf's per-layer dimension its optimizer state is sharded on.
 
     The pipeline then reduce-scatters the layers' gradients along it (None: all-reduce), as
-    the default step does; it needs the replicas to be exactly the pipeline's data axes.
+    the default step does from the same rows; it needs the replicas to be exactly the
+    pipeline's data axes.
     """
+    layout = plan.layout
     if layout is None or not layout.zero:
         return None
     sizes = layout.shape
@@ -201,15 +203,16 @@ def _grad_dims(layout: Any, shardings: Any, stack: Any, data_axes: Sequence[str]
                                                              if sizes[a] > 1}:  # fmt: skip
         return None
 
-    def dim(sharding: NamedSharding, shape: tuple[int, ...]) -> int | None:
-        spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-        zero, _ = layout.optimizer_spec(PartitionSpec(*spec), shape)
+    rows = {row.path: row for row in plan.rows}
+
+    def dim(path: str, _) -> int | None:
+        row = rows[f"{name}/{path}"]
+        spec = tuple(row.spec) + (None,) * (len(row.shape) - len(row.spec))
+        zero, _ = layout.optimizer_spec(PartitionSpec(*spec), row.shape)
         moved = [d for d, (a, b) in enumerate(zip(spec, zero, strict=True)) if a != b]
         return moved[0] - 1 if moved and moved[0] > 0 else None
 
-    leaves = jax.tree.leaves(stack)
-    dims = [dim(s, a.shape) for s, a in zip(jax.tree.leaves(shardings), leaves, strict=True)]
-    return jax.tree.unflatten(jax.tree.structure(stack), dims)
+    return map_variables(dim, stack)
 
 
 def _check_stack(pipeline: Pipeline, stored: int, num_layers: int, given: int | None) -> None:
