@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 
 from substrax.layout import Layout
+from substrax.mesh import PipelineParallelStrategy
 from substrax.mesh._resolve import as_axes, resolve_names
 from substrax.planner._architectures import Leaf, TransformerConfig
 from substrax.spmd import REMAT
@@ -195,12 +196,12 @@ class Candidate:
 
 
 def _stage_slots(layers: int, pp: int) -> int:
-    """Slots of a layer stack padded for ``pp`` stages: ``pp x ceil(layers / pp)``.
+    """Slots of a layer stack padded for ``pp`` stages: ``pp x`` the busiest stage's layers.
 
     A stack sharded over the stage axis must divide it, so an uneven one is stored padded
     (``substrax.pipeline.Pipeline.num_slots`` with one repeat; the extra slots are masked).
     """
-    return pp * -(-layers // pp)
+    return pp * max(PipelineParallelStrategy("pipe", 0, pp).assign_layers_to_stages(layers))
 
 
 def _stored_shape(leaf: Leaf, layout: Layout) -> tuple[int, ...]:
