@@ -145,3 +145,23 @@ def test_a_tuple_entry_asks_for_each_names_axes_once():
     resolved = rules.resolve(("data", "embed"), None, shape=(16, 4), mesh={"data": 2, "model": 4})
     assert resolved.spec == P(("data", "model"), None)
     assert resolved.requested == (("data", "model"), ())
+
+
+def test_move_left_out_puts_an_axis_on_the_largest_free_dimension_it_divides():
+    rules = MeshRules(data="fsdp").extend(expert="fsdp")
+    sizes = {"fsdp": 8, "tp": 2}
+    resolution = rules.resolve("expert", None, None, shape=(4, 24, 32), mesh=sizes)
+    assert resolution.spec == P(None, None, None)  # 4 experts do not divide 8
+    moved = resolution.move_left_out((4, 24, 32), sizes)
+    assert moved.spec == P(None, None, "fsdp") and moved.moved_axes == ("fsdp",)
+    (reason,) = moved.reasons
+    assert (reason.kind, reason.dim, reason.logical_name) == ("moved", 0, "expert")
+    assert "moved to dim 2 (32), now sharded fsdp" in reason.detail
+    # no free dimension divides: a sharded one takes it next to its own axes
+    tp = rules.extend(embed="tp").resolve("expert", "embed", shape=(4, 32), mesh=sizes)
+    assert tp.move_left_out((4, 32), sizes).spec == P(None, ("tp", "fsdp"))
+    # nowhere to go: the reason stays indivisible; a name in `stay` never moves
+    stuck = rules.resolve("expert", None, shape=(4, 6), mesh=sizes).move_left_out((4, 6), sizes)
+    assert [r.kind for r in stuck.reasons] == ["indivisible"] and stuck.moved_axes == ()
+    kept = resolution.move_left_out((4, 24, 32), sizes, stay=("expert",))
+    assert kept == resolution

@@ -12,13 +12,16 @@ pipeline. The policy, in one place:
 3. With a shape and a mesh, a dimension keeps the longest prefix of its remaining axes whose
    product divides it (``indivisible`` names the axes left out). An axis left out for
    divisibility stays free for later dimensions.
+4. :func:`move_left_out` (the Flax adapter's default for annotated variables) then moves the
+   axes still left out to the largest dimension they divide, preferring one no axis shards
+   (``moved`` names where they went); with none, they stay ``indivisible``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Literal
 
 from jax.sharding import PartitionSpec
@@ -30,6 +33,7 @@ __all__ = [
     "UnknownNames",
     "as_axes",
     "axis_sizes",
+    "move_left_out",
     "resolve_axes",
     "resolve_names",
     "spec_entry",
@@ -43,7 +47,8 @@ UnknownNames = Literal["error", "replicate"]
 #: ``below_threshold``: a strategy's size threshold; ``by_design``: the strategy never shards
 #: such an array; ``no_annotation``: neither logical names nor a strategy; ``drifted``: a live
 #: array's sharding differs from its plan; ``padded``: an annotation shorter than the array's
-#: rank was padded with None (as Flax does).
+#: rank was padded with None (as Flax does); ``moved``: axes its dimension could not take went
+#: to another dimension (:func:`move_left_out`), so the array is still sharded over them.
 REASON_KINDS = (
     "unknown_name",
     "unmapped",
@@ -54,6 +59,7 @@ REASON_KINDS = (
     "no_annotation",
     "drifted",
     "padded",
+    "moved",
 )
 
 
@@ -110,6 +116,28 @@ class Resolution:
           The matching reasons, in dimension order.
         """
         return tuple(reason for reason in self.reasons if reason.kind in kinds)
+
+    def move_left_out(
+        self, shape: Sequence[int], mesh: Any, *, stay: Collection[str] = ()
+    ) -> Resolution:
+        """This resolution with the axes left out for divisibility moved where they divide.
+
+        See :func:`substrax.mesh._resolve.move_left_out` (the policy's fourth rule).
+
+        Args:
+          shape: The array's shape.
+          mesh: A ``Mesh``, ``AbstractMesh`` or ``{axis: size}``.
+          stay: Logical names whose axes never move.
+
+        Returns:
+          The new :class:`Resolution` (``moved`` reasons say where each axis went).
+        """
+        return move_left_out(self, shape, mesh, stay=stay)
+
+    @property
+    def moved_axes(self) -> tuple[str, ...]:
+        """The mesh axes that :meth:`move_left_out` put on another dimension than asked."""
+        return tuple(a for reason in self.of_kind("moved") for a in reason.axes)
 
 
 def as_axes(entry: Any) -> tuple[str, ...]:
@@ -193,6 +221,67 @@ def resolve_axes(
         used.update(kept)
         entries.append(spec_entry(kept))
     return Resolution(PartitionSpec(*entries), tuple(found), requested)
+
+
+def move_left_out(
+    resolution: Resolution, shape: Sequence[int], mesh: Any, *, stay: Collection[str] = ()
+) -> Resolution:
+    """Moves the axes a dimension could not take to the largest dimension they divide.
+
+    A weight annotated ``("expert", "embed", "mlp")`` with 128 experts on an FSDP axis of 256
+    leaves the axis out of its first dimension; stored replicated over it, it would take 256x
+    its share. Each ``indivisible`` reason's axes go instead to the largest dimension that
+    they divide and that no axis shards (the first of equals), or failing that to the largest
+    sharded dimension that they divide together with its axes (appended after them). The
+    reason becomes ``moved`` and says where; with no such dimension it stays.
+
+    Where the array is *used*, a caller that gathers over these axes (FSDP axes) loses
+    nothing; tensor axes moved off their dimension shard storage only, and a step gathers
+    them where the array is used (:attr:`Reason.axes` of the ``moved`` reasons).
+
+    Args:
+      resolution: A resolution of an array of ``shape``.
+      shape: The array's shape.
+      mesh: A ``Mesh``, ``AbstractMesh`` or ``{axis: size}``.
+      stay: Logical names whose axes never move: a stack's ``"layers"`` dimension is its
+        pipeline stage, which a pipeline pads instead.
+
+    Returns:
+      The resolution with its axes moved (itself when nothing was left out).
+    """
+    sizes = axis_sizes(mesh)
+    entries = [as_axes(e) for e in resolution.spec] + [()] * (len(shape) - len(resolution.spec))
+    reasons = []
+    for reason in resolution.reasons:
+        movable = reason.kind == "indivisible" and reason.logical_name not in stay
+        dim = _destination(reason, entries, shape, sizes) if movable else None
+        if dim is None:
+            reasons.append(reason)
+            continue
+        entries[dim] += reason.axes
+        detail = (f"{shape[reason.dim]} is not divisible by mesh axes {reason.axes}; moved to "
+                  f"dim {dim} ({shape[dim]}), now sharded {spec_entry(entries[dim])}")  # fmt: skip
+        reasons.append(dataclasses.replace(reason, kind="moved", detail=detail))
+    spec = PartitionSpec(*(spec_entry(e) for e in entries))
+    return dataclasses.replace(resolution, spec=spec, reasons=tuple(reasons))
+
+
+def _destination(
+    reason: Reason, entries: list[tuple[str, ...]], shape: Sequence[int], sizes: Mapping[str, int]
+) -> int | None:
+    """Where :func:`move_left_out` puts ``reason.axes``: a free dimension first, or None."""
+    if any(a in e for e in entries for a in reason.axes):
+        return None  # another dimension took an axis meanwhile
+    size = math.prod(sizes[a] for a in reason.axes)
+
+    def divides(dim: int) -> bool:
+        return shape[dim] % (size * math.prod(sizes[a] for a in entries[dim])) == 0
+
+    for free in (True, False):
+        dims = [d for d in range(len(shape)) if (not entries[d]) == free and divides(d)]
+        if dims:
+            return max(dims, key=lambda d: (shape[d], -d))
+    return None
 
 
 def _check_axes(axes: tuple[str, ...], sizes: Mapping[str, int]) -> None:
