@@ -30,8 +30,17 @@ def test_batch_that_does_not_divide_is_an_error(mesh_2x4):
         shard_batch({"x": np.ones((6, 2))}, mesh_2x4, ("data", "model"))
 
 
-def test_scalar_leaf_is_an_error(mesh_2x4):
-    with pytest.raises(ValueError, match=r"\['lr'\] is a scalar"):
+def test_scalar_leaves_are_replicated_next_to_the_rows(mesh_2x4):
+    key = jax.random.key(3)
+    placed = shard_batch({"x": np.arange(16.0).reshape(8, 2), "lr": np.float32(0.1), "key": key},
+                         mesh_2x4)  # fmt: skip
+    assert placed["x"].sharding.spec == P("data")
+    for name in ("lr", "key"):
+        assert placed[name].sharding.is_fully_replicated and placed[name].shape == ()
+        assert len(placed[name].sharding.device_set) == 8
+    assert float(placed["lr"]) == np.float32(0.1)
+    assert (jax.random.key_data(placed["key"]) == jax.random.key_data(key)).all()
+    with pytest.raises(ValueError, match="The batch has no rows: every leaf is 0-d"):
         shard_batch({"lr": np.float32(0.1)}, mesh_2x4)
 
 

@@ -17,6 +17,7 @@ from substrax.spmd._attention import unzigzag as unzigzag
 from substrax.spmd._attention import zigzag as zigzag
 from substrax.spmd._batch import batch_sharding as batch_sharding
 from substrax.spmd._batch import check_batch as check_batch
+from substrax.spmd._batch import is_replicated_leaf as is_replicated_leaf
 from substrax.spmd._batch import replicate as replicate
 from substrax.spmd._batch import shard_batch as shard_batch
 from substrax.spmd._constrain import active_rules as active_rules
@@ -44,6 +45,7 @@ __all__ = [
     "attention",
     "batch_sharding",
     "check_batch",
+    "is_replicated_leaf",
     "checkpoint_policy",
     "constrain",
     "context_attention",

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax.spmd._attention import zigzag
 
-__all__ = ["batch_sharding", "check_batch", "replicate", "shard_batch"]
+__all__ = ["batch_sharding", "check_batch", "is_replicated_leaf", "replicate", "shard_batch"]
 
 DataAxes = str | Sequence[str]
 
@@ -55,11 +55,29 @@ def batch_sharding(
     return NamedSharding(mesh, PartitionSpec(*entries))
 
 
+def is_replicated_leaf(leaf: Any) -> bool:
+    """Whether a batch leaf is the same on every device rather than split into rows.
+
+    A 0-d array is: a typed key (``jax.random.key(seed)``), a step number, a scalar schedule
+    value. Every array with a leading dimension holds rows.
+
+    Args:
+      leaf: A batch leaf.
+
+    Returns:
+      True for a 0-d array.
+    """
+    return np.ndim(leaf) == 0
+
+
 def check_batch(batch: Any) -> int:
     """The number of rows of a batch, after checking that it is one.
 
     A batch is a pytree (dict, tuple, list, dataclass, ...) of arrays (numpy or jax) that
-    share a leading batch dimension of at least one row.
+    share a leading batch dimension of at least one row. 0-d leaves (a typed key from
+    ``jax.random.key``, a step number, a scalar schedule value) are replicated to every
+    device instead (:func:`is_replicated_leaf`); a raw ``jax.random.PRNGKey`` has a leading
+    dimension of 2, so pass a typed key (``jax.random.key``) instead.
 
     Args:
       batch: The batch.
@@ -70,8 +88,8 @@ def check_batch(batch: Any) -> int:
     Raises:
       TypeError: If a leaf is not an array (a string, a Python number, a list of rows: convert
         those with ``np.asarray``), or the batch has no leaves.
-      ValueError: If a leaf is a scalar array, the leaves' leading sizes differ, or the batch
-        has no rows.
+      ValueError: If the leaves' leading sizes differ, or the batch has no rows (no leaf with
+        a leading dimension, or a leading size of 0).
     """
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     if not leaves:
@@ -85,16 +103,19 @@ def check_batch(batch: Any) -> int:
                 "pytree of arrays with a leading batch dimension; convert rows or lists with "
                 "np.asarray."
             )
-        if np.ndim(leaf) == 0:
-            raise ValueError(
-                f"{where} is a scalar; every leaf needs a leading batch dimension (replicate "
-                "scalars with substrax.spmd.replicate)."
-            )
-        sizes[jax.tree_util.keystr(path) or "batch"] = np.shape(leaf)[0]
+        if not is_replicated_leaf(leaf):
+            sizes[jax.tree_util.keystr(path) or "batch"] = np.shape(leaf)[0]
+    if not sizes:
+        raise ValueError(
+            "The batch has no rows: every leaf is 0-d (replicated). Add the leaves that hold "
+            "the rows, each with a leading batch dimension."
+        )
     if len(set(sizes.values())) > 1:
         raise ValueError(
             f"The batch's leaves have different leading sizes {sizes}; every leaf needs the "
-            "same number of rows."
+            "same number of rows. 0-d leaves (a typed key from jax.random.key, a step number) "
+            "are replicated to every device; a raw jax.random.PRNGKey has shape (2,), so pass "
+            "jax.random.key(seed) instead."
         )
     rows = next(iter(sizes.values()))
     if rows == 0:
@@ -118,7 +139,8 @@ def shard_batch(
     Shift next-token targets before this: a split sequence has no next token at a chunk's end.
 
     Args:
-      batch: A pytree of arrays (numpy or jax) with a common leading batch dimension.
+      batch: A pytree of arrays (numpy or jax) with a common leading batch dimension, and
+        0-d leaves, which are replicated (see :func:`check_batch`).
       mesh: The device mesh.
       data_axes: The mesh axis, or axes, the batch is split over.
       seq_axes: Mesh axes the sequence (second dimension) is split over, in zigzag order.
@@ -129,9 +151,9 @@ def shard_batch(
 
     Raises:
       TypeError: If a leaf is not an array (see :func:`check_batch`).
-      ValueError: If a leaf is a scalar, the leaves' leading sizes differ, the batch has no
-        rows, the global batch size does not divide the product of the data axes' sizes, or a
-        sequence does not split into ``2 x cp`` chunks.
+      ValueError: If the leaves' leading sizes differ, the batch has no rows, the global
+        batch size does not divide the product of the data axes' sizes, or a sequence does
+        not split into ``2 x cp`` chunks.
     """
     check_batch(batch)
     axes, seq = _axes(data_axes), tuple(seq_axes)
@@ -140,6 +162,8 @@ def shard_batch(
     processes = len({d.process_index for d in mesh.devices.flat})
 
     def place(path, leaf):
+        if is_replicated_leaf(leaf):
+            return replicate(leaf, mesh)
         local = np.asarray(leaf)
         global_size = local.shape[0] * processes
         if global_size % devices:
@@ -176,6 +200,10 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
       The pytree of fully replicated ``jax.Array``s.
     """
     sharding = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(
-        lambda leaf: jax.make_array_from_process_local_data(sharding, np.asarray(leaf)), tree
-    )
+
+    def place(leaf):
+        if isinstance(leaf, jax.Array):  # a typed key has no numpy form
+            return jax.device_put(leaf, sharding)
+        return jax.make_array_from_process_local_data(sharding, np.asarray(leaf))
+
+    return jax.tree.map(place, tree)
