@@ -44,10 +44,11 @@ def test_unknown_logical_name_lists_the_known_ones(mesh):
     with pytest.raises(ValueError) as info:
         sf.plan_model(_one((8, 4), ("embed", "experts")), mesh, RULES)
     message = str(info.value)
-    assert message.startswith("Variable 'w' of shape (8, 4): Unknown logical axis name 'experts'")
+    assert message.startswith("Variable 'w' of shape (8, 4): 'experts' (in ('embed', 'experts'))")
     # the rules' names, then the mesh's axes (an Explicit-style spec may name those)
-    assert "Known names: ['data', 'embed', 'mlp', 'heads', 'kv', 'model', 'vocab']" in message
-    assert "(dim 1 of ('embed', 'experts'))" in message
+    assert "logical name of the rules (['data', 'embed', 'mlp', 'heads', 'kv', 'vocab'])" in message
+    assert "nor an axis of the mesh (('data', 'model'))" in message
+    assert "rules=[('experts', None)]" in message and "rules.extend(experts=None)" in message
     assert "unknown_names='replicate'" in message
 
 
@@ -75,13 +76,27 @@ def test_repeated_logical_name_names_the_variable(mesh):
         sf.plan_model(_one((8, 8), ("embed", "embed")), mesh, RULES)
 
 
-def test_indivisible_dimension_warns_with_path_shape_and_axis_size(mesh):
+def test_indivisible_dimension_moves_its_axis_or_warns_where_it_cannot(mesh):
+    row = sf.plan_model(_one((6, 4), ("embed", None)), mesh, RULES).report().row("w")
+    assert row.spec == P(None, "model")  # 'model' moved to the dimension it divides
+    assert [str(r) for r in row.reasons] == [
+        "dim 0 (embed): 6 is not divisible by mesh axes ('model',); moved to dim 1 (4), now "
+        "sharded model"
+    ]
     with pytest.warns(ShardingWarning) as caught:
-        plan = sf.plan_model(_one((6, 4), ("embed", None)), mesh, RULES)
-    assert str(caught[0].message) == (
+        plan = sf.plan_model(_one((6, 4), ("embed", None)), mesh, RULES, indivisible="replicate")
+    variable, total = (str(w.message) for w in caught)  # the variable's, then the model's
+    assert variable == (
         "Variable 'w' of shape (6, 4): dim 0 (embed): 6 is not divisible by mesh axes ('model',) "
         "of size 4; ('model',) left out. It is laid out as P(None, None)."
     )
+    assert "4.00x" in total and "although dim 1 (4) divides them: indivisible='move'" in total
+    assert plan.report().row("w").spec == P(None, None)
+    with pytest.warns(ShardingWarning) as caught:
+        plan = sf.plan_model(_one((6, 3), ("embed", None)), mesh, RULES)  # nowhere to move
+    variable, total = (str(w.message) for w in caught)
+    assert variable.startswith("Variable 'w' of shape (6, 3): dim 0 (embed): 6 is not divisible")
+    assert "no dimension divides their 4 devices (dim 0 (6) asked for them)" in total
     assert plan.report().row("w").spec == P(None, None)
 
 
@@ -92,9 +107,12 @@ def test_indivisible_dimension_raises_when_strict(mesh):
 
 def test_tuple_rule_keeps_the_axes_that_divide(mesh):
     rules = MeshRules(embed=("data", "model"))
-    with pytest.warns(ShardingWarning, match=r"dim 0 \(embed\): 6 is not divisible"):
-        plan = sf.plan_model(_one((6, 4), ("embed", None)), mesh, rules)
+    with pytest.warns(ShardingWarning) as caught:
+        plan = sf.plan_model(_one((6, 4), ("embed", None)), mesh, rules, indivisible="replicate")
+    assert "dim 0 (embed): 6 is not divisible" in str(caught[0].message)
     assert plan.report().row("w").spec == P("data", None)
+    moved = sf.plan_model(_one((6, 4), ("embed", None)), mesh, rules).report().row("w")
+    assert moved.spec == P("data", "model")
 
 
 def test_a_factory_that_raises_propagates_its_own_exception(mesh):
@@ -178,8 +196,8 @@ STEP_CASES = {
     "loss not a scalar": (
         lambda m, o: sf.make_train_step(lambda m, b: m(b))(m, o, X),
         TypeError,
-        "The loss must be a scalar; loss_fn returned an array of shape (1, 2) and dtype "
-        "float32 (on one device's rows: the step is data_parallel='manual')",
+        # found tracing the loss on the whole batch, before the step chooses its path
+        "The loss must be a scalar; loss_fn returned an array of shape (8, 2) and dtype float32.",
     ),
     "string batch": (
         lambda m, o: sf.make_train_step(_mean_loss)(m, o, "tokens"),

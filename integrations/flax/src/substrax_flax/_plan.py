@@ -14,6 +14,7 @@ from jax.sharding import NamedSharding
 from substrax.layout import Layout
 from substrax.mesh import MeshRules, check_mesh
 from substrax_flax._resolve import (
+    Indivisible,
     Resolver,
     Rules,
     Strategy,
@@ -22,6 +23,7 @@ from substrax_flax._resolve import (
     as_rules,
     without_axes,
 )
+from substrax_flax._shortfall import warn_shortfall
 from substrax_flax._state import (
     constrain_state,
     is_variable,
@@ -93,16 +95,22 @@ def make_resolver(
     *,
     strict: bool = False,
     unknown_names: UnknownNames = "error",
+    indivisible: Indivisible = "move",
 ) -> tuple[Resolver, Layout | None]:
     """The resolver of a plan: the layout's mesh, rules and strategy unless given explicitly."""
     if mesh is not None:
         check_mesh(mesh)
     layout = as_layout(layout, mesh)
+    source = "the rules"
     if layout is not None:
         mesh = mesh if mesh is not None else layout.make_mesh()
-        rules = rules if rules is not None else layout.param_rules
+        if rules is None:
+            rules, source = layout.param_rules, f"layout {layout.name!r}'s rules"
         strategy = strategy if strategy is not None else layout.strategy()
-    resolver = Resolver(mesh, rules, strategy, strict=strict, unknown_names=unknown_names)
+    resolver = Resolver(
+        mesh, rules, strategy, strict=strict, unknown_names=unknown_names,
+        indivisible=indivisible, source=source,
+    )  # fmt: skip
     return resolver, layout
 
 
@@ -127,6 +135,8 @@ class ModelPlan:
       abstract_state: The same with ``jax.ShapeDtypeStruct`` values carrying their shardings
         (an Orbax restore target).
       rows: One :class:`VariableSharding` per variable, in state order.
+      shortfall: Bytes per device against what the variables asked for (a
+        ``ShardingWarning`` at planning when over 1.10x, naming the variables and fixes).
       init: The init (plans made from a factory, else None): ``init()`` returns the model's
         state, created on device already sharded by one jitted computation.
     """
@@ -155,6 +165,7 @@ class ModelPlan:
         self.layout, self.graphdef, self._factory = layout, graphdef, factory
         self.strict, self.unknown_names = resolver.strict, resolver.unknown_names
         self.rows = resolver.rows(state, _layers(graphdef, state))
+        self.shortfall = warn_shortfall(self.rows, self.mesh, "The model")
         self.shardings = shardings_of(self.rows, state, self.mesh)
         self.specs = jax.tree.map(lambda sharding: sharding.spec, self.shardings)
         self.abstract_state = jax.tree.map(
@@ -201,7 +212,9 @@ class ModelPlan:
         """Each parameter of ``state`` where it is used: its planned spec without gather axes.
 
         A parameter stored sharded over an axis that also splits the batch (FSDP) is gathered
-        there once per step; every other axis (tensor, stage, expert) is kept.
+        there once per step; every other axis (tensor, stage, expert) is kept, except an axis
+        that was moved off the dimension that asked for it (a ``moved`` reason): it shards
+        the stored array only, and is gathered too.
 
         Args:
           state: The differentiated part of the model's state (by default its ``nnx.Param``s).
@@ -213,7 +226,9 @@ class ModelPlan:
         by_path = {row.path: row for row in self.rows}
 
         def gathered(path, _):
-            return NamedSharding(self.mesh, without_axes(by_path[path].spec, drop))
+            row = by_path[path]
+            moved = {a for reason in row.reasons if reason.kind == "moved" for a in reason.axes}
+            return NamedSharding(self.mesh, without_axes(row.spec, drop | moved))
 
         return map_variables(gathered, state)
 
@@ -325,6 +340,7 @@ def plan_model(
     strategy: Strategy = None,
     strict: bool = False,
     unknown_names: UnknownNames = "error",
+    indivisible: Indivisible = "move",
 ) -> ModelPlan:
     """Plans the sharding of every variable of the model that ``factory`` builds.
 
@@ -356,6 +372,13 @@ def plan_model(
       strict: Raise instead of warning when a dimension does not divide its mesh axes.
       unknown_names: ``"error"`` (default) raises on a logical name that ``rules`` does not
         know; ``"replicate"`` replicates that dimension with a ``ShardingWarning``.
+      indivisible: What an annotated dimension does with the mesh axes it does not divide
+        (128 experts on an FSDP axis of 256, a vocabulary of 1001 on 4 tensor devices):
+        ``"move"`` (the default) puts them on the largest dimension they divide, preferring
+        an unsharded one, and the report's ``moved`` reason says where; an axis moved off
+        its dimension shards storage only, and the train step gathers it where the
+        parameter is used, as it gathers FSDP axes. ``"replicate"`` keeps the array
+        replicated over them, with a ``ShardingWarning``; ``strict`` raises either way.
 
     Returns:
       A :class:`ModelPlan`.
@@ -368,8 +391,9 @@ def plan_model(
       TypeError: If ``rules``, ``layout`` or ``strategy`` has the wrong type.
     """
     resolver, layout = make_resolver(
-        mesh, rules, strategy, layout, strict=strict, unknown_names=unknown_names
-    )
+        mesh, rules, strategy, layout, strict=strict, unknown_names=unknown_names,
+        indivisible=indivisible,
+    )  # fmt: skip
     graphdef, state, under_mesh = _abstract_split(factory, resolver.mesh)
     return ModelPlan(
         state, resolver, layout=layout, graphdef=graphdef, factory=factory, under_mesh=under_mesh
@@ -420,6 +444,7 @@ def create_sharded_model(
     strategy: Strategy = None,
     strict: bool = False,
     unknown_names: UnknownNames = "error",
+    indivisible: Indivisible = "move",
 ) -> nnx.Module:
     """Creates the model that ``factory`` builds, every variable already sharded.
 
@@ -443,6 +468,7 @@ def create_sharded_model(
       strategy: Spec for unannotated variables (see :func:`plan_model`).
       strict: Raise instead of warning when a dimension does not divide its mesh axes.
       unknown_names: ``"error"`` or ``"replicate"`` (see :func:`plan_model`).
+      indivisible: ``"move"`` or ``"replicate"`` (see :func:`plan_model`).
 
     Returns:
       The sharded model.
@@ -453,7 +479,7 @@ def create_sharded_model(
     """
     plan = plan_model(
         factory, mesh, rules, layout=layout, strategy=strategy, strict=strict,
-        unknown_names=unknown_names,
+        unknown_names=unknown_names, indivisible=indivisible,
     )  # fmt: skip
     return plan.create()
 
@@ -481,6 +507,7 @@ def get_shardings(
     strategy: Strategy = None,
     strict: bool = False,
     unknown_names: UnknownNames = "error",
+    indivisible: Indivisible = "move",
 ) -> nnx.State:
     """The planned shardings of a model's variables, without moving any data.
 
@@ -492,6 +519,7 @@ def get_shardings(
       strategy: Spec for unannotated variables (see :func:`plan_model`).
       strict: Raise instead of warning when a dimension does not divide its mesh axes.
       unknown_names: ``"error"`` or ``"replicate"`` (see :func:`plan_model`).
+      indivisible: ``"move"`` or ``"replicate"`` (see :func:`plan_model`).
 
     Returns:
       An ``nnx.State`` matching ``nnx.state(model)`` whose variables hold ``NamedSharding``
@@ -502,8 +530,9 @@ def get_shardings(
       TypeError: If ``model_or_state`` is neither a module nor a state.
     """
     resolver, layout = make_resolver(
-        mesh, rules, strategy, layout, strict=strict, unknown_names=unknown_names
-    )
+        mesh, rules, strategy, layout, strict=strict, unknown_names=unknown_names,
+        indivisible=indivisible,
+    )  # fmt: skip
     return ModelPlan(_state_of(model_or_state), resolver, layout=layout).shardings
 
 
@@ -516,6 +545,7 @@ def shard_model(
     strategy: Strategy = None,
     strict: bool = False,
     unknown_names: UnknownNames = "error",
+    indivisible: Indivisible = "move",
 ) -> nnx.Module:
     """Moves a live model's variables to their planned shardings, in place.
 
@@ -530,6 +560,7 @@ def shard_model(
       strategy: Spec for unannotated variables (see :func:`plan_model`).
       strict: Raise instead of warning when a dimension does not divide its mesh axes.
       unknown_names: ``"error"`` or ``"replicate"`` (see :func:`plan_model`).
+      indivisible: ``"move"`` or ``"replicate"`` (see :func:`plan_model`).
 
     Returns:
       ``model`` itself, its variables now sharded.
@@ -542,8 +573,9 @@ def shard_model(
         raise TypeError(f"shard_model expects an nnx.Module, got {type(model).__name__}.")
     graphdef, state = nnx.split(model)
     resolver, layout = make_resolver(
-        mesh, rules, strategy, layout, strict=strict, unknown_names=unknown_names
-    )
+        mesh, rules, strategy, layout, strict=strict, unknown_names=unknown_names,
+        indivisible=indivisible,
+    )  # fmt: skip
     plan = ModelPlan(state, resolver, layout=layout, graphdef=graphdef)
     nnx.update(model, jax.device_put(state, plan.shardings))
     remember(model, plan)

@@ -19,7 +19,7 @@ from substrax.mesh import (
     Resolution,
     ShardingStrategy,
 )
-from substrax_flax._state import logical_names, shape_and_dtype, variables
+from substrax_flax._state import logical_names, shape_and_dtype, typed_spec, variables
 
 __all__ = [
     "Resolver",
@@ -34,6 +34,11 @@ __all__ = [
 Rules = MeshRules | Iterable[tuple[str, Any]] | None
 Strategy = ShardingStrategy | MultiDimensionalStrategy | None
 UnknownNames = Literal["error", "replicate"]
+Indivisible = Literal["move", "replicate"]
+INDIVISIBLE = ("move", "replicate")
+#: Logical names whose axes ``indivisible="move"`` leaves in place: a stack's layer dimension is
+#: its pipeline stage, and a pipeline pads an uneven stack instead.
+STAY = ("layers",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +161,13 @@ class Resolver:
       strict: Raise instead of warning when a dimension does not divide its mesh axes.
       unknown_names: ``"error"`` raises on a logical name the rules do not know;
         ``"replicate"`` replicates that dimension with a warning.
+      indivisible: What an annotated dimension does with mesh axes it does not divide:
+        ``"move"`` (the default) puts them on the largest dimension they divide
+        (:meth:`~substrax.mesh.Resolution.move_left_out`, a ``moved`` reason says where;
+        the axes of a ``"layers"`` dimension stay, see :data:`STAY`);
+        ``"replicate"`` leaves the array replicated over them, with a warning. ``strict``
+        raises either way.
+      source: Where the rules came from, for messages (``"layout 'fsdp'"``).
     """
 
     def __init__(
@@ -166,11 +178,15 @@ class Resolver:
         *,
         strict: bool = False,
         unknown_names: UnknownNames = "error",
+        indivisible: Indivisible = "move",
+        source: str = "the rules",
     ):
         if unknown_names not in ("error", "replicate"):
             raise ValueError(
                 f"unknown_names must be 'error' or 'replicate', got {unknown_names!r}."
             )
+        if indivisible not in INDIVISIBLE:
+            raise ValueError(f"indivisible must be one of {INDIVISIBLE}, got {indivisible!r}.")
         if strategy is not None and not isinstance(
             strategy, (ShardingStrategy, MultiDimensionalStrategy)
         ):
@@ -183,16 +199,20 @@ class Resolver:
         if mesh is None:
             mesh = single_device_mesh(None if rules is None else as_rules(rules, None))
         self.mesh = mesh
+        if rules is not None and not isinstance(rules, (MeshRules, str, bytes)):
+            rules = list(rules) if isinstance(rules, Iterable) else rules
         self.rules = as_rules(rules, mesh)
-        # Explicit-style models name mesh axes in their specs: a name the rules do not know
+        # Explicit-style models name mesh axes in their specs: a name the rules do not give
         # that is an axis of the mesh means that axis (the rules win where both exist).
-        known = set(self.rules.logical_names)
+        given = _given_names(rules, self.rules)
         self._table = self.rules.extend(
-            **{axis: axis for axis in mesh.axis_names if axis not in known}
+            **{axis: axis for axis in mesh.axis_names if axis not in given}
         )
         self.strategy = strategy
         self.strict = strict
         self.unknown_names = unknown_names
+        self.indivisible = indivisible
+        self.source = source
 
     def rows(
         self, state: Any, layers: dict[str, str] | None = None
@@ -216,11 +236,15 @@ class Resolver:
         """
         shape, _ = shape_and_dtype(variable)
         names = logical_names(variable, path)
+        if names is None:  # Explicit style: the spec lives in the array's type
+            names = typed_spec(variable)
         replicated = PartitionSpec(*([None] * len(shape)))
         if self.ignore_names:
             resolution, rule = Resolution(replicated), "no mesh"
         elif names is not None:
             resolution, rule = self._from_names(path, shape, names), _rule_text(names, self._table)
+            if self.indivisible == "move" and not self.strict:  # strict raises on the original
+                resolution = resolution.move_left_out(shape, self.mesh, stay=STAY)
         elif self.strategy is not None:
             resolution = self.strategy.resolve(shape, self.mesh, name=path, layer=layer)
             rule = type(self.strategy).__name__
@@ -241,6 +265,7 @@ class Resolver:
             )
             padded = (Reason("padded", None, None, (), detail),)
             names = names + (None,) * (len(shape) - len(names))
+        self._check_known(path, shape, names)
         try:
             resolution = self._table.resolve(
                 *names, shape=shape, mesh=self.mesh, unknown_names=self.unknown_names
@@ -248,6 +273,31 @@ class Resolver:
         except ValueError as error:
             raise ValueError(f"Variable {path!r} of shape {shape}: {error}") from None
         return dataclasses.replace(resolution, reasons=padded + resolution.reasons)
+
+    def _check_known(self, path: str, shape: tuple[int, ...], names: tuple[Any, ...]) -> None:
+        """Raises on a name neither the rules nor the mesh know, saying which rule to add.
+
+        Raises:
+          ValueError: With ``unknown_names="error"``, naming the rules' source, the mesh's
+            axes and the pairs that would map the name.
+        """
+        table = self._table.as_dict()
+        unknown = [n for e in names for n in entry_axes(e) if n is not None and n not in table]
+        if not unknown or self.unknown_names != "error":
+            return
+        name, axes = unknown[0], tuple(self.mesh.axis_names)
+        if self.source.startswith("layout"):  # the user never wrote these rules
+            keep = f"rules=layout.param_rules.extend({name}=None) keeps the layout's names"
+        else:
+            keep = f"rules.extend({name}=None) adds it to yours"
+        raise ValueError(
+            f"Variable {path!r} of shape {shape}: {name!r} (in {names}) is neither a logical "
+            f"name of {self.source} ({list(self.rules.logical_names)}) nor an axis of the "
+            f"mesh ({axes}). A model that carries its own mesh-axis specs, written for a mesh "
+            f"with the axis {name!r}, needs a rule for it: rules=[({name!r}, None)] replicates "
+            f"that dimension, rules=[({name!r}, {axes[0]!r})] shards it over {axes[0]!r}, and "
+            f"{keep}; or pass unknown_names='replicate' to replicate every unknown name."
+        )
 
     def _warn(self, path: str, shape: tuple[int, ...], resolution: Resolution) -> None:
         """One warning per variable for what it asked and did not get (strict: an error)."""
@@ -266,6 +316,17 @@ class Resolver:
         if self.strict and any(r.kind != "unknown_name" for r in problems):
             raise ValueError(f"{message} (strict=True).")
         warn_user(message)
+
+
+def _given_names(rules: Rules, resolved: MeshRules) -> set[str]:
+    """The logical names the user gave a rule (a ``MeshRules`` field left at None is not).
+
+    Pairs give their names; a ``MeshRules`` its extra names and the fields it maps to axes.
+    """
+    if isinstance(rules, MeshRules):
+        return {name for name, axes in resolved.as_dict().items()
+                if axes is not None or name in dict(resolved.extra)}  # fmt: skip
+    return set(resolved.as_dict()) if rules is None else {pair[0] for pair in rules}
 
 
 def _rule_text(names: tuple[Any, ...], rules: MeshRules) -> str:

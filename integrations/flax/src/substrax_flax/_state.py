@@ -17,6 +17,8 @@ __all__ = [
     "layer_kinds",
     "logical_names",
     "map_variables",
+    "shape_and_dtype",
+    "typed_spec",
     "values_by_path",
     "variables",
 ]
@@ -89,6 +91,34 @@ def logical_names(variable: Any, path: str) -> tuple[Any, ...] | None:
                 f"logical name (str), a tuple of names, or None, got {name!r}."
             )
     return names
+
+
+def typed_spec(variable: Any) -> tuple[Any, ...] | None:
+    """The mesh axes a variable's value carries in its type, or None.
+
+    Explicit-style model code creates its arrays with the spec in the array's type
+    (``init(key, shape, out_sharding=P(None, "model"))`` under ``jax.set_mesh`` with Explicit
+    axes), without any metadata; the abstract value (``jax.eval_shape``) and the live array
+    both carry it. Only axes that are Explicit count: an Auto axis is not part of a type, so
+    an array that merely sits sharded on an Auto mesh says nothing about its plan.
+
+    Returns:
+      One entry (None, an axis name or a tuple of names) per dimension, or None when no
+      dimension names an Explicit axis.
+    """
+    value = variable.get_value() if is_variable(variable) else variable
+    sharding = getattr(value, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    mesh = sharding.mesh
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    spec = tuple(sharding.spec) + (None,) * (len(getattr(value, "shape", ())) - len(sharding.spec))
+    axes = [a for entry in spec if entry is not None for a in (
+        (entry,) if isinstance(entry, str) else entry)]  # fmt: skip
+    explicit = jax.sharding.AxisType.Explicit
+    if not axes or any(types.get(a) != explicit for a in axes):
+        return None
+    return spec
 
 
 def shape_and_dtype(variable: nnx.Variable) -> tuple[tuple[int, ...], Any]:
