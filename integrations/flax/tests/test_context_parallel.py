@@ -59,7 +59,11 @@ def _train(layout, variant="ring", **step_args):
     optimizer = sf.create_sharded_optimizer(model, optax.adam(1e-2))
     step = sf.make_train_step(loss_fn, **step_args)
     losses = [float(step(model, optimizer, batch)["loss"]) for batch in _batches()]
-    return losses, nnx.state(model, nnx.Param), step.data_parallel_for(model, optimizer)
+    return (
+        losses,
+        nnx.state(model, nnx.Param),
+        step.data_parallel_for(model, optimizer, _batches()[0]),
+    )
 
 
 @pytest.fixture(scope="module")

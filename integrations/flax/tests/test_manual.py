@@ -2,6 +2,7 @@
 reduce-scatters by construction, losses as one device."""
 
 import math
+import warnings
 
 import gpt
 import jax
@@ -11,6 +12,7 @@ from flax import nnx
 from flax_test_models import unsharded
 
 import substrax_flax as sf
+from substrax import ShardingWarning
 from substrax.hlo import traffic_by_kind
 from substrax.layout import Layout
 from substrax.mesh import DeviceMeshManager
@@ -45,7 +47,7 @@ def _run(name, shape, data_parallel):
     hlo = step.lower(model, optimizer, BATCHES[0]).compile().as_text()
     traffic = {k: v["bytes"] for k, v in traffic_by_kind(hlo, 8).items()}
     losses = [float(step(model, optimizer, b)["loss"]) for b in BATCHES]
-    assert step.data_parallel_for(model, optimizer) == (
+    assert step.data_parallel_for(model, optimizer, BATCHES[0]) == (
         "xla" if data_parallel == "xla" else "manual"
     )
     return traffic, losses, _split_bytes(model, layout.batch_axes), layout
@@ -117,16 +119,24 @@ class _Dropped(nnx.Module):
 
 @pytest.mark.parametrize(
     ("module", "obstacle"),
-    [(_Normed, r"batch statistics \(norm/mean"), (_Dropped, r"random numbers \(dropout/rngs")],
+    [(_Normed, r"batch statistics \(norm/mean"), (_Dropped, r"draws random numbers \(random_bits")],
 )
 def test_rows_coupled_across_devices_keep_xla_partitioning(module, obstacle):
     mesh = DeviceMeshManager.create_device_mesh({"data": 8})
     model = sf.create_sharded_model(lambda: module(nnx.Rngs(0)), mesh, layout="dp")
     optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(1e-3))
+    batch = np.ones((8, 4), np.float32)
     step = sf.make_train_step(lambda m, b: (m(b) ** 2).mean(), data_parallel="manual")
     with pytest.raises(ValueError, match=obstacle + ".*Use data_parallel='xla'"):
-        step(model, optimizer, np.ones((8, 4), np.float32))
-    assert sf.make_train_step(lambda m, b: 0.0).data_parallel_for(model, optimizer) == "xla"
+        step(model, optimizer, batch)
+    auto = sf.make_train_step(lambda m, b: (m(b) ** 2).mean())
+    draws = module is _Dropped  # batch statistics keep XLA's step silently: nothing is lost
+    with (
+        pytest.warns(ShardingWarning, match="draws random numbers")
+        if draws
+        else warnings.catch_warnings()
+    ):
+        assert auto.data_parallel_for(model, optimizer, batch) == "xla"
     with pytest.raises(ValueError, match=r"must be one of \('auto', 'manual', 'xla'\), got 'hand'"):
         sf.make_train_step(gpt.loss_fn, data_parallel="hand")
     assert jax.device_count() == 8

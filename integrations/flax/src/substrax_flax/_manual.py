@@ -9,11 +9,12 @@ parameters that are replicated over the batch axes. The loss is the mean of the 
 device holding as many rows.
 
 What changes against the XLA-partitioned step: code that couples rows across devices sees only
-its device's rows. Batch statistics and dropout masks (each device draws from the same stream)
-would then differ from one device's, so :func:`manual_obstacle` names them and the default
-(``data_parallel="auto"``) keeps such models on XLA's partitioning. A loss normalised by a count
-over the whole batch (a token-weighted mean) becomes the mean of the devices' means, as in
-PyTorch's DDP; it cannot be detected, so it is documented.
+its device's rows. Batch statistics would then differ from one device's, so
+:func:`manual_obstacle` names them and the default (``data_parallel="auto"``) keeps such models
+on XLA's partitioning; so does a loss whose trace draws random numbers (each device would draw
+from the same key, :mod:`substrax_flax._traced`), with a warning naming the cost. A loss
+normalised by a count over the whole batch (a token-weighted mean) becomes the mean of the
+devices' means, as in PyTorch's DDP; it cannot be detected, so it is documented.
 
 Parameters also sharded over tensor axes are gathered in a nested ``shard_map`` over those axes
 as well: XLA would otherwise replicate them over the tensor axes before the gather.
@@ -32,7 +33,7 @@ from jax.sharding import PartitionSpec
 
 from substrax.layout import Layout
 from substrax.mesh import MeshRules
-from substrax.spmd import MixedPrecision
+from substrax.spmd import MixedPrecision, is_replicated_leaf
 from substrax_flax._resolve import axes_entry, entry_axes, without_axes
 from substrax_flax._state import map_variables, values_by_path, variables
 
@@ -105,8 +106,9 @@ def manual_obstacle(
 ) -> str | None:
     """Why this model's step cannot be manual without changing its numbers, or None.
 
-    Batch statistics and dropout masks would be computed per device (each device's rows, the
-    same random stream), so they would differ from one device's; Explicit mesh axes let
+    Batch statistics would be computed per device (each device's rows), so they would differ
+    from one device's (random draws are found in the loss's trace instead, by
+    :mod:`substrax_flax._traced`); Explicit mesh axes let
     model code name the batch axes in its shardings, which a manual region forbids. XLA
     aborts on a region that leaves two or more mesh axes of size > 1 outside it (context or
     expert axes with tensor axes, found on CPU; the check is in XLA's partitioner). On CPU,
@@ -141,11 +143,6 @@ def manual_obstacle(
                 f"the model has batch statistics ({path}, an nnx.BatchStat), so the step "
                 "would not match one device's"
             )
-        if isinstance(variable, nnx.RngState):
-            return (
-                f"the model draws random numbers ({path}, an nnx.{type(variable).__name__}), "
-                "so the step would not match one device's"
-            )
     if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
         return "the mesh has Explicit axes (model code may name the batch axes in shardings)"
     return None
@@ -156,13 +153,24 @@ def check_manual(
     mesh: jax.sharding.Mesh,
     batch_axes: tuple[str, ...] = (),
     precision: MixedPrecision | None = None,
+    *,
+    draws: str | None = None,
 ) -> None:
-    """Raises if :func:`manual_obstacle` names one.
+    """Raises if :func:`manual_obstacle` names one, or the loss draws random numbers.
+
+    Args:
+      model: The model.
+      mesh: Its mesh.
+      batch_axes: The batch axes.
+      precision: The step's mixed-precision policy.
+      draws: What the traced loss draws random numbers with, or None.
 
     Raises:
       ValueError: Naming the obstacle and the alternative.
     """
-    obstacle = manual_obstacle(model, mesh, batch_axes, precision)
+    obstacle = manual_obstacle(model, mesh, batch_axes, precision) or (
+        draws and f"{draws}, so each device would draw the same numbers for different rows"
+    )
     if obstacle is not None:
         raise ValueError(
             f"data_parallel='manual' computes each device's loss on its own rows, but "
@@ -324,7 +332,7 @@ def manual_value_and_grad(
         device's rows and the gathered parameters.
       params: The differentiated state, stored sharded.
       rest_leaves: The other state's leaves (replicated over the batch axes).
-      batch: The batch, sharded over the batch axes.
+      batch: The batch, sharded over the batch axes (0-d leaves replicated).
       mesh: The mesh.
       batch_axes: The batch axes (made manual).
       movers: :func:`manual_movers` of ``params``.
@@ -359,10 +367,12 @@ def manual_value_and_grad(
         return (loss, extra), _state(template, grads_pure)
     specs = jax.tree.map(lambda m: m.spec, movers)
     grad_specs = jax.tree.map(lambda m: m.grad_spec, movers)
+    rows = PartitionSpec(axes_entry(batch_axes))
+    batch_specs = jax.tree.map(lambda x: PartitionSpec() if is_replicated_leaf(x) else rows, batch)
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(specs, PartitionSpec(), PartitionSpec(axes_entry(batch_axes))),
+        in_specs=(specs, PartitionSpec(), batch_specs),
         out_specs=((PartitionSpec(), PartitionSpec()), grad_specs),
         axis_names=set(batch_axes),
     )
@@ -384,13 +394,21 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes,
     or (``scatter_each``) scattered per slice and summed as shards.
     """
     gathered = jax.tree.map(lambda x, m: m.all_gather(x), pure, movers)
-    slices = jax.tree.map(lambda x: x.reshape(k, x.shape[0] // k, *x.shape[1:]), batch)
+    # 0-d leaves (a key, a step number) are the same for every slice: None in the scanned tree
+    leaves, treedef = jax.tree.flatten(batch)
+    kept = [x if is_replicated_leaf(x) else None for x in leaves]
+    slices = [None if is_replicated_leaf(x) else x.reshape(k, x.shape[0] // k, *x.shape[1:])
+              for x in leaves]  # fmt: skip
 
-    def one(gathered, rest_leaves, rows):
+    def one(gathered, rest_leaves, sliced):
+        rows = jax.tree.unflatten(
+            treedef, [a if b is None else b for a, b in zip(kept, sliced, strict=True)]
+        )
         loss, (aux, new_rest) = loss_of(_state(template, gathered), rest_leaves, rows)
         return loss, (aux, jax.tree.leaves(new_rest), new_rest)
 
-    shapes = jax.eval_shape(one, gathered, rest_leaves, jax.tree.map(lambda x: x[0], slices))
+    first = [None if x is None else x[0] for x in slices]
+    shapes = jax.eval_shape(one, gathered, rest_leaves, first)
     rest_def = jax.tree.structure(shapes[1][2])
 
     def scatter(grads):

@@ -114,7 +114,7 @@ class PipelineTrainStep(JittedStep):
         """Every top-level attribute of the model's state but the stack."""
         return nnx.State({k: v for k, v in state.items() if k != self.stack})
 
-    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer):
+    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
         stack, rest = self._parts(model)
         model_def = nnx.graphdef(model)
         layer_def = nnx.graphdef(getattr(model, self.stack))

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
@@ -21,9 +23,11 @@ from substrax.spmd import (
     as_precision,
     check_batch,
     checkpoint_policy,
+    is_replicated_leaf,
     shard_batch,
     use_rules,
 )
+from substrax_flax._cache import ProgramKey, StepCache
 from substrax_flax._manual import (
     check_manual,
     manual_movers,
@@ -35,8 +39,9 @@ from substrax_flax._nonfinite import Guard, NonFinite, all_finite, check_policy
 from substrax_flax._optimizer import check_owner, optimizer_rows
 from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, plan_of, shardings_of
 from substrax_flax._remat import Marked, use_remat
-from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules
+from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules, entry_axes
 from substrax_flax._state import constrain_state, shape_and_dtype, variables
+from substrax_flax._traced import Traced, trace
 
 __all__ = ["Built", "JittedStep", "TrainStep", "make_train_step", "optimizer_shardings"]
 
@@ -106,31 +111,37 @@ class JittedStep:
     """
 
     def __init__(self, on_nonfinite: NonFinite = "skip") -> None:
-        self._compiled: dict[Any, Built] = {}
+        self._compiled = StepCache()
         self._guard = Guard(on_nonfinite)
 
-    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Built:
+    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Built:
         raise NotImplementedError
 
-    def _built(self, model: nnx.Module, optimizer: nnx.Optimizer) -> Built:
-        key = (nnx.graphdef(model), nnx.graphdef(optimizer))
-        if key not in self._compiled:
-            self._compiled[key] = self._build(model, optimizer)
-        return self._compiled[key]
+    def _built(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Built:
+        """The compiled step for these arguments' program (see :mod:`substrax_flax._cache`)."""
+        check_batch(batch)  # before its leaves are read for the key
+        key = ProgramKey.of(model, optimizer, batch)
+        built = self._compiled.get(key)
+        if built is None:
+            built = self._build(model, optimizer, batch)
+            self._compiled.put(key, built)
+        return built
 
-    def _with_built(self, model: nnx.Module, optimizer: nnx.Optimizer, use: Callable) -> Any:
+    def _with_built(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, use: Callable
+    ) -> Any:
         """``use(built)``; once more with the fallback if tracing met a manual-axis error.
 
         A failed trace runs nothing, so the donated buffers are still intact for the retry.
         """
-        built = self._built(model, optimizer)
+        built = self._built(model, optimizer, batch)
         try:
             return use(built)
         except ValueError as error:
             if built.fallback is None or "Manual" not in str(error):
                 raise
             fallback = built.fallback(error)
-        self._compiled[(nnx.graphdef(model), nnx.graphdef(optimizer))] = fallback
+        self._compiled.put(ProgramKey.of(model, optimizer, batch), fallback)
         return use(fallback)
 
     @staticmethod
@@ -172,7 +183,7 @@ class JittedStep:
                     nnx.state(model), nnx.state(optimizer), self._batch(batch, built)
                 )
 
-        model_state, opt_state, metrics = self._with_built(model, optimizer, run)
+        model_state, opt_state, metrics = self._with_built(model, optimizer, batch, run)
         nnx.update(model, model_state)
         nnx.update(optimizer, opt_state)
         self._guard.after(metrics)
@@ -197,7 +208,7 @@ class JittedStep:
                     nnx.state(model), nnx.state(optimizer), self._batch(batch, built)
                 )
 
-        return self._with_built(model, optimizer, lower)
+        return self._with_built(model, optimizer, batch, lower)
 
 
 class TrainStep(JittedStep):
@@ -335,7 +346,9 @@ class TrainStep(JittedStep):
 
         return step
 
-    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer, mode: str | None = None) -> Built:
+    def _build(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mode: str | None = None
+    ) -> Built:
         check_owner(optimizer, model, "The train step")
         plan = model_plan(
             model, self.mesh, self.rules, self.strategy, self.layout, what="make_train_step"
@@ -357,11 +370,14 @@ class TrainStep(JittedStep):
         experts = plan.layout.expert_axes if plan.layout is not None else ()
         split = tuple(a for a in data_axes if dict(plan.mesh.shape)[a] > 1 and a not in experts)
         # One replica: nothing to split; accumulation still runs slice by slice, region-less.
-        mode = mode or (self._mode(model, plan.mesh, split) if split else "xla")
-        if not split and self.microbatches > 1:
-            check_manual(model, plan.mesh)  # batch statistics, dropout: per slice, not per batch
-            mode = "manual"
+        traced = functools.cache(
+            functools.partial(self._trace, model, plan, batch, compute_sh, rules)
+        )
+        if mode is None:
+            mode = self._mode(model, plan, split, traced)
+        _check_experts(plan, traced)
         if mode == "manual":
+            _check_microbatches(batch, plan.mesh, split, self.microbatches)
             rows = {row.path: row for row in plan.rows}
             movers = manual_movers(nnx.state(model, self.wrt), rows, split, compute_sh,
                                    self.precision, plan.layout)  # fmt: skip
@@ -379,11 +395,13 @@ class TrainStep(JittedStep):
         )
         fallback = None
         if mode == "manual" and self.data_parallel == "auto":
-            fallback = functools.partial(self._fall_back, model, optimizer)
+            fallback = functools.partial(self._fall_back, model, optimizer, batch)
         seq_axes = plan.layout.context_axes if plan.layout is not None else ()
         return Built(jitted, plan.mesh, tuple(data_axes), mode, fallback, seq_axes)
 
-    def _fall_back(self, model: nnx.Module, optimizer: nnx.Optimizer, error: Exception) -> Built:
+    def _fall_back(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, error: Exception
+    ) -> Built:
         """The XLA-partitioned step, with a warning naming why the manual one could not be."""
         first = str(error).split("\n")[0].split(" and mesh=")[0]
         warn_user(
@@ -394,36 +412,147 @@ class TrainStep(JittedStep):
             "names to get the manual step, or pass data_parallel='xla' to silence this.",
             ShardingWarning,
         )
-        return self._build(model, optimizer, "xla")
+        return self._build(model, optimizer, batch, "xla")
 
-    def _mode(self, model: nnx.Module, mesh: jax.sharding.Mesh, batch_axes: tuple) -> str:
+    def _mode(
+        self, model: nnx.Module, plan: ModelPlan, split: tuple[str, ...], traced: Callable
+    ) -> str:
         """``"manual"`` or ``"xla"``: ``data_parallel`` as asked, or as chosen for ``"auto"``.
+
+        With no batch axis to split, the step is XLA's unless it accumulates microbatches
+        (which then run slice by slice, without a region).
+
+        Args:
+          model: The model.
+          plan: Its plan.
+          split: The batch axes of size > 1 the manual region would span.
+          traced: ``traced()`` is the loss's :class:`~substrax_flax._traced.Traced`.
 
         Raises:
           ValueError: If ``"manual"`` (or ``microbatches`` above 1) was asked where
-            :func:`~substrax_flax._manual.manual_obstacle` names an obstacle.
+            :func:`~substrax_flax._manual.manual_obstacle` names an obstacle, or the loss
+            draws random numbers.
         """
-        context = (model, mesh, batch_axes, self.precision)
-        if self.data_parallel == "manual" or (
-            self.data_parallel == "auto" and self.microbatches > 1
-        ):
-            check_manual(*context)
+        asked = self.data_parallel == "manual" or self.microbatches > 1
+        if self.data_parallel == "xla" or not (split or asked):
+            return "xla"
+        context = (model, plan.mesh, split, self.precision)
+        draws = traced().random_draws
+        drawn = draws and f"the loss draws random numbers ({', '.join(draws)} in its trace)"
+        if asked:
+            check_manual(*context, draws=drawn or None)
             return "manual"
-        if self.data_parallel == "xla" or manual_obstacle(*context) is not None:
+        if manual_obstacle(*context) is not None:
+            return "xla"
+        if drawn:
+            warn_user(
+                f"make_train_step(data_parallel='auto'): {drawn}, so each device would draw "
+                "the same numbers for different rows in the manual data-parallel step; this "
+                "step runs XLA's partitioning of the whole batch (it equals one device), "
+                "which all-reduces the gradients instead of reduce-scattering them: "
+                f"{_megabytes(_all_reduce_extra(plan, split, self.wrt, model))} more per "
+                "device per step. Pass data_parallel='xla' to silence this.",
+                ShardingWarning,
+            )
             return "xla"
         return "manual"
 
-    def data_parallel_for(self, model: nnx.Module, optimizer: nnx.Optimizer) -> str:
+    def _trace(
+        self, model: nnx.Module, plan: ModelPlan, batch: Any, compute: Any, rules: MeshRules
+    ) -> Traced:
+        """The loss traced (not run) as the XLA step differentiates it, on the global batch."""
+        _, params, rest = nnx.split(model, self.wrt, ...)
+        rest_leaves, rest_def = jax.tree.flatten(rest)
+        loss_of = self._loss_fn(nnx.graphdef(model), compute, rest_def)
+        processes = len({d.process_index for d in plan.mesh.devices.flat})
+        abstract = jax.tree.map(functools.partial(_global_leaf, processes), batch)
+        with use_rules(plan.mesh, rules), jax.set_mesh(plan.mesh), nnx.use_eager_sharding(False):
+            return trace(loss_of, params, rest_leaves, abstract)
+
+    def data_parallel_for(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> str:
         """How this step splits the batch for ``model``: ``"manual"`` or ``"xla"``.
+
+        Decided before anything runs (the loss is traced, not run, to see whether it draws
+        random numbers), and the compiled step then uses it.
 
         Args:
           model: The model.
           optimizer: Its optimizer.
+          batch: A batch as passed to the step (its shapes are what matters).
 
         Returns:
           The mode ``data_parallel="auto"`` chose (or the one asked for).
         """
-        return self._built(model, optimizer).data_parallel
+        return self._built(model, optimizer, batch).data_parallel
+
+
+def _check_microbatches(batch: Any, mesh: Any, split: tuple[str, ...], k: int) -> None:
+    """Raises unless each device's rows split into ``k`` equal microbatches."""
+    leaf = next(x for x in jax.tree.leaves(batch) if not is_replicated_leaf(x))
+    rows = _global_leaf(jax.process_count(), leaf).shape[0]
+    replicas = math.prod(dict(mesh.shape)[a] for a in split)
+    if k > 1 and (rows // max(replicas, 1)) % k:
+        raise ValueError(
+            f"microbatches={k} slices each device's rows, but the batch's {rows} rows over "
+            f"{replicas} data-parallel replicas ({split}) give {rows // replicas} per device; "
+            f"pass a batch of a multiple of {replicas * k} rows or a microbatches that divides "
+            f"{rows // replicas}."
+        )
+
+
+def _global_leaf(processes: int, leaf: Any) -> jax.ShapeDtypeStruct:
+    """A batch leaf's global shape and dtype: host rows are this process's slice."""
+    shape = tuple(np.shape(leaf))
+    if shape and not isinstance(leaf, jax.Array):
+        shape = (shape[0] * processes, *shape[1:])
+    return jax.ShapeDtypeStruct(shape, leaf.dtype)
+
+
+def _all_reduce_extra(plan: ModelPlan, split: tuple[str, ...], wrt: Any, model: nnx.Module) -> int:
+    """Bytes per device an all-reduced step moves beyond a reduce-scattered one.
+
+    A gradient sharded over ``n`` devices of ``split`` is reduce-scattered in
+    ``(n - 1) x shard`` bytes and all-reduced in twice that.
+    """
+    sizes = dict(plan.mesh.shape)
+    paths = {path for path, _ in variables(nnx.state(model, wrt))}
+    extra = 0
+    for row in plan.rows:
+        axes = {a for entry in row.spec for a in entry_axes(entry)} & set(split)
+        if row.path in paths and axes:
+            extra += row.bytes_per_device * (math.prod(sizes[a] for a in axes) - 1)
+    return extra
+
+
+def _check_experts(plan: ModelPlan, traced: Callable[[], Traced]) -> None:
+    """Warns when expert weights are sharded over expert axes but computed gathered.
+
+    Only code that sends tokens to their experts (``all_to_all``, as
+    :func:`substrax.spmd.experts` does) computes an expert where it is stored; a model with
+    its own expert einsums has XLA gather the weights over the expert axes every step.
+    """
+    layout = plan.layout
+    sizes = dict(plan.mesh.shape)
+    axes = tuple(a for a in (layout.expert_axes if layout is not None else ()) if sizes[a] > 1)
+    rows = [r for r in plan.rows if set(axes) & {a for e in r.spec for a in entry_axes(e)}]
+    if not rows or traced().dispatches_tokens:
+        return
+    degree = math.prod(sizes[a] for a in axes)
+    moved = 2 * sum(row.bytes_per_device * (degree - 1) for row in rows)
+    names = ", ".join(row.path for row in rows[:4]) + (", ..." if len(rows) > 4 else "")
+    warn_user(
+        f"The layout shards expert weights ({names}) over the expert axes {axes}, but the loss "
+        "never sends tokens to their experts (no all_to_all in its trace): XLA gathers the "
+        f"weights to compute them and reduces their gradients back, about "
+        f"{_megabytes(moved)} per device per step that an expert-parallel step does not move. "
+        "Compute the experts with substrax.spmd.experts (or substrax_flax.MixtureOfExperts), "
+        "see docs/experts.md, or use a layout without expert axes.",
+        ShardingWarning,
+    )
+
+
+def _megabytes(count: int) -> str:
+    return f"{count / 2**20:.1f} MiB"
 
 
 def _check_marked(marked: Marked) -> None:
