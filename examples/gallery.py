@@ -229,3 +229,210 @@ GALLERY = {
     "flax-guide": Entry(lambda: GuideStack(nnx.Rngs(0)), needs_mesh=True),
     "tied": Entry(lambda: Tied(nnx.Rngs(0))),
 }
+
+
+# Published models: what others' code keeps on its modules and passes to its loss. Each
+# builds and trains under nnx.jit; none knows about substrax.
+def _mlp_head(config, rngs):
+    embed = nnx.Embed(config.vocab, config.width, rngs=rngs)
+    return embed, nnx.Linear(config.width, config.vocab, rngs=rngs)
+
+
+# (i) A plain (mutable, so unhashable) dataclass config kept on the module.
+@dataclasses.dataclass
+class MLPConfig:
+    vocab: int = V
+    width: int = D
+    hidden: int = F
+    activation: str = "gelu"
+
+
+# (j) The same config with slots=True (no __dict__, no hash).
+@dataclasses.dataclass(slots=True)
+class SlotsConfig:
+    vocab: int = V
+    width: int = D
+    hidden: int = F
+    activation: str = "silu"
+
+
+class ConfigMLP(nnx.Module):
+    def __init__(self, config, rngs: nnx.Rngs):
+        self.config = config
+        self.embed, self.head = _mlp_head(config, rngs)
+        self.up = nnx.Linear(config.width, config.hidden, rngs=rngs)
+        self.down = nnx.Linear(config.hidden, config.width, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        act = getattr(jax.nn, self.config.activation)
+        return self.head(x + self.down(act(self.up(x))))
+
+
+# (k) A frozen config holding a list of block configs (a list inside: no hash).
+@dataclasses.dataclass(frozen=True)
+class BlockConfig:
+    hidden: int
+    residual: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class StackConfig:
+    blocks: list
+    vocab: int = V
+    width: int = D
+
+
+class ConfigBlock(nnx.Module):
+    def __init__(self, width, config: BlockConfig, rngs: nnx.Rngs):
+        self.config = config
+        self.up = nnx.Linear(width, config.hidden, rngs=rngs)
+        self.down = nnx.Linear(config.hidden, width, rngs=rngs)
+
+    def __call__(self, x):
+        y = self.down(jax.nn.gelu(self.up(x)))
+        return x + y if self.config.residual else y
+
+
+class ConfigStack(nnx.Module):
+    def __init__(self, config: StackConfig, rngs: nnx.Rngs):
+        self.config = config
+        self.embed, self.head = _mlp_head(config, rngs)
+        self.blocks = nnx.List([ConfigBlock(config.width, c, rngs) for c in config.blocks])
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+# (l) List and set attributes: layer widths and the indices of residual blocks.
+class Tagged(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.widths = [D, F, F, D]
+        self.residual = {1}
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        pairs = zip(self.widths[:-1], self.widths[1:], strict=True)
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in pairs])
+        self.head = nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, ids):
+        x = self.embed(ids)
+        h = x
+        for i, layer in enumerate(self.layers):
+            h = jax.nn.gelu(layer(h)) + (h if i in self.residual else 0)
+        return self.head(x + h)
+
+
+# (m, n) Stochastic depth (drop-path) with masks drawn from a plain jax key: passed in the
+# batch, or held by the loss. One keep/drop decision per row.
+class DropPath(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, rate: float = 0.25):
+        self.rate = rate
+        self.embed = nnx.Embed(V, D, rngs=rngs)
+        self.up = nnx.Linear(D, F, rngs=rngs)
+        self.down = nnx.Linear(F, D, rngs=rngs)
+        self.head = nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, ids, key=None):
+        x = self.embed(ids)
+        h = self.down(jax.nn.gelu(self.up(x)))
+        if key is not None:
+            keep = jax.random.bernoulli(key, 1 - self.rate, (x.shape[0], 1, 1))
+            h = jnp.where(keep, h / (1 - self.rate), 0.0)
+        return self.head(x + h)
+
+
+def keyed_loss(model, batch):
+    ids = batch["tokens"]
+    logits = model(ids[:, :-1], key=batch["key"])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+
+def keyed_tokens(seed):
+    """Tokens and a typed key (0-d: replicated to every device, not split into rows)."""
+    return {"tokens": tokens(seed), "key": jax.random.key(seed)}
+
+
+class HeldKeyLoss:
+    """A loss that closes over its own key (made once, on first use)."""
+
+    def __init__(self, seed: int):
+        self.seed, self.key = seed, None
+
+    def __call__(self, model, batch):
+        if self.key is None:  # a concrete key, even when first called under a trace
+            with jax.ensure_compile_time_eval():
+                self.key = jax.random.key(self.seed)
+        logits = model(batch[:, :-1], key=self.key)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+# (o) Mesh-axis specs of its own, written for a mesh with a "tp" axis: on a mesh without one,
+# the user maps it with rules=[("tp", None)].
+class OwnSpecs(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        def param(shape, spec, init=LECUN):
+            return nnx.Param(init(rngs.params(), shape), out_sharding=spec)
+
+        self.embed = param((V, D), P("tp", "data"), nnx.initializers.normal(1.0))
+        self.up = param((D, F), P("data", "tp"))
+        self.down = param((F, D), P("tp", "data"))
+        self.head = param((D, V), P("data", "tp"))
+
+    def __call__(self, ids):
+        x = jnp.take(self.embed[...], ids, axis=0)
+        x = x + jax.nn.gelu(x @ self.up[...]) @ self.down[...]
+        return x @ self.head[...]
+
+
+# (p) The Flax guide's Explicit style: the spec lives in the array's type (initializers
+# called with out_sharding= under an Explicit mesh) and in einsum/dot outputs; no metadata.
+class ExplicitGuide(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        init = nnx.initializers.lecun_normal()
+        self.embed = nnx.Param(
+            nnx.initializers.normal(1.0)(rngs.params(), (V, D), out_sharding=P(None, "model"))
+        )
+        self.w1 = nnx.Param(init(rngs.params(), (D, F), out_sharding=P(None, "model")))
+        self.w2 = nnx.Param(init(rngs.params(), (F, D), out_sharding=P("model", None)))
+        self.head = nnx.Param(init(rngs.params(), (D, V), out_sharding=P(None, "model")))
+
+    def __call__(self, ids):
+        x = self.embed[...].at[ids].get(out_sharding=P("data", None, None))
+        h = jax.nn.relu(
+            jnp.einsum("btd,df->btf", x, self.w1[...], out_sharding=P("data", None, "model"))
+        )
+        x = x + jnp.einsum("btf,fd->btd", h, self.w2[...], out_sharding=P("data", None, None))
+        return jnp.einsum("btd,dv->btv", x, self.head[...], out_sharding=P("data", None, None))
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    """A published-style model: its factory, loss, batches, and what its user passes."""
+
+    factory: Callable[[], nnx.Module]
+    loss: Callable = token_loss
+    batch: Callable = tokens
+    rules: tuple | None = None  # the rules its user passes with the layout
+    explicit: bool = False  # it runs on a mesh with Explicit axes only
+    layout: str = "fsdp"  # the layout its mesh is meant for
+
+
+PUBLISHED = {
+    "dataclass-config": Published(lambda: ConfigMLP(MLPConfig(), nnx.Rngs(0))),
+    "slots-config": Published(lambda: ConfigMLP(SlotsConfig(), nnx.Rngs(0))),
+    "block-configs": Published(
+        lambda: ConfigStack(
+            StackConfig([BlockConfig(F), BlockConfig(2 * F, residual=False)]), nnx.Rngs(0)
+        )
+    ),
+    "list-set-attributes": Published(lambda: Tagged(nnx.Rngs(0))),
+    "drop-path-batch-key": Published(lambda: DropPath(nnx.Rngs(0)), keyed_loss, keyed_tokens),
+    "drop-path-held-key": Published(lambda: DropPath(nnx.Rngs(0)), HeldKeyLoss(7)),
+    "own-specs": Published(lambda: OwnSpecs(nnx.Rngs(0)), rules=(("tp", None),)),
+    "explicit-guide": Published(
+        lambda: ExplicitGuide(nnx.Rngs(0)), explicit=True, layout="fsdp+tp"
+    ),
+}

@@ -15,7 +15,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from gallery import FLAX_PAIRS, GALLERY, DropoutMLP, ShortNames, token_loss, tokens
+from gallery import (
+    FLAX_PAIRS,
+    GALLERY,
+    PUBLISHED,
+    DropoutMLP,
+    ShortNames,
+    token_loss,
+    tokens,
+)
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
@@ -67,7 +75,9 @@ def _train(name, layout):
         model = sf.create_sharded_model(entry.factory, layout=layout)
     optimizer = sf.create_sharded_optimizer(model, _tx())
     step = sf.make_train_step(entry.loss)
-    manual_fails = entry.needs_mesh and step.data_parallel_for(model, optimizer) == "manual"
+    manual_fails = (
+        entry.needs_mesh and step.data_parallel_for(model, optimizer, entry.batch(0)) == "manual"
+    )
     with (
         pytest.warns(ShardingWarning, match="names the batch axes")
         if manual_fails
@@ -148,7 +158,8 @@ def test_dropout_trains_at_half_rate():
                                     mesh=DeviceMeshManager.create_device_mesh(MESH))  # fmt: skip
     optimizer = sf.create_sharded_optimizer(model, _tx())
     step = sf.make_train_step(token_loss)
-    first = float(step(model, optimizer, tokens(0))["loss"])
+    with pytest.warns(ShardingWarning, match=r"draws random numbers \(random_bits"):
+        first = float(step(model, optimizer, tokens(0))["loss"])  # on XLA's path, said so
     count = int(model.drop.rngs.count[...])
     later = [float(step(model, optimizer, tokens(0))["loss"]) for _ in range(5)]
     assert int(model.drop.rngs.count[...]) == count + 5  # one draw per step, carried
@@ -164,3 +175,44 @@ def test_short_annotations_and_flax_pairs_with_batch():
     optimizer = sf.create_sharded_optimizer(model, _tx())
     metrics = sf.make_train_step(token_loss)(model, optimizer, tokens(0))  # batch axes: 'batch'
     np.testing.assert_allclose(float(metrics["loss"]), reference("short-names")[0][0], rtol=1e-5)
+
+
+def _published_reference(entry):
+    """Losses of a plain nnx/optax run on one device (Explicit axes where the model needs them)."""
+    types = (AxisType.Explicit,) * 2 if entry.explicit else None
+    mesh = DeviceMeshManager.create_device_mesh({"data": 1, "model": 1}, jax.devices()[:1],
+                                                axis_types=types)  # fmt: skip
+    with nnx.use_eager_sharding(False), jax.set_mesh(mesh):
+        model = entry.factory()
+        optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer, batch):
+            loss, grads = nnx.value_and_grad(entry.loss)(model, batch)
+            optimizer.update(model, grads)
+            return loss
+
+        return [float(step(model, optimizer, entry.batch(i))) for i in range(STEPS)]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_model_trains_like_one_device(name):
+    """Configs, lists, sets, keys in the batch or the loss, own specs, Explicit-style types."""
+    entry = PUBLISHED[name]
+    types = (AxisType.Explicit,) * 2 if entry.explicit else None
+    mesh = DeviceMeshManager.create_device_mesh(MESH, axis_types=types)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ShardingWarning)  # tiny widths: some do not divide
+        model = sf.create_sharded_model(entry.factory, mesh, entry.rules, layout=entry.layout)
+    optimizer = sf.create_sharded_optimizer(model, _tx())
+    step = sf.make_train_step(entry.loss)
+    draws = name.startswith("drop-path")
+    with (
+        pytest.warns(ShardingWarning, match="draws random numbers")
+        if draws
+        else warnings.catch_warnings()
+    ):  # a key shared by every device's rows: XLA's step, which equals one device, and says so
+        mode = step.data_parallel_for(model, optimizer, entry.batch(0))
+    assert mode == ("xla" if draws or entry.explicit else "manual")
+    losses = [float(step(model, optimizer, entry.batch(i))["loss"]) for i in range(STEPS)]
+    np.testing.assert_allclose(losses, _published_reference(entry), rtol=1e-5)
