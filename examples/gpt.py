@@ -36,6 +36,8 @@ class Config:
     moe_experts: int = 0
     #: Expert slots relative to an even load (None: no token dropped).
     capacity_factor: float | None = 1.25
+    #: Dropout rate after attention and after the MLP of each block (0: no dropout layers).
+    dropout: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -69,6 +71,12 @@ class Block(nnx.Module):
         else:
             self.up = _param(rngs, (d, m), ("embed", "mlp"))
             self.down = _param(rngs, (m, d), ("mlp", "embed"))
+        if config.dropout:
+            self.attn_drop = nnx.Dropout(config.dropout, rngs=rngs)
+            self.mlp_drop = nnx.Dropout(config.dropout, rngs=rngs)
+
+    def _drop(self, name, x):
+        return getattr(self, name)(x) if hasattr(self, name) else x
 
     def __call__(self, x):
         return self.forward(x)[0]
@@ -82,15 +90,15 @@ class Block(nnx.Module):
         k = constrain(jnp.einsum("bte,ehk->bthk", h, self.wk[...]), *names)
         v = constrain(jnp.einsum("bte,ehk->bthk", h, self.wv[...]), *names)
         attended = attention(q, k, v, causal=True)
-        x = constrain(
-            x + jnp.einsum("bthk,hke->bte", attended, self.wo[...]), "data", "seq", "embed"
-        )
+        out = self._drop("attn_drop", jnp.einsum("bthk,hke->bte", attended, self.wo[...]))
+        x = constrain(x + out, "data", "seq", "embed")
         h = _rms_norm(x, self.mlp_norm[...])
         if hasattr(self, "moe"):
             out, stats = self.moe(h)
             return constrain(x + out, "data", "seq", "embed"), stats.aux_loss
         h = constrain(jax.nn.gelu(h @ self.up[...]), "data", "seq", "mlp")
-        return constrain(x + h @ self.down[...], "data", "seq", "embed"), jnp.zeros(())
+        out = self._drop("mlp_drop", h @ self.down[...])
+        return constrain(x + out, "data", "seq", "embed"), jnp.zeros(())
 
 
 class GPT(nnx.Module):

@@ -117,10 +117,29 @@ class _Dropped(nnx.Module):
         return self.dropout(self.dense(x))
 
 
+class _Noised(nnx.Module):
+    """Noise from a key the module holds as a constant, not an nnx.Rngs stream."""
+
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense(x) + jax.random.normal(jax.random.key(0), x.shape)
+
+
+def test_dropout_from_an_rngs_stream_stays_on_the_manual_step():
+    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    model = sf.create_sharded_model(lambda: _Dropped(nnx.Rngs(0)), mesh, layout="dp")
+    optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(1e-3))
+    step = sf.make_train_step(lambda m, b: (m(b) ** 2).mean())
+    assert step.data_parallel_for(model, optimizer, np.ones((8, 4), np.float32)) == "manual"
+
+
 @pytest.mark.parametrize(
     ("module", "obstacle"),
-    [(_Normed, r"batch statistics \(norm/mean"), (_Dropped, r"draws random numbers \(random_bits")],
-)
+    [(_Normed, r"batch statistics \(norm/mean"),
+     (_Noised, r"draws random numbers from a key that is not an nnx.Rngs stream \(random_bits")],
+)  # fmt: skip
 def test_rows_coupled_across_devices_keep_xla_partitioning(module, obstacle):
     mesh = DeviceMeshManager.create_device_mesh({"data": 8})
     model = sf.create_sharded_model(lambda: module(nnx.Rngs(0)), mesh, layout="dp")
@@ -130,7 +149,7 @@ def test_rows_coupled_across_devices_keep_xla_partitioning(module, obstacle):
     with pytest.raises(ValueError, match=obstacle + ".*Use data_parallel='xla'"):
         step(model, optimizer, batch)
     auto = sf.make_train_step(lambda m, b: (m(b) ** 2).mean())
-    draws = module is _Dropped  # batch statistics keep XLA's step silently: nothing is lost
+    draws = module is _Noised  # batch statistics keep XLA's step silently: nothing is lost
     with (
         pytest.warns(ShardingWarning, match="draws random numbers")
         if draws

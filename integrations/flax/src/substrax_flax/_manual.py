@@ -11,8 +11,10 @@ device holding as many rows.
 What changes against the XLA-partitioned step: code that couples rows across devices sees only
 its device's rows. Batch statistics would then differ from one device's, so
 :func:`manual_obstacle` names them and the default (``data_parallel="auto"``) keeps such models
-on XLA's partitioning; so does a loss whose trace draws random numbers (each device would draw
-from the same key, :mod:`substrax_flax._traced`), with a warning naming the cost. A loss
+on XLA's partitioning; so does a loss whose trace draws random numbers from a key that is not
+an ``nnx.Rngs`` stream (each device would draw from the same key, :mod:`substrax_flax._traced`),
+with a warning naming the cost. Draws from the model's streams run per device: each device's
+keys are folded with its position (:func:`per_device_streams`). A loss
 normalised by a count over the whole batch (a token-weighted mean) becomes the mean of the
 devices' means, as in PyTorch's DDP; it cannot be detected, so it is documented.
 
@@ -36,6 +38,7 @@ from substrax.mesh import MeshRules
 from substrax.spmd import MixedPrecision, is_replicated_leaf
 from substrax_flax._resolve import axes_entry, entry_axes, without_axes
 from substrax_flax._state import map_variables, values_by_path, variables
+from substrax_flax._traced import is_key
 
 __all__ = [
     "check_manual",
@@ -347,7 +350,8 @@ def manual_value_and_grad(
       floating-point aux averaged over the devices.
     """
     template = params
-
+    if batch_axes:
+        loss_of = per_device_streams(loss_of, batch_axes)
     explicit = microbatches > 1 or not all(m.custom_gradient for m in jax.tree.leaves(movers))
 
     def local(pure, rest_leaves, batch):
@@ -378,6 +382,41 @@ def manual_value_and_grad(
     )
     (loss, extra), grads_pure = mapped(nnx.to_pure_dict(params), rest_leaves, batch)
     return (loss, extra), _state(template, grads_pure)
+
+
+def per_device_streams(loss_of: Callable, batch_axes: tuple[str, ...]) -> Callable:
+    """``loss_of`` drawing each device's random numbers from its own streams.
+
+    Every typed key among the other state's leaves (an ``nnx.Rngs`` stream's key) enters the
+    loss folded with the device's linear position over ``batch_axes``
+    (``jax.random.fold_in(key, axis_index)``), so dropout masks differ across devices and
+    repeat for a given seed and layout, as in other data-parallel frameworks; the stored keys
+    come back unchanged (the counts advance as on one device). Inside a manual region only.
+
+    Args:
+      loss_of: ``loss_of(params, rest_leaves, batch) -> (loss, (aux, new_rest))``.
+      batch_axes: The manual batch axes.
+
+    Returns:
+      The wrapped ``loss_of``.
+    """
+
+    def folded(params, rest_leaves, batch):
+        keys = [is_key(x) for x in rest_leaves]
+        if not any(keys):
+            return loss_of(params, rest_leaves, batch)
+        index = jax.lax.axis_index(batch_axes)
+        pairs = zip(rest_leaves, keys, strict=True)
+        leaves = [jax.random.fold_in(x, index) if k else x for x, k in pairs]
+        loss, (aux, new_rest) = loss_of(params, leaves, batch)
+        new_leaves, new_def = jax.tree.flatten(new_rest)
+        if len(new_leaves) == len(keys):  # the state kept its structure: restore the keys
+            triples = zip(new_leaves, rest_leaves, keys, strict=True)
+            new_leaves = [x if k else n for n, x, k in triples]
+            new_rest = jax.tree.unflatten(new_def, new_leaves)
+        return loss, (aux, new_rest)
+
+    return folded
 
 
 def _state(template: Any, pure: Any) -> Any:

@@ -2,10 +2,12 @@
 
 The step traces the loss once (nothing runs) and looks at its primitives:
 
-* Random draws. The manual data-parallel step runs each device's rows with the same key: a key
-  in an ``nnx.Rngs`` stream, passed in the batch or closed over by the loss would give every
-  device the same numbers for different rows, where one device (and XLA's partitioning of the
-  whole batch) draws one per row. Any primitive of :data:`RANDOM_PRIMITIVES` draws bits.
+* Random draws. The manual data-parallel step runs each device's rows on its own: a key passed
+  in the batch or closed over by the loss would give every device the same numbers for
+  different rows, where one device (and XLA's partitioning of the whole batch) draws one per
+  row. Any primitive of :data:`RANDOM_PRIMITIVES` draws bits. Draws whose key derives from a
+  model's ``nnx.Rngs`` stream are told apart (the *stream* keys, followed through the jaxpr):
+  the manual step folds each device's position into those keys, so they draw per device.
 * Expert dispatch. An expert-parallel layout shards expert weights over its expert axes; only
   code that sends the tokens to their experts (``all_to_all``, as
   :func:`substrax.spmd.experts` does) computes them there. Without it, XLA gathers the
@@ -19,7 +21,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["RANDOM_PRIMITIVES", "Traced", "trace"]
+__all__ = ["RANDOM_PRIMITIVES", "Traced", "is_key", "trace"]
 
 #: Primitives that draw random bits: typed-key draws (``random_bits``, what every
 #: ``jax.random`` sampler lowers to), the raw threefry hash, and XLA's generators.
@@ -45,15 +47,65 @@ def _primitives(jaxpr: Any) -> Iterator[str]:
                 yield from _primitives(sub)
 
 
+def _sub_inputs(eqn: Any, sub: Any, index: int, marked: list[bool]) -> list[bool]:
+    """Which of ``sub``'s inputs carry a stream key, from the equation's (``marked``).
+
+    Where the correspondence is not known for sure, none does: a draw is then counted as
+    foreign, which keeps the exact path (never the reverse).
+    """
+    n = len(sub.invars)
+    if eqn.primitive.name == "while":
+        cond, body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        inputs = marked[:cond] + marked[cond + body :] if index == 0 else marked[cond:]
+    elif eqn.primitive.name == "cond":
+        inputs = marked[1:]
+    else:
+        inputs = marked
+    return inputs if len(inputs) == n else [False] * n
+
+
+def _foreign(jaxpr: Any, marked: list[bool]) -> tuple[list[str], list[bool]]:
+    """The random draws of ``jaxpr`` whose key is not a stream key, and its outputs' marks.
+
+    Args:
+      jaxpr: A jaxpr.
+      marked: For each input, whether it carries a stream key.
+
+    Returns:
+      The foreign draws' primitive names, and for each output whether it carries one.
+    """
+    keyed = {v for v, m in zip(jaxpr.invars, marked, strict=True) if m}
+
+    def carries(v: Any) -> bool:
+        return not hasattr(v, "val") and v in keyed  # literals carry nothing
+
+    found: list[str] = []
+    for eqn in jaxpr.eqns:
+        ins = [carries(v) for v in eqn.invars]
+        subs = [sub for value in eqn.params.values() for sub in _sub_jaxprs(value)]
+        if eqn.primitive.name in RANDOM_PRIMITIVES and not any(ins):
+            found.append(eqn.primitive.name)
+        outs = [any(ins)] * len(eqn.outvars) if not subs else [False] * len(eqn.outvars)
+        for index, sub in enumerate(subs):
+            draws, sub_outs = _foreign(sub, _sub_inputs(eqn, sub, index, ins))
+            found += draws
+            if len(sub_outs) == len(outs):
+                outs = [a or b for a, b in zip(outs, sub_outs, strict=True)]
+        keyed.update(v for v, m in zip(eqn.outvars, outs, strict=True) if m)
+    return found, [carries(v) for v in jaxpr.outvars]
+
+
 class Traced:
     """The primitives of one trace, nested jaxprs included.
 
     Args:
       primitives: Their names.
+      foreign_draws: The random-drawing primitives whose key is not a stream key.
     """
 
-    def __init__(self, primitives: frozenset[str]):
+    def __init__(self, primitives: frozenset[str], foreign_draws: tuple[str, ...] = ()):
         self.primitives = primitives
+        self.foreign_draws = tuple(sorted(set(foreign_draws)))
 
     @property
     def random_draws(self) -> tuple[str, ...]:
@@ -66,16 +118,27 @@ class Traced:
         return "all_to_all" in self.primitives
 
 
-def trace(fn: Callable[..., Any], *args: Any) -> Traced:
+def is_key(leaf: Any) -> bool:
+    """Whether ``leaf`` is a typed PRNG key array (what an ``nnx.Rngs`` stream holds)."""
+    return jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key)
+
+
+def trace(fn: Callable[..., Any], *args: Any, streams: Any = None) -> Traced:
     """Traces ``fn(*args)`` (nothing is computed) and collects its primitives.
 
     Args:
       fn: A function of arrays.
       *args: Its arguments: arrays or ``jax.ShapeDtypeStruct``s.
+      streams: A pytree like ``args`` of bools: True marks a stream key, whose draws (and
+        the draws of keys derived from it) are not foreign. None marks nothing.
 
     Returns:
       A :class:`Traced` over its jaxpr (``scan``, ``cond``, ``remat``, ``shard_map`` and
       custom-derivative bodies included).
     """
     closed = jax.make_jaxpr(fn)(*args)
-    return Traced(frozenset(_primitives(closed.jaxpr)))
+    marked = jax.tree.leaves(streams) if streams is not None else []
+    if len(marked) != len(closed.jaxpr.invars):
+        marked = [False] * len(closed.jaxpr.invars)
+    draws, _ = _foreign(closed.jaxpr, [bool(m) for m in marked])
+    return Traced(frozenset(_primitives(closed.jaxpr)), tuple(draws))

@@ -41,7 +41,7 @@ from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, plan_of, shar
 from substrax_flax._remat import Marked, use_remat
 from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules, entry_axes
 from substrax_flax._state import constrain_state, shape_and_dtype, variables
-from substrax_flax._traced import Traced, trace
+from substrax_flax._traced import Traced, is_key, trace
 
 __all__ = ["Built", "JittedStep", "TrainStep", "make_train_step", "optimizer_shardings"]
 
@@ -437,8 +437,13 @@ class TrainStep(JittedStep):
         if self.data_parallel == "xla" or not (split or asked):
             return "xla"
         context = (model, plan.mesh, split, self.precision)
-        draws = traced().random_draws
-        drawn = draws and f"the loss draws random numbers ({', '.join(draws)} in its trace)"
+        # draws from the model's nnx.Rngs streams run per device (their keys are folded with
+        # the device's position); a key from the batch or a closure would repeat on each
+        draws = traced().foreign_draws
+        drawn = draws and (
+            f"the loss draws random numbers from a key that is not an nnx.Rngs stream "
+            f"({', '.join(draws)} in its trace)"
+        )
         if asked:
             check_manual(*context, draws=drawn or None)
             return "manual"
@@ -467,7 +472,9 @@ class TrainStep(JittedStep):
         processes = len({d.process_index for d in plan.mesh.devices.flat})
         abstract = jax.tree.map(functools.partial(_global_leaf, processes), batch)
         with use_rules(plan.mesh, rules), jax.set_mesh(plan.mesh), nnx.use_eager_sharding(False):
-            return trace(loss_of, params, rest_leaves, abstract)
+            streams = (jax.tree.map(lambda _: False, params), [is_key(x) for x in rest_leaves],
+                       jax.tree.map(lambda _: False, abstract))  # fmt: skip
+            return trace(loss_of, params, rest_leaves, abstract, streams=streams)
 
     def data_parallel_for(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> str:
         """How this step splits the batch for ``model``: ``"manual"`` or ``"xla"``.
@@ -725,8 +732,10 @@ def make_train_step(
         padded batch), for which pass ``"xla"``. ``"xla"``: XLA partitions the whole step
         (the loss is the whole batch's; the gradients are all-reduced). ``"auto"`` (the
         default) is ``"manual"`` unless that would change the model's numbers -- batch
-        statistics, dropout (each device would draw the same masks), or a mesh with
-        Explicit axes -- and then ``"xla"``; :meth:`TrainStep.data_parallel_for` says which.
+        statistics, random draws from a key that is not an ``nnx.Rngs`` stream (each device
+        would draw the same numbers; a stream is folded with each device's position, so
+        dropout stays manual), or a mesh with Explicit axes -- and then ``"xla"``, with a
+        warning where it costs traffic; :meth:`TrainStep.data_parallel_for` says which.
       microbatches: Gradient accumulation (in the manual step): each device runs its rows as
         this many slices, one after the other, and the gradients are reduced once per step
         (the reductions do not grow with it; activations are held for one slice; ``zero2``
