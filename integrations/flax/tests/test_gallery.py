@@ -75,15 +75,17 @@ def _train(name, layout):
         model = sf.create_sharded_model(entry.factory, layout=layout)
     optimizer = sf.create_sharded_optimizer(model, _tx())
     step = sf.make_train_step(entry.loss)
-    manual_fails = (
-        entry.needs_mesh and step.data_parallel_for(model, optimizer, entry.batch(0)) == "manual"
-    )
-    with (
-        pytest.warns(ShardingWarning, match="names the batch axes")
-        if manual_fails
-        else (warnings.catch_warnings())
-    ):  # a bare P("data") in model code: the step falls back to XLA's partitioning, and says so
-        losses = [float(step(model, optimizer, entry.batch(0))["loss"])]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ShardingWarning)
+        mode = step.data_parallel_for(model, optimizer, entry.batch(0))
+    said = [w for w in caught if "names the batch axes" in str(w.message)]
+    if entry.needs_mesh:  # a bare P("data") in model code: XLA's step, decided before tracing
+        mesh = jax.tree.leaves(nnx.state(model))[0].sharding.mesh
+        explicit = AxisType.Explicit in tuple(mesh.axis_types)
+        assert mode == "xla" and len(said) == (0 if explicit else 1)  # Explicit: XLA anyway
+    else:
+        assert said == []
+    losses = [float(step(model, optimizer, entry.batch(0))["loss"])]
     losses += [float(step(model, optimizer, entry.batch(i))["loss"]) for i in range(1, STEPS)]
     return model, optimizer, losses, step
 

@@ -157,23 +157,22 @@ def check_manual(
     batch_axes: tuple[str, ...] = (),
     precision: MixedPrecision | None = None,
     *,
-    draws: str | None = None,
+    traced: str | None = None,
 ) -> None:
-    """Raises if :func:`manual_obstacle` names one, or the loss draws random numbers.
+    """Raises if :func:`manual_obstacle` names one, or the loss's trace shows one.
 
     Args:
       model: The model.
       mesh: Its mesh.
       batch_axes: The batch axes.
       precision: The step's mixed-precision policy.
-      draws: What the traced loss draws random numbers with, or None.
+      traced: An obstacle found in the traced loss (a foreign random draw, a sharding that
+        names a batch axis), or None.
 
     Raises:
       ValueError: Naming the obstacle and the alternative.
     """
-    obstacle = manual_obstacle(model, mesh, batch_axes, precision) or (
-        draws and f"{draws}, so each device would draw the same numbers for different rows"
-    )
+    obstacle = manual_obstacle(model, mesh, batch_axes, precision) or traced
     if obstacle is not None:
         raise ValueError(
             f"data_parallel='manual' computes each device's loss on its own rows, but "

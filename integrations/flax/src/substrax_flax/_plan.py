@@ -29,6 +29,7 @@ from substrax_flax._state import (
     is_variable,
     layer_kinds,
     map_variables,
+    typed_spec,
     values_by_path,
     variables,
 )
@@ -400,14 +401,23 @@ def plan_model(
     )
 
 
-def _abstract_split(factory: Callable[[], nnx.Module], mesh: Any) -> tuple[Any, Any, bool]:
-    """``(graphdef, abstract state, whether the factory needs the mesh context)``.
+def _mesh_context(mesh: Any) -> Any:
+    """``jax.set_mesh(mesh)``, or for an ``AbstractMesh`` (a plan only) its abstract form."""
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        return jax.sharding.use_abstract_mesh(mesh)
+    return jax.set_mesh(mesh)
 
-    Model code in Flax's Explicit style builds its own ``PartitionSpec``s at creation
-    (``out_sharding=P(...)`` in initializers, ``reshard``), which jax allows only under a mesh
-    context; such a factory is traced (and later created) under ``jax.set_mesh(mesh)``. Other
-    factories are traced without one, so that on an Explicit mesh jax still partitions their
-    initializers instead of building each parameter whole first.
+
+def _abstract_split(factory: Callable[[], nnx.Module], mesh: Any) -> tuple[Any, Any, bool]:
+    """``(graphdef, abstract state, whether the factory is created under the mesh context)``.
+
+    The factory is traced under ``jax.set_mesh(mesh)``: model code in Flax's Explicit style
+    builds its own ``PartitionSpec``s at creation (``out_sharding=P(...)`` in initializers,
+    ``reshard``, ``with_sharding_constraint``), which jax allows only under a mesh context, and
+    on Auto axes the context changes nothing else. It is later created under the context too,
+    except on a mesh with Explicit axes where the traced state carries no spec in its types:
+    created there without the context, jax still partitions its initializers instead of
+    building each parameter whole (replicated, as the context would type it) first.
     """
     if not callable(factory):
         raise TypeError(
@@ -423,16 +433,12 @@ def _abstract_split(factory: Callable[[], nnx.Module], mesh: Any) -> tuple[Any, 
             )
         return nnx.split(model)
 
-    with nnx.use_eager_sharding(False):
-        try:
-            graphdef, state = jax.eval_shape(split)
-            return graphdef, state, False
-        except ValueError as error:
-            if "mesh" not in str(error):
-                raise
-        with jax.set_mesh(mesh):
-            graphdef, state = jax.eval_shape(split)
-    return graphdef, state, True
+    with nnx.use_eager_sharding(False), _mesh_context(mesh):
+        graphdef, state = jax.eval_shape(split)
+    if jax.sharding.AxisType.Explicit not in tuple(mesh.axis_types):
+        return graphdef, state, True
+    typed = any(typed_spec(variable) is not None for _, variable in variables(state))
+    return graphdef, state, typed
 
 
 def create_sharded_model(

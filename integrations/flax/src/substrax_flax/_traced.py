@@ -8,6 +8,10 @@ The step traces the loss once (nothing runs) and looks at its primitives:
   row. Any primitive of :data:`RANDOM_PRIMITIVES` draws bits. Draws whose key derives from a
   model's ``nnx.Rngs`` stream are told apart (the *stream* keys, followed through the jaxpr):
   the manual step folds each device's position into those keys, so they draw per device.
+* Shardings that name mesh axes. Inside the manual step the batch axes are manual, and a
+  sharding in model code that names one (``with_sharding_constraint(x, P("data"))``) cannot
+  be traced there; the step traces the loss with substrax's own rules already stripped of the
+  batch axes, so any batch axis still named (:attr:`Traced.named_axes`) is the model's.
 * Expert dispatch. An expert-parallel layout shards expert weights over its expert axes; only
   code that sends the tokens to their experts (``all_to_all``, as
   :func:`substrax.spmd.experts` does) computes them there. Without it, XLA gathers the
@@ -16,10 +20,11 @@ The step traces the loss once (nothing runs) and looks at its primitives:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec
 
 __all__ = ["RANDOM_PRIMITIVES", "Traced", "is_key", "trace"]
 
@@ -95,17 +100,52 @@ def _foreign(jaxpr: Any, marked: list[bool]) -> tuple[list[str], list[bool]]:
     return found, [carries(v) for v in jaxpr.outvars]
 
 
+def _spec_axes(value: Any) -> Iterator[str]:
+    """The mesh axes a sharding-valued parameter names (a ``NamedSharding`` or a spec)."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _spec_axes(item)
+        return
+    spec = value if isinstance(value, PartitionSpec) else getattr(value, "spec", None)
+    if isinstance(spec, PartitionSpec):
+        for entry in spec:
+            if entry is not None and entry is not PartitionSpec.UNCONSTRAINED:
+                yield from (entry,) if isinstance(entry, str) else entry
+
+
+def _named_axes(jaxpr: Any) -> Iterator[tuple[str, str]]:
+    """``(primitive, axis)`` for every mesh axis a sharding parameter names, nested included."""
+    for eqn in jaxpr.eqns:
+        for value in eqn.params.values():
+            for axis in _spec_axes(value):
+                yield eqn.primitive.name, axis
+            for sub in _sub_jaxprs(value):
+                yield from _named_axes(sub)
+
+
 class Traced:
     """The primitives of one trace, nested jaxprs included.
 
     Args:
       primitives: Their names.
       foreign_draws: The random-drawing primitives whose key is not a stream key.
+      named: ``(primitive, mesh axis)`` for each mesh axis a sharding in the trace names.
     """
 
-    def __init__(self, primitives: frozenset[str], foreign_draws: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        primitives: frozenset[str],
+        foreign_draws: tuple[str, ...] = (),
+        named: frozenset[tuple[str, str]] = frozenset(),
+    ):
         self.primitives = primitives
         self.foreign_draws = tuple(sorted(set(foreign_draws)))
+        self.named = named
+
+    def naming(self, axes: Iterable[str]) -> tuple[str, ...]:
+        """The primitives whose shardings name any of ``axes``, sorted (none: ``()``)."""
+        axes = set(axes)
+        return tuple(sorted({primitive for primitive, axis in self.named if axis in axes}))
 
     @property
     def random_draws(self) -> tuple[str, ...]:
@@ -141,4 +181,5 @@ def trace(fn: Callable[..., Any], *args: Any, streams: Any = None) -> Traced:
     if len(marked) != len(closed.jaxpr.invars):
         marked = [False] * len(closed.jaxpr.invars)
     draws, _ = _foreign(closed.jaxpr, [bool(m) for m in marked])
-    return Traced(frozenset(_primitives(closed.jaxpr)), tuple(draws))
+    named = frozenset(_named_axes(closed.jaxpr))
+    return Traced(frozenset(_primitives(closed.jaxpr)), tuple(draws), named)

@@ -58,9 +58,6 @@ class Built:
     mesh: jax.sharding.Mesh
     data_axes: tuple[str, ...]
     data_parallel: str = "xla"
-    #: For a step that chose the manual region itself: builds the XLA-partitioned step when
-    #: model code turns out to name the batch axes in a sharding (given jax's error).
-    fallback: Callable[[Exception], Built] | None = None
     #: Mesh axes the batch's sequences are split over (context parallelism), in zigzag order.
     seq_axes: tuple[str, ...] = ()
 
@@ -130,19 +127,8 @@ class JittedStep:
     def _with_built(
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, use: Callable
     ) -> Any:
-        """``use(built)``; once more with the fallback if tracing met a manual-axis error.
-
-        A failed trace runs nothing, so the donated buffers are still intact for the retry.
-        """
-        built = self._built(model, optimizer, batch)
-        try:
-            return use(built)
-        except ValueError as error:
-            if built.fallback is None or "Manual" not in str(error):
-                raise
-            fallback = built.fallback(error)
-        self._compiled.put(ProgramKey.of(model, optimizer, batch), fallback)
-        return use(fallback)
+        """``use(built)`` with the compiled step for these arguments."""
+        return use(self._built(model, optimizer, batch))
 
     @staticmethod
     def _batch(batch: Any, built: Built) -> Any:
@@ -371,7 +357,7 @@ class TrainStep(JittedStep):
         split = tuple(a for a in data_axes if dict(plan.mesh.shape)[a] > 1 and a not in experts)
         # One replica: nothing to split; accumulation still runs slice by slice, region-less.
         traced = functools.cache(
-            functools.partial(self._trace, model, plan, batch, compute_sh, rules)
+            functools.partial(self._trace, model, plan, batch, compute_sh, rules, split)
         )
         if mode is None:
             mode = self._mode(model, plan, split, traced)
@@ -393,26 +379,8 @@ class TrainStep(JittedStep):
             out_shardings=(model_sh, opt_sh, NamedSharding(plan.mesh, PartitionSpec())),
             donate_argnums=(0, 1) if self.donate else (),
         )
-        fallback = None
-        if mode == "manual" and self.data_parallel == "auto":
-            fallback = functools.partial(self._fall_back, model, optimizer, batch)
         seq_axes = plan.layout.context_axes if plan.layout is not None else ()
-        return Built(jitted, plan.mesh, tuple(data_axes), mode, fallback, seq_axes)
-
-    def _fall_back(
-        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, error: Exception
-    ) -> Built:
-        """The XLA-partitioned step, with a warning naming why the manual one could not be."""
-        first = str(error).split("\n")[0].split(" and mesh=")[0]
-        warn_user(
-            "make_train_step(data_parallel='auto'): the model's code names the batch axes in a "
-            f"sharding, which the manual data-parallel step cannot trace ({first}); "
-            "using XLA's partitioning, whose gradients are all-reduced instead of "
-            "reduce-scattered. Constrain activations with substrax.spmd.constrain and logical "
-            "names to get the manual step, or pass data_parallel='xla' to silence this.",
-            ShardingWarning,
-        )
-        return self._build(model, optimizer, batch, "xla")
+        return Built(jitted, plan.mesh, tuple(data_axes), mode, seq_axes)
 
     def _mode(
         self, model: nnx.Module, plan: ModelPlan, split: tuple[str, ...], traced: Callable
@@ -437,40 +405,45 @@ class TrainStep(JittedStep):
         if self.data_parallel == "xla" or not (split or asked):
             return "xla"
         context = (model, plan.mesh, split, self.precision)
-        # draws from the model's nnx.Rngs streams run per device (their keys are folded with
-        # the device's position); a key from the batch or a closure would repeat on each
-        draws = traced().foreign_draws
-        drawn = draws and (
-            f"the loss draws random numbers from a key that is not an nnx.Rngs stream "
-            f"({', '.join(draws)} in its trace)"
-        )
+        found = _traced_obstacle(traced(), split)
         if asked:
-            check_manual(*context, draws=drawn or None)
+            check_manual(*context, traced=found and found[0])
             return "manual"
         if manual_obstacle(*context) is not None:
             return "xla"
-        if drawn:
+        if found:
+            obstacle, advice = found
             warn_user(
-                f"make_train_step(data_parallel='auto'): {drawn}, so each device would draw "
-                "the same numbers for different rows in the manual data-parallel step; this "
-                "step runs XLA's partitioning of the whole batch (it equals one device), "
-                "which all-reduces the gradients instead of reduce-scattering them: "
+                f"make_train_step(data_parallel='auto'): {obstacle}; this step runs XLA's "
+                "partitioning of the whole batch (it equals one device), which all-reduces "
+                "the gradients instead of reduce-scattering them: "
                 f"{_megabytes(_all_reduce_extra(plan, split, self.wrt, model))} more per "
-                "device per step. Pass data_parallel='xla' to silence this.",
+                f"device per step. {advice}, or pass data_parallel='xla' to silence this.",
                 ShardingWarning,
             )
             return "xla"
         return "manual"
 
     def _trace(
-        self, model: nnx.Module, plan: ModelPlan, batch: Any, compute: Any, rules: MeshRules
+        self,
+        model: nnx.Module,
+        plan: ModelPlan,
+        batch: Any,
+        compute: Any,
+        rules: MeshRules,
+        split: tuple[str, ...],
     ) -> Traced:
-        """The loss traced (not run) as the XLA step differentiates it, on the global batch."""
+        """The loss traced (not run) on the global batch, under the manual step's rules.
+
+        substrax's own constraints then leave out the batch axes ``split``, as they do in the
+        manual region, so a batch axis a sharding in the trace still names is the model's.
+        """
         _, params, rest = nnx.split(model, self.wrt, ...)
         rest_leaves, rest_def = jax.tree.flatten(rest)
         loss_of = self._loss_fn(nnx.graphdef(model), compute, rest_def)
         processes = len({d.process_index for d in plan.mesh.devices.flat})
         abstract = jax.tree.map(functools.partial(_global_leaf, processes), batch)
+        rules = manual_rules(rules, split) if split else rules
         with use_rules(plan.mesh, rules), jax.set_mesh(plan.mesh), nnx.use_eager_sharding(False):
             streams = (jax.tree.map(lambda _: False, params), [is_key(x) for x in rest_leaves],
                        jax.tree.map(lambda _: False, abstract))  # fmt: skip
@@ -491,6 +464,33 @@ class TrainStep(JittedStep):
           The mode ``data_parallel="auto"`` chose (or the one asked for).
         """
         return self._built(model, optimizer, batch).data_parallel
+
+
+def _traced_obstacle(traced: Traced, split: tuple[str, ...]) -> tuple[str, str] | None:
+    """Why the traced loss cannot run in the manual region, and what would let it, or None.
+
+    Draws from a key that is not an ``nnx.Rngs`` stream would repeat on every device (a
+    stream's are folded with the device's position); a sharding in model code that names a
+    batch axis cannot be traced where that axis is manual.
+    """
+    draws = traced.foreign_draws
+    if draws:
+        return (
+            f"the loss draws random numbers from a key that is not an nnx.Rngs stream "
+            f"({', '.join(draws)} in its trace), so each device would draw the same numbers "
+            "for different rows",
+            "Draw from an nnx.Rngs stream the model holds to get the manual step",
+        )
+    named = traced.naming(split)
+    if named:
+        return (
+            f"the model's code names the batch axes {split} in a sharding "
+            f"({', '.join(named)} in its trace), which the manual data-parallel step cannot "
+            "trace",
+            "Constrain activations with substrax.spmd.constrain and logical names to get the "
+            "manual step",
+        )
+    return None
 
 
 def _check_microbatches(batch: Any, mesh: Any, split: tuple[str, ...], k: int) -> None:
