@@ -103,9 +103,9 @@ def _assert_restored(model, optimizer, saved):
         assert sharding == want_sharding
 
 
-# dp for the models whose step differs under it (batch statistics and dropout keep XLA's
-# partitioning, a bare P("data") falls back to it); every model under fsdp; fsdp+tp for those
-# whose kernels or code meet the tensor axis differently (suite time).
+# dp for the models whose step differs under it (batch norms reduced over the devices, dropout
+# streams folded per device, a bare P("data") keeps XLA's partitioning); every model under
+# fsdp; fsdp+tp for those whose kernels or code meet the tensor axis differently (suite time).
 TENSOR = ("explicit-decoder", "flax-guide", "resnet", "tied", "vit")
 CASES = (
     [(name, "dp") for name in ("resnet", "dropout", "flax-guide")]

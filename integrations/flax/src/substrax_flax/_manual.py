@@ -9,14 +9,16 @@ parameters that are replicated over the batch axes. The loss is the mean of the 
 device holding as many rows.
 
 What changes against the XLA-partitioned step: code that couples rows across devices sees only
-its device's rows. Batch statistics would then differ from one device's, so
-:func:`manual_obstacle` names them and the default (``data_parallel="auto"``) keeps such models
-on XLA's partitioning; so does a loss whose trace draws random numbers from a key that is not
-an ``nnx.Rngs`` stream (each device would draw from the same key, :mod:`substrax_flax._traced`),
-with a warning naming the cost. Draws from the model's streams run per device: each device's
-keys are folded with its position (:func:`per_device_streams`). A loss
-normalised by a count over the whole batch (a token-weighted mean) becomes the mean of the
-devices' means, as in PyTorch's DDP; it cannot be detected, so it is documented.
+its device's rows. ``nnx.BatchNorm`` layers get the batch axes as their ``axis_name``
+(:func:`sync_batch_norms`), so their moments are still the whole batch's; other batch
+statistics would differ from one device's, so :func:`manual_obstacle` names them and the
+default (``data_parallel="auto"``) keeps such models on XLA's partitioning; so does a loss
+whose trace draws random numbers from a key that is not an ``nnx.Rngs`` stream (each device
+would draw from the same key, :mod:`substrax_flax._traced`), with a warning naming the cost.
+Draws from the model's streams run per device: each device's keys are folded with its
+position (:func:`per_device_streams`). A loss normalised by a count over the whole batch (a
+token-weighted mean) becomes the mean of the devices' means, as in PyTorch's DDP; it cannot be
+detected, so it is documented.
 
 Parameters also sharded over tensor axes are gathered in a nested ``shard_map`` over those axes
 as well: XLA would otherwise replicate them over the tensor axes before the gather.
@@ -140,15 +142,44 @@ def manual_obstacle(
             f"XLA's CPU compiler aborts on {precision.compute_dtype.name} all-reduces over "
             f"the axes {tuple(tensor)} that a manual region leaves to it"
         )
+    synced = synced_stats(model)
     for path, variable in variables(nnx.state(model)):
-        if isinstance(variable, nnx.BatchStat):
+        if isinstance(variable, nnx.BatchStat) and path not in synced:
             return (
-                f"the model has batch statistics ({path}, an nnx.BatchStat), so the step "
-                "would not match one device's"
+                f"the model has batch statistics ({path}, an nnx.BatchStat) outside an "
+                "nnx.BatchNorm whose axis_name substrax can set, so the step would not match "
+                "one device's"
             )
     if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
         return "the mesh has Explicit axes (model code may name the batch axes in shardings)"
     return None
+
+
+def synced_stats(model: nnx.Module) -> set[str]:
+    """Paths of the batch statistics the manual step reduces over the batch axes.
+
+    Those of every ``nnx.BatchNorm`` without an ``axis_name`` of its own: inside the manual
+    region :func:`sync_batch_norms` gives it the batch axes, so its moments are the whole
+    batch's (``lax.pmean`` over the devices, each holding as many rows) and its running
+    averages are the same on every device, as on one device.
+    """
+    synced = set()
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
+            prefix = "/".join(map(str, path))
+            synced.update(f"{prefix}/{name}" if prefix else name for name in ("mean", "var"))
+    return synced
+
+
+def sync_batch_norms(model: nnx.Module, batch_axes: tuple[str, ...]) -> None:
+    """Gives every ``nnx.BatchNorm`` of ``model`` without an ``axis_name`` the batch axes.
+
+    Call on the model merged inside the manual region (its moments are then reduced over the
+    devices); the stored model is not changed.
+    """
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
+            module.axis_name = batch_axes
 
 
 def check_manual(

@@ -34,6 +34,7 @@ from substrax_flax._manual import (
     manual_obstacle,
     manual_rules,
     manual_value_and_grad,
+    sync_batch_norms,
 )
 from substrax_flax._nonfinite import Guard, NonFinite, all_finite, check_policy
 from substrax_flax._optimizer import check_owner, optimizer_rows
@@ -269,8 +270,11 @@ class TrainStep(JittedStep):
             compute = ModelPlan(params, resolver).shardings
         return compute, self.compute_rules
 
-    def _loss_fn(self, model_def, compute_shardings, rest_def, manual=False):
-        """The differentiated function: parameters at the point of use, the rest as arrays."""
+    def _loss_fn(self, model_def, compute_shardings, rest_def, region=()):
+        """The differentiated function: parameters at the point of use, the rest as arrays.
+
+        ``region`` is the manual region's batch axes (empty outside one).
+        """
 
         def loss_of(params, rest_leaves, batch):
             if compute_shardings is not None:
@@ -281,8 +285,10 @@ class TrainStep(JittedStep):
             # and becomes Variables here, at the trace level that may mutate them.
             rest = jax.tree.unflatten(rest_def, rest_leaves)
             model = nnx.merge(model_def, params, rest)
+            if region:  # batch norms reduce their moments over the devices' rows
+                sync_batch_norms(model, region)
             out = self.loss_fn(model, self.precision.cast_to_compute(batch))
-            loss, aux = _loss_and_aux(out, self.has_aux, manual)
+            loss, aux = _loss_and_aux(out, self.has_aux, bool(region))
             loss, aux = self.precision.cast_to_output((loss, aux))
             return loss, (aux, nnx.state(model, nnx.Not(self.wrt)))
 
@@ -304,7 +310,7 @@ class TrainStep(JittedStep):
                 model = nnx.merge(model_def, model_state)
                 _, params, rest = nnx.split(model, self.wrt, ...)
                 rest_leaves, rest_def = jax.tree.flatten(rest)
-                loss_of = self._loss_fn(model_def, compute_shardings, rest_def, bool(manual))
+                loss_of = self._loss_fn(model_def, compute_shardings, rest_def, region)
                 with use_remat(self.remat) as marked:
                     if manual:
                         (loss, (aux, rest)), grads = manual_value_and_grad(
@@ -732,10 +738,12 @@ def make_train_step(
         padded batch), for which pass ``"xla"``. ``"xla"``: XLA partitions the whole step
         (the loss is the whole batch's; the gradients are all-reduced). ``"auto"`` (the
         default) is ``"manual"`` unless that would change the model's numbers -- batch
-        statistics, random draws from a key that is not an ``nnx.Rngs`` stream (each device
-        would draw the same numbers; a stream is folded with each device's position, so
-        dropout stays manual), or a mesh with Explicit axes -- and then ``"xla"``, with a
-        warning where it costs traffic; :meth:`TrainStep.data_parallel_for` says which.
+        statistics outside ``nnx.BatchNorm`` (a BatchNorm's moments are reduced over the
+        devices, so it stays manual), random draws from a key that is not an ``nnx.Rngs``
+        stream (each device would draw the same numbers; a stream is folded with each
+        device's position, so dropout stays manual), or a mesh with Explicit axes -- and
+        then ``"xla"``, with a warning where it costs traffic;
+        :meth:`TrainStep.data_parallel_for` says which.
       microbatches: Gradient accumulation (in the manual step): each device runs its rows as
         this many slices, one after the other, and the gradients are reduced once per step
         (the reductions do not grow with it; activations are held for one slice; ``zero2``
