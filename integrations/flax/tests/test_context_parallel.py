@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import substrax_flax as sf
+from substrax import ShardingWarning
 from substrax.hlo import traffic_by_kind
 from substrax.layout import Layout
 from substrax.spmd import attention, constrain, positions, shard_batch, use_rules, zigzag
@@ -93,9 +94,12 @@ def test_losses_and_parameters_equal_one_device(one_device, name, mesh, variant,
 
 def test_context_composes_with_fsdp_and_tensor_parallelism(one_device):
     layout = Layout.from_degrees(fsdp=2, cp=2, tp=2)
-    losses, _, mode = _train(layout)
+    # two free axes in a manual region abort XLA: the step says so (once), not XLA
+    with pytest.warns(ShardingWarning, match=r"fails a CHECK .* \('context', 'model'\)") as said:
+        losses, _, mode = _train(layout)
+    assert len(said) == 1 and "MiB more per device per step" in str(said[0].message)
     np.testing.assert_allclose(losses, one_device[0], rtol=1e-5)
-    assert mode == "xla"  # two free axes in a manual region abort XLA: the step says so, not XLA
+    assert mode == "xla"
 
 
 def test_the_ring_moves_one_kv_block_per_step_and_never_gathers_the_sequence():

@@ -74,6 +74,7 @@ def test_context_and_expert_state_match_a_twin():
     layout = Layout.from_degrees(fsdp=16, ep=8, cp=4)
     result = _validate_layout(architecture("mixtral-8x7b"), layout)
     assert result["twin"]["layout"] == "fsdp 2 x ep 2 x cp 2"
+    assert result["twin"]["data_parallel"] == "xla"  # ('expert', 'context') left to XLA
     estimate, compiled = result["state_bytes"]
     assert estimate == compiled
     estimate, compiled = result["arguments_bytes"]  # with the batch's split over the sequence

@@ -415,18 +415,21 @@ class TrainStep(JittedStep):
         if asked:
             check_manual(*context, traced=found and found[0])
             return "manual"
-        if manual_obstacle(*context) is not None:
-            return "xla"
+        obstacle = manual_obstacle(*context)
+        found = (obstacle, None) if obstacle is not None else found
         if found:
-            obstacle, advice = found
-            warn_user(
-                f"make_train_step(data_parallel='auto'): {obstacle}; this step runs XLA's "
-                "partitioning of the whole batch (it equals one device), which all-reduces "
-                "the gradients instead of reduce-scattering them: "
-                f"{_megabytes(_all_reduce_extra(plan, split, self.wrt, model))} more per "
-                f"device per step. {advice}, or pass data_parallel='xla' to silence this.",
-                ShardingWarning,
-            )
+            extra = _all_reduce_extra(plan, split, self.wrt, model)
+            if extra:  # a switch that costs nothing (no sharded gradient) goes unsaid
+                obstacle, advice = found
+                silence = f"{advice}, or pass" if advice else "Pass"
+                warn_user(
+                    f"make_train_step(data_parallel='auto'): {obstacle}; this step runs "
+                    "XLA's partitioning of the whole batch (it equals one device), which "
+                    "all-reduces the gradients instead of reduce-scattering them: "
+                    f"{_megabytes(extra)} more per device per step. {silence} "
+                    "data_parallel='xla' to silence this.",
+                    ShardingWarning,
+                )
             return "xla"
         return "manual"
 

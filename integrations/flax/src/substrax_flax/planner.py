@@ -17,6 +17,7 @@ import dataclasses
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,7 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from substrax import warn_user
+from substrax import ShardingWarning, warn_user
 from substrax.hlo import traffic_by_kind
 from substrax.layout import Layout
 from substrax.planner import (
@@ -208,8 +209,9 @@ def validate(plan: Plan, rank: int = 0, *, devices: int | None = None) -> dict[s
     Returns:
       ``{"candidate": ..., "twin": ..., "state_bytes": ..., "arguments_bytes": ...,
       "flops": ..., "traffic_bytes": ..., "peak_bytes": ...}``: the candidate's label, the
-      twin's layout, and each figure an ``(estimate, compiled)`` pair per device; the compiled
-      step is donated, as substrax runs it.
+      twin's layout (with ``"data_parallel"``, the path its default step takes), and each
+      figure an ``(estimate, compiled)`` pair per device; the compiled step is donated, as
+      substrax runs it.
 
     Raises:
       ValueError: For a plan of a custom model, a rank out of range, or a pipeline layout.
@@ -250,6 +252,9 @@ def _validate_layout(
     step = make_train_step(_loss, precision="bf16" if precision == "mixed" else None)
     rows = np.zeros((batch_rows, 16), np.int32)  # shifted targets: the sequence may be split
     batch = {"inputs": rows, "targets": rows}
+    with warnings.catch_warnings():  # the twin's path is returned below, not warned about
+        warnings.simplefilter("ignore", ShardingWarning)
+        path = step.data_parallel_for(model, optimizer, batch)
     lowered = step.lower(model, optimizer, batch)
     compiled = lowered.compile()
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
@@ -264,6 +269,7 @@ def _validate_layout(
             "layout": twin.label,
             "mesh": twin.shape,
             "params": sum(math.prod(leaf.shape) for leaf in leaves),
+            "data_parallel": path,
         },
         "state_bytes": (planned["params"] + planned["optimizer"], state - scalars),
         "arguments_bytes": (
