@@ -104,7 +104,7 @@ class JittedStep:
 
     The non-finite guard is :mod:`substrax_flax._nonfinite`'s.
 
-    Subclasses implement ``_build(model, optimizer) -> Built``; their jitted step returns
+    Subclasses implement ``_build(model, optimizer, batch) -> Built``; their jitted step returns
     ``metrics["finite"]`` and keeps the old state when it is False (:func:`guarded_update`).
     """
 
@@ -338,9 +338,7 @@ class TrainStep(JittedStep):
 
         return step
 
-    def _build(
-        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, mode: str | None = None
-    ) -> Built:
+    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Built:
         check_owner(optimizer, model, "The train step")
         plan = model_plan(
             model, self.mesh, self.rules, self.strategy, self.layout, what="make_train_step"
@@ -365,8 +363,7 @@ class TrainStep(JittedStep):
         traced = functools.cache(
             functools.partial(self._trace, model, plan, batch, compute_sh, rules, split)
         )
-        if mode is None:
-            mode = self._mode(model, plan, split, traced)
+        mode = self._mode(model, plan, split, traced)
         _check_experts(plan, traced)
         if mode == "manual":
             _check_microbatches(batch, plan.mesh, split, self.microbatches)
@@ -404,8 +401,9 @@ class TrainStep(JittedStep):
 
         Raises:
           ValueError: If ``"manual"`` (or ``microbatches`` above 1) was asked where
-            :func:`~substrax_flax._manual.manual_obstacle` names an obstacle, or the loss
-            draws random numbers.
+            :func:`~substrax_flax._manual.manual_obstacle` names an obstacle, or the loss's
+            trace shows one (a draw from a key that is not a stream, a sharding that names
+            a batch axis).
         """
         asked = self.data_parallel == "manual" or self.microbatches > 1
         if self.data_parallel == "xla" or not (split or asked):
