@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax_test_models import train, unsharded
 
 import substrax_flax as sf
 from substrax.hlo import traffic_by_kind
@@ -47,18 +48,9 @@ def _tx():
 
 
 def _one_device(batches):
-    with nnx.use_eager_sharding(False):
-        model = NormedMLP(nnx.Rngs(0))
-        optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, optimizer, batch):
-            loss, grads = nnx.value_and_grad(_loss)(model, batch)
-            optimizer.update(model, grads)
-            return loss
-
-        losses = [float(step(model, optimizer, b)) for b in batches]
-    return losses, model
+    model = unsharded(lambda: NormedMLP(nnx.Rngs(0)))
+    optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
+    return train(model, optimizer, batches, _loss), model
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax_test_models import train
 from gallery import (
     FLAX_PAIRS,
     GALLERY,
@@ -51,14 +52,7 @@ def reference(name):
     with nnx.use_eager_sharding(False), jax.set_mesh(_one_device_mesh()):
         model = entry.factory()
         optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, optimizer, batch):
-            loss, grads = nnx.value_and_grad(entry.loss)(model, batch)
-            optimizer.update(model, grads)
-            return loss
-
-        losses = [float(step(model, optimizer, entry.batch(i))) for i in range(STEPS)]
+        losses = train(model, optimizer, [entry.batch(i) for i in range(STEPS)], entry.loss)
     return losses, jax.tree.map(_host, nnx.state(model, nnx.Not(nnx.Param)))
 
 
@@ -190,14 +184,7 @@ def _published_reference(entry):
     with nnx.use_eager_sharding(False), jax.set_mesh(mesh):
         model = entry.factory()
         optimizer = nnx.Optimizer(model, _tx(), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, optimizer, batch):
-            loss, grads = nnx.value_and_grad(entry.loss)(model, batch)
-            optimizer.update(model, grads)
-            return loss
-
-        return [float(step(model, optimizer, entry.batch(i))) for i in range(STEPS)]
+        return train(model, optimizer, [entry.batch(i) for i in range(STEPS)], entry.loss)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

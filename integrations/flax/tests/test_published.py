@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax_test_models import train, unsharded
 from gallery import PUBLISHED, ExplicitGuide, MLPConfig, OwnSpecs
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
@@ -32,17 +33,8 @@ def _tokens(seed, vocab, rows=8):
 
 
 def _one_device(factory, loss, batches):
-    with nnx.use_eager_sharding(False):
-        model = factory()
-        optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
-
-        @nnx.jit
-        def step(model, optimizer, batch):
-            value, grads = nnx.value_and_grad(loss)(model, batch)
-            optimizer.update(model, grads)
-            return value
-
-        return [float(step(model, optimizer, b)) for b in batches]
+    model = unsharded(factory)
+    return train(model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param), batches, loss)
 
 
 class Vocab(nnx.Module):
