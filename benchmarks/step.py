@@ -3,10 +3,10 @@
 On the example decoder over 8 simulated devices, with the default ``make_train_step``:
 
 * **precision**: for FSDP over 8 and FSDP 4 x DP 2, the traffic per device of the step in f32
-  and with ``precision="bf16"``, read off the lowered program (XLA's CPU compiler widens bf16
+  and with ``precision="mixed"``, read off the lowered program (XLA's CPU compiler widens bf16
   collectives to f32; accelerators run them in bf16, see :mod:`substrax.hlo`), its ratio, and
   the compiled step's peak; then ``--steps`` steps of each, and the largest relative
-  difference of the bf16 losses from the f32 ones;
+  difference of the mixed losses from the f32 ones;
 * **accumulation**: FSDP over 8 with ``microbatches`` K = 1, 2, 4, 8 on one batch: the
   compiled step's temp and peak bytes, its collectives (counts do not grow with K), and the
   losses of three steps against K = 1.
@@ -62,10 +62,10 @@ def _setup(config, layout, mesh_shape, **options):
 
 
 def precision_row(config, label, batch_size, steps) -> dict:
-    """f32 and bf16 on one layout: program traffic, compiled peak, losses."""
+    """f32 and mixed (bf16 compute) on one layout: program traffic, compiled peak, losses."""
     layout, mesh_shape = PRECISION_CASES[label]
     row = {"layout": label}
-    for precision in ("f32", "bf16"):
+    for precision in ("f32", "mixed"):
         model, optimizer, step = _setup(config, layout, mesh_shape, precision=precision)
         lowered = step.lower(model, optimizer, gpt.batch_at(0, batch_size, config.seq))
         traffic = traffic_by_kind(lowered.as_text(), 8)
@@ -81,16 +81,16 @@ def precision_row(config, label, batch_size, steps) -> dict:
             "peak_bytes": stats["peak_bytes"],
             "losses": losses,
         }
-    f32, bf16 = np.array(row["f32"]["losses"]), np.array(row["bf16"]["losses"])
+    f32, bf16 = np.array(row["f32"]["losses"]), np.array(row["mixed"]["losses"])
     row["traffic_ratio"] = (
-        row["bf16"]["program_traffic_bytes"] / row["f32"]["program_traffic_bytes"]
+        row["mixed"]["program_traffic_bytes"] / row["f32"]["program_traffic_bytes"]
     )
     relative = np.abs(bf16 - f32) / np.abs(f32)
     row["max_relative_loss_difference"] = float(np.max(relative))
     row["max_relative_loss_difference_first_half"] = float(np.max(relative[: max(steps // 2, 1)]))
     tail = max(steps // 10, 1)
     row["mean_of_last_losses"] = {"steps": tail, "f32": float(f32[-tail:].mean()),
-                                  "bf16": float(bf16[-tail:].mean())}  # fmt: skip
+                                  "mixed": float(bf16[-tail:].mean())}  # fmt: skip
     return row
 
 
@@ -113,20 +113,20 @@ def accumulation_rows(config, batch_size, microbatches=MICROBATCHES) -> list[dic
 def markdown(report: dict) -> str:
     lines = [
         "### Mixed precision (`make_train_step(loss_fn, precision=...)`)\n",
-        "| layout | f32 traffic MiB | bf16 traffic MiB | ratio | f32 / bf16 peak MiB | "
+        "| layout | f32 traffic MiB | mixed traffic MiB | ratio | f32 / mixed peak MiB | "
         f"largest relative loss difference, first {max(report['steps'] // 2, 1)} / all "
-        f"{report['steps']} steps | mean loss of the last steps, f32 / bf16 |",
+        f"{report['steps']} steps | mean loss of the last steps, f32 / mixed |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in report["precision"]:
         tail = row["mean_of_last_losses"]
         lines.append(
             f"| {row['layout']} | {row['f32']['program_traffic_bytes'] / MIB:.1f} | "
-            f"{row['bf16']['program_traffic_bytes'] / MIB:.1f} | {row['traffic_ratio']:.3f} | "
-            f"{row['f32']['peak_bytes'] / MIB:.1f} / {row['bf16']['peak_bytes'] / MIB:.1f} | "
+            f"{row['mixed']['program_traffic_bytes'] / MIB:.1f} | {row['traffic_ratio']:.3f} | "
+            f"{row['f32']['peak_bytes'] / MIB:.1f} / {row['mixed']['peak_bytes'] / MIB:.1f} | "
             f"{row['max_relative_loss_difference_first_half']:.1e} / "
             f"{row['max_relative_loss_difference']:.1e} | "
-            f"{tail['f32']:.3f} / {tail['bf16']:.3f} (last {tail['steps']}) |"
+            f"{tail['f32']:.3f} / {tail['mixed']:.3f} (last {tail['steps']}) |"
         )
     lines += [
         "",
@@ -151,7 +151,7 @@ def markdown(report: dict) -> str:
         f"\nMeasured {report['date']}, {report['devices']} simulated CPU devices, jax "
         f"{report['jax']}; model {report['config']}. Traffic for precision is the lowered "
         "program's (XLA's CPU compiler widens bf16 collectives to f32: compiled, both rows "
-        "move the f32 bytes, and the peaks are alike); the f32 and bf16 runs see the same "
+        "move the f32 bytes, and the peaks are alike); the f32 and mixed runs see the same "
         "batches, and their trajectories part as rounding accumulates; for accumulation, the "
         "compiled program's, whose FLOPs count the "
         "scan over the K slices once (one slice's work)."

@@ -94,7 +94,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--precision", default="f32", choices=PRECISIONS,
-        help="bf16: float32 master weights, bfloat16 gathers, compute and reductions",
+        help="mixed: float32 master weights, bfloat16 gathers, compute and reductions; "
+        "bf16: parameters in bfloat16 too",
     )  # fmt: skip
     parser.add_argument(
         "--remat", default="none", choices=REMAT, help="recompute blocks in the backward pass"

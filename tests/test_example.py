@@ -20,7 +20,7 @@ def _run(*args, tmp_path):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize(("strategy", "precision", "microbatches"), [("fsdp", "bf16", 2)])
+@pytest.mark.parametrize(("strategy", "precision", "microbatches"), [("fsdp", "mixed", 2)])
 def test_example_trains_and_writes_metrics(tmp_path, strategy, precision, microbatches):
     result = _run(*TINY, "--steps", "12", "--strategy", strategy, "--precision", precision,
                   "--microbatches", str(microbatches), "--batch-size", "16",

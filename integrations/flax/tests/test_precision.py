@@ -1,5 +1,7 @@
 """Mixed precision: bf16 on the wire and in compute, f32 master weights, losses close to f32.
 
+The names (``"f32"``, ``"mixed"``, ``"bf16"``) mean the same to the step and the planner.
+
 XLA's CPU compiler widens bf16 collectives to f32, so the traffic the program asks for is read
 off the lowered StableHLO (accelerators run those collectives in bf16).
 """
@@ -20,7 +22,9 @@ import substrax_flax as sf
 from substrax.hlo import collectives, traffic_by_kind
 from substrax.layout import Layout
 from substrax.mesh import DeviceMeshManager, MeshRules
-from substrax.spmd import MixedPrecision
+from substrax.planner import Workload
+from substrax.planner._estimate import PRECISION_BYTES
+from substrax.spmd import PRECISIONS, MixedPrecision, as_precision
 
 CONFIG = gpt.Config(vocab=256, d_model=64, heads=4, mlp=256, layers=2, seq=16)
 BATCHES = [gpt.batch_at(i, 16, CONFIG.seq, 0) for i in range(3)]
@@ -58,8 +62,8 @@ def _dtypes(lowered, op):
     return found
 
 
-def test_bf16_halves_the_traffic_and_keeps_f32_master_weights(full):
-    lowered, losses, model, optimizer = _run("bf16")
+def test_mixed_halves_the_traffic_and_keeps_f32_master_weights(full):
+    lowered, losses, model, optimizer = _run("mixed")
     assert _total(lowered) <= 0.55 * _total(full[0])
     assert _dtypes(lowered, "all_gather") == {"bf16"}  # gathered in bf16
     assert {op.kind for op in collectives(lowered, 8)} >= {"all-gather", "reduce-scatter"}
@@ -83,7 +87,7 @@ def test_reductions_in_f32_with_bf16_gathers():
 
 
 def test_accumulation_in_bf16_sums_in_the_stored_dtype(full):
-    _, losses, model, _ = _run("bf16", microbatches=2)
+    _, losses, model, _ = _run("mixed", microbatches=2)
     np.testing.assert_allclose(losses, full[1], rtol=2e-2)
     assert {p.dtype for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {
         jnp.dtype(jnp.float32)
@@ -91,7 +95,7 @@ def test_accumulation_in_bf16_sums_in_the_stored_dtype(full):
 
 
 def test_xla_partitioned_step_computes_in_bf16(full):
-    lowered, losses, _, _ = _run("bf16", data_parallel="xla")
+    lowered, losses, _, _ = _run("mixed", data_parallel="xla")
     assert re.search(r"stablehlo\.dot_general .*tensor<[0-9x]*bf16>", lowered)
     np.testing.assert_allclose(losses, full[1], rtol=2e-2)
 
@@ -102,7 +106,7 @@ def test_pipeline_stages_compute_in_bf16():
         layers="pipe", vocab=None, kv=None, mlp=None, heads=None, embed=None
     )
     runs = {}
-    for precision in ("f32", "bf16"):
+    for precision in ("f32", "mixed"):
         model = sf.create_sharded_model(lambda: StackedTransformer(nnx.Rngs(0), layers=4), mesh,
                                         rules)  # fmt: skip
         optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
@@ -113,7 +117,7 @@ def test_pipeline_stages_compute_in_bf16():
         lowered = step.lower(model, optimizer, tokens(seed=0)).as_text()
         runs[precision] = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(2)]
     assert _dtypes(lowered, "collective_permute") == {"bf16"}  # activations between stages
-    np.testing.assert_allclose(runs["bf16"], runs["f32"], rtol=2e-2)
+    np.testing.assert_allclose(runs["mixed"], runs["f32"], rtol=2e-2)
 
 
 def test_bad_policies_are_named():
@@ -121,8 +125,24 @@ def test_bad_policies_are_named():
         MixedPrecision(compute_dtype=jnp.int32)
     with pytest.raises(ValueError, match="gather_dtype must be a dtype, got 'half-ish'"):
         MixedPrecision(gather_dtype="half-ish")
-    with pytest.raises(ValueError, match=r"one of \('f32', 'bf16'\), got 'fp8'"):
+    with pytest.raises(ValueError, match=r"one of \('f32', 'mixed', 'bf16'\), got 'fp8'"):
         sf.make_train_step(gpt.loss_fn, precision="fp8")
+    # the planner's names are the step's: "fp32" is neither's
+    with pytest.raises(ValueError, match=r"Unknown precision 'fp32'; choose one of f32, mixed, bf16"):
+        Workload(batch_tokens=1024, seq=16, precision="fp32")
+
+
+def test_precision_names_mean_the_same_to_the_step_and_the_planner():
+    assert tuple(PRECISION_BYTES) == PRECISIONS
+    for name, (stored, wire) in PRECISION_BYTES.items():
+        policy = as_precision(name)
+        assert (policy.param_dtype or jnp.dtype(jnp.float32)).itemsize == stored, name
+        assert (policy.gather or jnp.dtype(jnp.float32)).itemsize == wire, name
+
+
+def test_bf16_stores_bf16_parameters_and_says_so_for_f32_ones():
+    with pytest.raises(TypeError, match="stores parameters in bfloat16.*precision='mixed'"):
+        _run("bf16")
     policy = MixedPrecision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
     with pytest.raises(TypeError, match=r"stores parameters in bfloat16, but \S+ is float32"):
         _run(policy)

@@ -155,7 +155,8 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
     parser.add_argument("--inter-host-bandwidth", default=None, help="bytes/s, e.g. 50GB")
     parser.add_argument(
         "--precision", default="bf16", choices=sorted(PRECISION_BYTES),
-        help="mixed: fp32 master weights, bf16 gathers, activations and reductions",
+        help="as make_train_step(precision=...) names it; mixed: f32 master weights, bf16 "
+        "gathers, activations and reductions",
     )  # fmt: skip
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument(

@@ -19,7 +19,7 @@ from substrax.layout import Layout
 from substrax.mesh import PipelineParallelStrategy
 from substrax.mesh._resolve import as_axes, resolve_names
 from substrax.planner._architectures import Leaf, TransformerConfig
-from substrax.spmd import REMAT
+from substrax.spmd import REMAT, region_obstacle
 
 __all__ = [
     "Candidate",
@@ -34,9 +34,10 @@ __all__ = [
 _OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "momentum": 4}
 _UPDATE_FLOPS = {"adam": 12, "adamw": 14, "sgd": 2, "momentum": 4}
 _ELEMENTWISE = 10  # FLOPs per element, forward and backward: softmax, norms, activations, loss
-#: precision -> (bytes of a stored parameter or gradient, bytes of a gathered parameter, an
-#: activation or a gradient on the wire).
-PRECISION_BYTES = {"fp32": (4, 4), "bf16": (2, 2), "mixed": (4, 2)}
+#: precision (a name of :data:`substrax.spmd.PRECISIONS`, as the step names it) -> (bytes of a
+#: stored parameter or gradient, bytes of a gathered parameter, an activation or a gradient on
+#: the wire).
+PRECISION_BYTES = {"f32": (4, 4), "mixed": (4, 2), "bf16": (2, 2)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +47,10 @@ class Workload:
     Attributes:
       batch_tokens: Tokens per global batch (rounded to whole sequences).
       seq: Sequence length.
-      precision: ``"fp32"`` or ``"bf16"`` parameters, gradients and activations, or
-        ``"mixed"``: float32 parameters, gradients and optimizer, bfloat16 gathers,
-        activations and gradient reductions (``make_train_step(precision="bf16")``).
+      precision: A name of :data:`substrax.spmd.PRECISIONS`, meaning what it means to
+        ``make_train_step(precision=...)``: ``"f32"`` or ``"bf16"`` parameters, gradients
+        and activations, or ``"mixed"``: float32 parameters, gradients and optimizer,
+        bfloat16 gathers, activations and gradient reductions.
       optimizer: ``"adam"``/``"adamw"`` (two fp32 moments), ``"momentum"`` or ``"sgd"``.
       remat: ``"none"``, ``"selective"`` (attention recomputed) or ``"full"`` (layer input
         only); None lets :func:`~substrax.planner.plan` choose per layout.
@@ -405,11 +407,11 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
 def _xla_step(layout: Layout) -> bool:
     """Whether substrax's train step runs ``layout`` with XLA's partitioning, not by hand.
 
-    Its manual data-parallel region must leave at most one axis of size > 1 to XLA (tensor,
-    context or expert; see the Flax adapter's train step and its obstacles), else XLA
-    (jax 0.10.2) fails a CHECK; the step then uses XLA's partitioning.
+    Read from the step's own list (:func:`substrax.spmd.region_obstacle`) for a region over
+    the batch axes that leaves the tensor, context and expert axes to XLA.
     """
-    return sum(degree > 1 for degree in (layout.tp, layout.cp, layout.ep)) > 1
+    sizes = {"model": layout.tp, "context": layout.cp, "expert": layout.ep}
+    return region_obstacle(sizes, ()) is not None
 
 
 def _time(flops, traffic, bubble, layout, hw) -> float:

@@ -33,6 +33,7 @@ from substrax.spmd._precision import MixedPrecision as MixedPrecision
 from substrax.spmd._precision import as_precision as as_precision
 from substrax.spmd._remat import REMAT as REMAT
 from substrax.spmd._remat import checkpoint_policy as checkpoint_policy
+from substrax.spmd._workarounds import region_obstacle as region_obstacle
 
 __all__ = [
     "ExpertStats",
@@ -56,6 +57,7 @@ __all__ = [
     "lay_out",
     "manual_batch_axes",
     "positions",
+    "region_obstacle",
     "replicate",
     "shard_batch",
     "unzigzag",

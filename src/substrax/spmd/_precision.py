@@ -18,8 +18,13 @@ import numpy as np
 
 __all__ = ["PRECISIONS", "MixedPrecision", "as_precision"]
 
-PRECISIONS = ("f32", "bf16")
-"""The named policies :func:`as_precision` accepts."""
+PRECISIONS = ("f32", "mixed", "bf16")
+"""The named policies, one vocabulary for the step (:func:`as_precision`) and the planner.
+
+``"f32"``: everything float32. ``"mixed"`` (:meth:`MixedPrecision.mixed`): float32 master
+weights and optimizer state, bfloat16 gathers, compute and gradient reductions.
+``"bf16"`` (:meth:`MixedPrecision.bf16`): parameters stored in bfloat16 too.
+"""
 
 
 def _dtype(value: Any, field: str) -> np.dtype | None:
@@ -63,7 +68,7 @@ class MixedPrecision:
             object.__setattr__(self, field.name, _dtype(getattr(self, field.name), field.name))
 
     @classmethod
-    def bf16(cls) -> MixedPrecision:
+    def mixed(cls) -> MixedPrecision:
         """bfloat16 gathers, compute and reductions; float32 master weights and outputs.
 
         Returns:
@@ -71,6 +76,18 @@ class MixedPrecision:
           output_dtype=float32)``.
         """
         return cls(param_dtype=jnp.float32, compute_dtype=jnp.bfloat16, output_dtype=jnp.float32)
+
+    @classmethod
+    def bf16(cls) -> MixedPrecision:
+        """Parameters stored, gathered, computed and reduced in bfloat16; float32 outputs.
+
+        The model must be created with ``param_dtype=jnp.bfloat16`` (the step checks it).
+
+        Returns:
+          ``MixedPrecision(param_dtype=bfloat16, compute_dtype=bfloat16,
+          output_dtype=float32)``.
+        """
+        return cls(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16, output_dtype=jnp.float32)
 
     @property
     def gather(self) -> np.dtype | None:
@@ -122,8 +139,8 @@ def as_precision(value: MixedPrecision | str | None) -> MixedPrecision:
     """A :class:`MixedPrecision` from a policy, a name in :data:`PRECISIONS`, or None.
 
     Args:
-      value: ``"f32"`` or None (full precision), ``"bf16"`` (:meth:`MixedPrecision.bf16`),
-        or a policy.
+      value: ``"f32"`` or None (full precision), ``"mixed"`` (:meth:`MixedPrecision.mixed`),
+        ``"bf16"`` (:meth:`MixedPrecision.bf16`), or a policy.
 
     Returns:
       The policy.
@@ -133,8 +150,9 @@ def as_precision(value: MixedPrecision | str | None) -> MixedPrecision:
     """
     if isinstance(value, MixedPrecision):
         return value
-    if value is None or value == "f32":
+    named = {"f32": MixedPrecision, "mixed": MixedPrecision.mixed, "bf16": MixedPrecision.bf16}
+    if value is None:
         return MixedPrecision()
-    if value == "bf16":
-        return MixedPrecision.bf16()
+    if isinstance(value, str) and value in named:
+        return named[value]()
     raise ValueError(f"precision must be a MixedPrecision or one of {PRECISIONS}, got {value!r}.")

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec
 
 from substrax.layout import Layout
 from substrax.mesh import MeshRules
-from substrax.spmd import MixedPrecision, is_replicated_leaf
+from substrax.spmd import MixedPrecision, is_replicated_leaf, region_obstacle
 from substrax_flax._resolve import axes_entry, entry_axes, without_axes
 from substrax_flax._state import map_variables, values_by_path, variables
 from substrax_flax._traced import is_key
@@ -111,14 +111,11 @@ def manual_obstacle(
 ) -> str | None:
     """Why this model's step cannot be manual without changing its numbers, or None.
 
-    Batch statistics would be computed per device (each device's rows), so they would differ
-    from one device's (random draws are found in the loss's trace instead, by
-    :mod:`substrax_flax._traced`); Explicit mesh axes let
-    model code name the batch axes in its shardings, which a manual region forbids. XLA
-    aborts on a region that leaves two or more mesh axes of size > 1 outside it (context or
-    expert axes with tensor axes, found on CPU; the check is in XLA's partitioner). On CPU,
-    XLA (jax 0.10.2) aborts the process compiling a bfloat16 all-reduce over tensor axes
-    inside a manual region, so tensor parallelism with a 16-bit compute dtype stays with XLA.
+    What this jax/XLA cannot compile (:func:`substrax.spmd.region_obstacle`, shared with the
+    planner), then batch statistics outside an ``nnx.BatchNorm``: they would be computed per
+    device (each device's rows), so they would differ from one device's. Random draws and
+    shardings that name a batch axis are found in the loss's trace instead, by
+    :mod:`substrax_flax._traced`.
 
     Args:
       model: The model.
@@ -129,19 +126,11 @@ def manual_obstacle(
     Returns:
       A sentence naming the obstacle, or None.
     """
-    narrow = precision is not None and precision.compute_dtype is not None
-    narrow = narrow and precision.compute_dtype.itemsize < 4
-    tensor = [a for a, size in dict(mesh.shape).items() if size > 1 and a not in batch_axes]
-    if len(tensor) > 1:
-        return (
-            f"XLA (jax 0.10.2) fails a CHECK (spmd_partitioner_util) partitioning a manual "
-            f"region that leaves two mesh axes of size > 1 to it, here {tuple(tensor)}"
-        )
-    if narrow and tensor and mesh.devices.flat[0].platform == "cpu":
-        return (
-            f"XLA's CPU compiler aborts on {precision.compute_dtype.name} all-reduces over "
-            f"the axes {tuple(tensor)} that a manual region leaves to it"
-        )
+    compute = precision.compute_dtype if precision is not None else None
+    platform = mesh.devices.flat[0].platform
+    obstacle = region_obstacle(dict(mesh.shape), batch_axes, compute, platform)
+    if obstacle is not None:
+        return obstacle
     synced = synced_stats(model)
     for path, variable in variables(nnx.state(model)):
         if isinstance(variable, nnx.BatchStat) and path not in synced:
@@ -150,8 +139,6 @@ def manual_obstacle(
                 "nnx.BatchNorm whose axis_name substrax can set, so the step would not match "
                 "one device's"
             )
-    if jax.sharding.AxisType.Explicit in tuple(mesh.axis_types):
-        return "the mesh has Explicit axes (model code may name the batch axes in shardings)"
     return None
 
 

@@ -290,8 +290,8 @@ def make_pipeline_train_step(
         every stage, with a ``ShardingWarning``).
       on_nonfinite: A step with a NaN or inf loss or gradient: ``"skip"`` its update (and
         warn), ``"raise"``, or ``"apply"`` it; as for :func:`make_train_step`.
-      precision: A :class:`substrax.spmd.MixedPrecision` policy, ``"bf16"`` or ``"f32"`` /
-        None, as for :func:`make_train_step`: the embedding, each stage and the head compute
+      precision: A :class:`substrax.spmd.MixedPrecision` policy or a name of
+        :data:`substrax.spmd.PRECISIONS` (``"f32"`` / None, ``"mixed"``, ``"bf16"``), as for :func:`make_train_step`: the embedding, each stage and the head compute
         with parameters (and floating-point batch leaves) cast to the compute dtype, and the
         stack's inputs and each layer's output are cast to it, so the activations passed
         between stages are in it; the optimizer sees gradients in the stored dtype and the

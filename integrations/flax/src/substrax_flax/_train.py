@@ -648,8 +648,8 @@ def _check_param_dtype(model: nnx.Module, wrt: Any, precision: MixedPrecision) -
             raise TypeError(
                 f"The precision policy stores parameters in {precision.param_dtype.name}, but "
                 f"{path} is {dtype}. Create the model with param_dtype="
-                f"{precision.param_dtype.name} (master weights), or pass a policy with "
-                "param_dtype=None."
+                f"{precision.param_dtype.name}, or pass precision='mixed' (float32 master "
+                "weights, bfloat16 compute) or a policy with param_dtype=None."
             )
 
 
@@ -750,10 +750,11 @@ def make_train_step(
         (the reductions do not grow with it; activations are held for one slice; ``zero2``
         layouts reduce each slice's). The loss is the mean of the slices' losses. With one
         replica (batch axes of size 1) the slices run without a manual region.
-      precision: A :class:`substrax.spmd.MixedPrecision` policy, ``"bf16"``
-        (``MixedPrecision.bf16()``: float32 master weights and optimizer state, bfloat16
-        gathers, compute and gradient reductions, float32 loss) or ``"f32"`` / None (as
-        stored). Parameters and floating-point batch leaves are cast at the point of use; the
+      precision: A :class:`substrax.spmd.MixedPrecision` policy or a name of
+        :data:`substrax.spmd.PRECISIONS`, as the planner names them: ``"mixed"`` (float32
+        master weights and optimizer state, bfloat16 gathers, compute and gradient
+        reductions, float32 loss), ``"bf16"`` (parameters stored in bfloat16 too) or
+        ``"f32"`` / None (as stored). Parameters and floating-point batch leaves are cast at the point of use; the
         optimizer sees gradients in the stored dtype. In the manual step the gathers and
         reductions run in the policy's dtypes (bf16 halves their traffic); with
         ``data_parallel="xla"`` XLA chooses where to cast, and its collectives may stay in

@@ -197,7 +197,7 @@ def validate(plan: Plan, rank: int = 0, *, devices: int | None = None) -> dict[s
 
     The twin keeps the architecture's kinds of layer (grouped-query attention, gating, tied
     head, biases) at a small size and the candidate layout's kinds of parallelism on the
-    available devices; it is created with the twin layout and trained with adamw in fp32
+    available devices; it is created with the twin layout and trained with adamw in f32
     through :func:`~substrax_flax.make_train_step`'s default path (no compute rules: each
     parameter gathered once per step).
 
@@ -233,11 +233,11 @@ def _validate_layout(
     layout: Layout,
     *,
     devices: int | None = None,
-    precision: str = "fp32",
+    precision: str = "f32",
 ) -> dict[str, Any]:
     """The comparison of :func:`validate` for one layout of ``config``.
 
-    With ``precision="mixed"`` the twin's step runs ``precision="bf16"``, and its traffic is
+    With ``precision="mixed"`` the twin's step runs ``precision="mixed"``, and its traffic is
     read off the lowered program (XLA's CPU compiler widens bf16 collectives to f32).
     """
     devices = devices or jax.device_count()
@@ -249,7 +249,7 @@ def _validate_layout(
     estimate = evaluate(small, leaves, twin, workload, Hardware(memory_bytes=2**40))
     model = create_sharded_model(lambda: _Twin(small, nnx.Rngs(0)), layout=twin)
     optimizer = create_sharded_optimizer(model, optax.adamw(1e-3))
-    step = make_train_step(_loss, precision="bf16" if precision == "mixed" else None)
+    step = make_train_step(_loss, precision=precision)
     rows = np.zeros((batch_rows, 16), np.int32)  # shifted targets: the sequence may be split
     batch = {"inputs": rows, "targets": rows}
     with warnings.catch_warnings():  # the twin's path is returned below, not warned about

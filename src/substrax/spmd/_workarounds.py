@@ -1,0 +1,56 @@
+"""What this jax/XLA cannot compile in a manual region: one list, read by the step and the planner.
+
+Each entry was observed on a given jax version and backend; it is gated by both, so the step
+plan (:mod:`substrax_flax._step_plan`) and the planner (:mod:`substrax.planner`) take the same
+path for the same layout. Recheck an entry when jax moves: until a version is known to fix
+it, it applies (an XLA ``CHECK`` aborts the process, which no ``try`` can catch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+
+__all__ = ["OBSERVED_ON", "region_obstacle"]
+
+#: The jax version the entries below were observed on.
+OBSERVED_ON = "0.10.2"
+
+
+def region_obstacle(
+    axis_sizes: Mapping[str, int],
+    region_axes: tuple[str, ...],
+    compute_dtype: np.dtype | None = None,
+    platform: str = "cpu",
+) -> str | None:
+    """Why XLA cannot compile a manual region over ``region_axes`` here, or None.
+
+    * XLA's SPMD partitioner fails a ``CHECK`` (``spmd_partitioner_util``) on a region that
+      leaves two or more mesh axes of size > 1 outside it (tensor with context or expert axes).
+    * XLA's CPU compiler aborts on a 16-bit all-reduce over the axes a region leaves outside.
+
+    Args:
+      axis_sizes: The mesh's axis sizes.
+      region_axes: The axes the region is manual over (the batch axes it splits).
+      compute_dtype: The step's compute dtype (None: as stored, float32).
+      platform: The devices' platform (``"cpu"``, ``"gpu"``, ``"tpu"``).
+
+    Returns:
+      A sentence naming the obstacle and the jax version it was seen on, or None.
+    """
+    free = tuple(a for a, size in axis_sizes.items() if size > 1 and a not in region_axes)
+    if len(free) > 1:
+        return (
+            f"XLA (jax {OBSERVED_ON}, {jax.__version__} here) fails a CHECK in its SPMD "
+            f"partitioner on a manual region that leaves two mesh axes of size > 1 outside "
+            f"it, here {free}"
+        )
+    narrow = compute_dtype is not None and np.dtype(compute_dtype).itemsize < 4
+    if narrow and free and platform == "cpu":
+        return (
+            f"XLA's CPU compiler (jax {OBSERVED_ON}) aborts on {np.dtype(compute_dtype).name} "
+            f"all-reduces over the axes {free} that a manual region leaves outside it"
+        )
+    return None
