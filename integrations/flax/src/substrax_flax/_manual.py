@@ -43,7 +43,7 @@ from substrax_flax._state import map_variables, values_by_path, variables
 from substrax_flax._traced import is_key
 
 __all__ = [
-    "check_manual",
+    "batch_stat_obstacle",
     "manual_obstacle",
     "manual_movers",
     "manual_rules",
@@ -112,10 +112,8 @@ def manual_obstacle(
     """Why this model's step cannot be manual without changing its numbers, or None.
 
     What this jax/XLA cannot compile (:func:`substrax.spmd.region_obstacle`, shared with the
-    planner), then batch statistics outside an ``nnx.BatchNorm``: they would be computed per
-    device (each device's rows), so they would differ from one device's. Random draws and
-    shardings that name a batch axis are found in the loss's trace instead, by
-    :mod:`substrax_flax._traced`.
+    planner), then :func:`batch_stat_obstacle`. Random draws and shardings that name a batch
+    axis are found in the loss's trace instead, by :mod:`substrax_flax._traced`.
 
     Args:
       model: The model.
@@ -129,8 +127,15 @@ def manual_obstacle(
     compute = precision.compute_dtype if precision is not None else None
     platform = mesh.devices.flat[0].platform
     obstacle = region_obstacle(dict(mesh.shape), batch_axes, compute, platform)
-    if obstacle is not None:
-        return obstacle
+    return obstacle if obstacle is not None else batch_stat_obstacle(model)
+
+
+def batch_stat_obstacle(model: nnx.Module) -> str | None:
+    """The first batch statistic outside an ``nnx.BatchNorm`` substrax can sync, or None.
+
+    Such statistics would be computed from each device's rows in a manual region, so they
+    would differ from one device's.
+    """
     synced = synced_stats(model)
     for path, variable in variables(nnx.state(model)):
         if isinstance(variable, nnx.BatchStat) and path not in synced:
@@ -167,35 +172,6 @@ def sync_batch_norms(model: nnx.Module, batch_axes: tuple[str, ...]) -> None:
     for _, module in nnx.iter_modules(model):
         if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
             module.axis_name = batch_axes
-
-
-def check_manual(
-    model: nnx.Module,
-    mesh: jax.sharding.Mesh,
-    batch_axes: tuple[str, ...] = (),
-    precision: MixedPrecision | None = None,
-    *,
-    traced: str | None = None,
-) -> None:
-    """Raises if :func:`manual_obstacle` names one, or the loss's trace shows one.
-
-    Args:
-      model: The model.
-      mesh: Its mesh.
-      batch_axes: The batch axes.
-      precision: The step's mixed-precision policy.
-      traced: An obstacle found in the traced loss (a foreign random draw, a sharding that
-        names a batch axis), or None.
-
-    Raises:
-      ValueError: Naming the obstacle and the alternative.
-    """
-    obstacle = manual_obstacle(model, mesh, batch_axes, precision) or traced
-    if obstacle is not None:
-        raise ValueError(
-            f"data_parallel='manual' computes each device's loss on its own rows, but "
-            f"{obstacle}. Use data_parallel='xla' (or 'auto', which chooses it)."
-        )
 
 
 @dataclasses.dataclass(frozen=True)

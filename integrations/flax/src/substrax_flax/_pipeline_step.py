@@ -185,7 +185,7 @@ class PipelineTrainStep(JittedStep):
             out_shardings=(model_shardings, opt_shardings, replicated),
             donate_argnums=(0, 1),
         )
-        return Built(jitted, plan.mesh, self.data_axes)
+        return Built(jitted, plan.mesh, self.data_axes, "pipeline")
 
 
 def _grad_dims(plan: Any, name: str, stack: Any, data_axes: Sequence[str]) -> Any:
@@ -291,8 +291,9 @@ def make_pipeline_train_step(
       on_nonfinite: A step with a NaN or inf loss or gradient: ``"skip"`` its update (and
         warn), ``"raise"``, or ``"apply"`` it; as for :func:`make_train_step`.
       precision: A :class:`substrax.spmd.MixedPrecision` policy or a name of
-        :data:`substrax.spmd.PRECISIONS` (``"f32"`` / None, ``"mixed"``, ``"bf16"``), as for :func:`make_train_step`: the embedding, each stage and the head compute
-        with parameters (and floating-point batch leaves) cast to the compute dtype, and the
+        :data:`substrax.spmd.PRECISIONS` (``"f32"`` / None, ``"mixed"``, ``"bf16"``), as for
+        :func:`make_train_step`: the embedding, each stage and the head compute with
+        parameters (and floating-point batch leaves) cast to the compute dtype, and the
         stack's inputs and each layer's output are cast to it, so the activations passed
         between stages are in it; the optimizer sees gradients in the stored dtype and the
         loss is in the output dtype.

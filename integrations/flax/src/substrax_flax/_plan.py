@@ -150,7 +150,7 @@ class ModelPlan:
         layout: Layout | None = None,
         graphdef: Any = None,
         factory: Callable[[], nnx.Module] | None = None,
-        under_mesh: bool = False,
+        under_mesh: bool | None = None,
     ):
         """Plans ``state``; use :func:`plan_model` rather than calling this directly.
 
@@ -160,7 +160,8 @@ class ModelPlan:
           layout: The layout the resolver was built from, if any.
           graphdef: The model's graph definition.
           factory: A function of no arguments that builds the model (for :attr:`init`).
-          under_mesh: Whether the factory must run under ``jax.set_mesh`` (Explicit style).
+          under_mesh: Whether the factory must run under ``jax.set_mesh`` (Explicit style;
+            None: read off ``state``, see :func:`_typed`).
         """
         self.mesh, self.rules, self.strategy = resolver.mesh, resolver.rules, resolver.strategy
         self.layout, self.graphdef, self._factory = layout, graphdef, factory
@@ -176,6 +177,8 @@ class ModelPlan:
             state,
             self.shardings,
         )
+        if under_mesh is None:
+            under_mesh = _typed(state, self.mesh)
         self._template, self.init, self._under_mesh = state, None, under_mesh
         if factory is not None:
             # The jitted init returns its values by path: a Variable's metadata may differ
@@ -185,6 +188,18 @@ class ModelPlan:
             out = [by_path[path] for path in paths]
             self._values = jax.jit(self._create_values, out_shardings=out)
             self.init = self._init
+
+    @property
+    def explicit_code(self) -> bool:
+        """Whether the model's code is written for Explicit mesh axes.
+
+        True on a mesh with Explicit axes when the model's variables carry their specs in
+        their types (Flax's Explicit style: ``out_sharding=P(...)`` at creation); a model
+        written for Auto axes (plain ``nnx.Embed``, ``nnx.Linear``) placed on such a mesh
+        (``jax.make_mesh`` makes one) is False, and its step runs on the mesh's Auto twin.
+        """
+        explicit = jax.sharding.AxisType.Explicit in tuple(self.mesh.axis_types)
+        return explicit and self._under_mesh
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -435,10 +450,18 @@ def _abstract_split(factory: Callable[[], nnx.Module], mesh: Any) -> tuple[Any, 
 
     with nnx.use_eager_sharding(False), _mesh_context(mesh):
         graphdef, state = jax.eval_shape(split)
+    return graphdef, state, _typed(state, mesh)
+
+
+def _typed(state: Any, mesh: Any) -> bool:
+    """Whether a model's code is created under the mesh context.
+
+    On Auto axes always; on Explicit axes when its variables carry their specs in their types
+    (Explicit style).
+    """
     if jax.sharding.AxisType.Explicit not in tuple(mesh.axis_types):
-        return graphdef, state, True
-    typed = any(typed_spec(variable) is not None for _, variable in variables(state))
-    return graphdef, state, typed
+        return True
+    return any(typed_spec(variable) is not None for _, variable in variables(state))
 
 
 def create_sharded_model(

@@ -19,6 +19,7 @@ from substrax import ShardingWarning, warn_user
 from substrax.layout import Layout
 from substrax.mesh import MeshRules
 from substrax.spmd import (
+    PRECISIONS,
     MixedPrecision,
     as_precision,
     check_batch,
@@ -29,9 +30,7 @@ from substrax.spmd import (
 )
 from substrax_flax._cache import ProgramKey, StepCache
 from substrax_flax._manual import (
-    check_manual,
     manual_movers,
-    manual_obstacle,
     manual_rules,
     manual_value_and_grad,
     sync_batch_norms,
@@ -42,6 +41,7 @@ from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, plan_of, shar
 from substrax_flax._remat import Marked, use_remat
 from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules, entry_axes
 from substrax_flax._state import constrain_state, shape_and_dtype, variables
+from substrax_flax._step_plan import Decision, StepPlan, choose_path, param_steps, step_mesh
 from substrax_flax._traced import Traced, is_key, trace
 
 __all__ = ["Built", "JittedStep", "TrainStep", "make_train_step", "optimizer_shardings"]
@@ -58,9 +58,34 @@ class Built:
     jitted: Any
     mesh: jax.sharding.Mesh
     data_axes: tuple[str, ...]
-    data_parallel: str = "xla"
+    #: The gradient path (``"manual"``, ``"xla"`` or ``"pipeline"``), as metrics["path"].
+    path: str = "xla"
     #: Mesh axes the batch's sequences are split over (context parallelism), in zigzag order.
     seq_axes: tuple[str, ...] = ()
+    #: The step plan it executes (the flat step's), or None.
+    plan: StepPlan | None = None
+    #: The model's mesh when the step runs on its Auto twin (arrays move without a copy).
+    home: jax.sharding.Mesh | None = None
+
+    def enter(self, tree: Any) -> Any:
+        """``tree``'s arrays on the step's mesh (as they are unless it runs on a twin)."""
+        return tree if self.home is None else _rehome(tree, self.mesh)
+
+    def leave(self, tree: Any) -> Any:
+        """``tree``'s arrays back on the model's mesh."""
+        return tree if self.home is None else _rehome(tree, self.home)
+
+
+def _rehome(tree: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Each array of ``tree`` on ``mesh`` (same devices and spec, other axis types): no copy."""
+
+    def move(x):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh != mesh:
+            return jax.device_put(x, NamedSharding(mesh, sharding.spec))
+        return x
+
+    return jax.tree.map(move, tree)
 
 
 def optimizer_shardings(optimizer: nnx.Optimizer, plan: ModelPlan) -> Any:
@@ -110,6 +135,7 @@ class JittedStep:
 
     def __init__(self, on_nonfinite: NonFinite = "skip") -> None:
         self._compiled = StepCache()
+        self._last: Built | None = None
         self._guard = Guard(on_nonfinite)
 
     def _build(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Built:
@@ -123,6 +149,7 @@ class JittedStep:
         if built is None:
             built = self._build(model, optimizer, batch)
             self._compiled.put(key, built)
+        self._last = built
         return built
 
     def _with_built(
@@ -135,7 +162,7 @@ class JittedStep:
     def _batch(batch: Any, built: Built) -> Any:
         check_batch(batch)
         if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(batch)):
-            return batch
+            return built.enter(batch)
         return shard_batch(batch, built.mesh, built.data_axes, seq_axes=built.seq_axes)
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> dict:
@@ -155,9 +182,11 @@ class JittedStep:
             process passes its local slice) or ``jax.Array``s already on the mesh.
 
         Returns:
-          The metrics: ``{"loss": ..., "finite": ...}`` plus ``loss_fn``'s aux (a dict's
-          items, or ``"aux"``). ``finite`` is False when the loss or a gradient was NaN or
-          inf; the update was then skipped (a :class:`NonFiniteWarning` says so).
+          The metrics: ``{"path": ..., "loss": ..., "finite": ...}`` plus ``loss_fn``'s aux
+          (a dict's items, or ``"aux"``). ``path`` is the gradient path the step ran (a
+          string: ``"manual"``, ``"xla"`` or ``"pipeline"``, see :class:`StepPlan`).
+          ``finite`` is False when the loss or a gradient was NaN or inf; the update was then
+          skipped (a :class:`NonFiniteWarning` says so).
 
         Raises:
           FloatingPointError: With ``on_nonfinite="raise"``, when the loss or a gradient was
@@ -166,15 +195,15 @@ class JittedStep:
 
         def run(built):
             with jax.set_mesh(built.mesh):  # model code may use bare PartitionSpecs
-                return built.jitted(
-                    nnx.state(model), nnx.state(optimizer), self._batch(batch, built)
-                )
+                args = built.enter((nnx.state(model), nnx.state(optimizer)))
+                out = built.jitted(*args, self._batch(batch, built))
+            return (*built.leave(out[:2]), out[2], built.path)
 
-        model_state, opt_state, metrics = self._with_built(model, optimizer, batch, run)
+        model_state, opt_state, metrics, path = self._with_built(model, optimizer, batch, run)
         nnx.update(model, model_state)
         nnx.update(optimizer, opt_state)
         self._guard.after(metrics)
-        return metrics
+        return {"path": path, **metrics}
 
     def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> jax.stages.Lowered:
         """Lowers the step without running it.
@@ -191,9 +220,8 @@ class JittedStep:
 
         def lower(built):
             with jax.set_mesh(built.mesh):
-                return built.jitted.lower(
-                    nnx.state(model), nnx.state(optimizer), self._batch(batch, built)
-                )
+                args = built.enter((nnx.state(model), nnx.state(optimizer)))
+                return built.jitted.lower(*args, self._batch(batch, built))
 
         return self._with_built(model, optimizer, batch, lower)
 
@@ -339,10 +367,44 @@ class TrainStep(JittedStep):
         return step
 
     def _build(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Built:
-        check_owner(optimizer, model, "The train step")
         plan = model_plan(
             model, self.mesh, self.rules, self.strategy, self.layout, what="make_train_step"
         )
+        step_plan, traced = self._step_plan(model, optimizer, batch, plan)
+        self._warn_path(step_plan)
+        _check_experts(plan, traced)
+        mesh = step_plan.mesh
+        model_sh = _on(mesh, shardings_of(plan.rows, nnx.state(model), plan.mesh))
+        opt_sh = _on(mesh, optimizer_shardings(optimizer, plan))
+        compute_sh, rules = self._compute(plan, nnx.state(model, self.wrt))
+        manual = None
+        if step_plan.path == "manual":
+            split = step_plan.region_axes
+            _check_microbatches(batch, mesh, split, self.microbatches)
+            rows = {row.path: row for row in plan.rows}
+            movers = manual_movers(nnx.state(model, self.wrt), rows, split, _on(mesh, compute_sh),
+                                   self.precision, plan.layout)  # fmt: skip
+            zero = plan.layout.zero if plan.layout is not None else 0
+            manual = (split, movers, zero == 2)
+        fn = self._step_fn(
+            nnx.graphdef(model), nnx.graphdef(optimizer), _on(mesh, compute_sh), rules,
+            model_sh, opt_sh, mesh, manual,
+        )  # fmt: skip
+        jitted = jax.jit(
+            fn,
+            in_shardings=(model_sh, opt_sh, None),
+            out_shardings=(model_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
+            donate_argnums=(0, 1) if self.donate else (),
+        )
+        home = plan.mesh if mesh is not plan.mesh else None
+        return Built(jitted, mesh, step_plan.batch_axes, step_plan.path, step_plan.seq_axes,
+                     step_plan, home)  # fmt: skip
+
+    def _step_plan(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, plan: ModelPlan
+    ) -> tuple[StepPlan, Callable[[], Traced]]:
+        """Every decision of the step, before it is traced; and the loss's trace, on demand."""
+        check_owner(optimizer, model, "The train step")
         _check_differentiable(model, self.wrt)
         _check_param_dtype(model, self.wrt, self.precision)
         data_axes = self.data_axes or plan.batch_axes
@@ -351,90 +413,61 @@ class TrainStep(JittedStep):
                 "make_train_step needs the batch's mesh axes: pass data_axes=..., a layout, or "
                 f"rules whose 'data' maps to mesh axes (mesh axes: {tuple(plan.mesh.axis_names)})."
             )
-        model_sh = shardings_of(plan.rows, nnx.state(model), plan.mesh)
-        opt_sh = optimizer_shardings(optimizer, plan)
+        mesh, mesh_decision = step_mesh(plan)
         compute_sh, rules = self._compute(plan, nnx.state(model, self.wrt))
-        manual = None
         # The manual region spans the batch axes parameters are whole on where used; expert
         # axes also split the batch, but stay with XLA (the expert layer enters its own region).
         experts = plan.layout.expert_axes if plan.layout is not None else ()
-        split = tuple(a for a in data_axes if dict(plan.mesh.shape)[a] > 1 and a not in experts)
-        # One replica: nothing to split; accumulation still runs slice by slice, region-less.
-        traced = functools.cache(
-            functools.partial(self._trace, model, plan, batch, compute_sh, rules, split)
-        )
-        mode = self._mode(model, plan, split, traced)
-        _check_experts(plan, traced)
-        if mode == "manual":
-            _check_microbatches(batch, plan.mesh, split, self.microbatches)
-            rows = {row.path: row for row in plan.rows}
-            movers = manual_movers(nnx.state(model, self.wrt), rows, split, compute_sh,
-                                   self.precision, plan.layout)  # fmt: skip
-            zero = plan.layout.zero if plan.layout is not None else 0
-            manual = (split, movers, zero == 2)
-        fn = self._step_fn(
-            nnx.graphdef(model), nnx.graphdef(optimizer), compute_sh, rules, model_sh, opt_sh,
-            plan.mesh, manual,
-        )  # fmt: skip
-        jitted = jax.jit(
-            fn,
-            in_shardings=(model_sh, opt_sh, None),
-            out_shardings=(model_sh, opt_sh, NamedSharding(plan.mesh, PartitionSpec())),
-            donate_argnums=(0, 1) if self.donate else (),
-        )
+        split = tuple(a for a in data_axes if dict(mesh.shape)[a] > 1 and a not in experts)
+        traced = functools.cache(functools.partial(
+            self._trace, model, mesh, batch, _on(mesh, compute_sh), rules, split
+        ))  # fmt: skip
+        path = choose_path(self.data_parallel, model, plan, mesh, split, self.precision,
+                           self.microbatches, traced, self.wrt)  # fmt: skip
+        region = split if path.name == "manual" else ()
         seq_axes = plan.layout.context_axes if plan.layout is not None else ()
-        return Built(jitted, plan.mesh, tuple(data_axes), mode, seq_axes)
+        params = param_steps(plan, nnx.state(model, self.wrt), compute_sh, path.name, split)
+        decisions = (
+            Decision("path", path.name, path.reason),
+            mesh_decision,
+            Decision("batch axes", str(tuple(data_axes)), _batch_reason(self.data_axes, plan)),
+            Decision("region", str(region) if region else "none",
+                     "manual over the batch axes of size > 1 (expert axes stay with XLA)"
+                     if region else "XLA partitions the whole step"),
+            Decision("precision", _precision_name(self.precision), "as asked (make_train_step)"),
+            Decision("remat", self.remat, "as asked"),
+            Decision("microbatches", str(self.microbatches), "as asked"),
+            Decision("gather", self.gather, "as asked"),
+        )  # fmt: skip
+        if path.extra_bytes:
+            more = "more traffic per device per step than the manual step"
+            decisions += (Decision("cost", _megabytes(path.extra_bytes), more),)
+        step_plan = StepPlan(
+            path.name, path.reason, mesh, tuple(data_axes), region, seq_axes, self.precision,
+            self.remat, self.microbatches, self.gather, path.extra_bytes, params, decisions,
+            path.advice,
+        )  # fmt: skip
+        return step_plan, traced
 
-    def _mode(
-        self, model: nnx.Module, plan: ModelPlan, split: tuple[str, ...], traced: Callable
-    ) -> str:
-        """``"manual"`` or ``"xla"``: ``data_parallel`` as asked, or as chosen for ``"auto"``.
-
-        With no batch axis to split, the step is XLA's unless it accumulates microbatches
-        (which then run slice by slice, without a region).
-
-        Args:
-          model: The model.
-          plan: Its plan.
-          split: The batch axes of size > 1 the manual region would span.
-          traced: ``traced()`` is the loss's :class:`~substrax_flax._traced.Traced`.
-
-        Raises:
-          ValueError: If ``"manual"`` (or ``microbatches`` above 1) was asked where
-            :func:`~substrax_flax._manual.manual_obstacle` names an obstacle, or the loss's
-            trace shows one (a draw from a key that is not a stream, a sharding that names
-            a batch axis).
-        """
-        asked = self.data_parallel == "manual" or self.microbatches > 1
-        if self.data_parallel == "xla" or not (split or asked):
-            return "xla"
-        context = (model, plan.mesh, split, self.precision)
-        found = _traced_obstacle(traced(), split)
-        if asked:
-            check_manual(*context, traced=found and found[0])
-            return "manual"
-        obstacle = manual_obstacle(*context)
-        found = (obstacle, None) if obstacle is not None else found
-        if found:
-            extra = _all_reduce_extra(plan, split, self.wrt, model)
-            if extra:  # a switch that costs nothing (no sharded gradient) goes unsaid
-                obstacle, advice = found
-                silence = f"{advice}, or pass" if advice else "Pass"
-                warn_user(
-                    f"make_train_step(data_parallel='auto'): {obstacle}; this step runs "
-                    "XLA's partitioning of the whole batch (it equals one device), which "
-                    "all-reduces the gradients instead of reduce-scattering them: "
-                    f"{_megabytes(extra)} more per device per step. {silence} "
-                    "data_parallel='xla' to silence this.",
-                    ShardingWarning,
-                )
-            return "xla"
-        return "manual"
+    def _warn_path(self, step_plan: StepPlan) -> None:
+        """Says, at the user's line, where ``"auto"`` left the manual step at a cost."""
+        if self.data_parallel != "auto" or step_plan.path != "xla" or not step_plan.extra_bytes:
+            return  # a switch that costs nothing (no sharded gradient) goes unsaid
+        advice = step_plan.advice
+        silence = f"{advice}, or pass" if advice else "Pass"
+        warn_user(
+            f"make_train_step(data_parallel='auto'): {step_plan.reason}; this step runs "
+            "XLA's partitioning of the whole batch (it equals one device), which "
+            "all-reduces the gradients instead of reduce-scattering them: "
+            f"{_megabytes(step_plan.extra_bytes)} more per device per step. {silence} "
+            "data_parallel='xla' to silence this.",
+            ShardingWarning,
+        )
 
     def _trace(
         self,
         model: nnx.Module,
-        plan: ModelPlan,
+        mesh: jax.sharding.Mesh,
         batch: Any,
         compute: Any,
         rules: MeshRules,
@@ -448,19 +481,21 @@ class TrainStep(JittedStep):
         _, params, rest = nnx.split(model, self.wrt, ...)
         rest_leaves, rest_def = jax.tree.flatten(rest)
         loss_of = self._loss_fn(nnx.graphdef(model), compute, rest_def)
-        processes = len({d.process_index for d in plan.mesh.devices.flat})
+        processes = len({d.process_index for d in mesh.devices.flat})
         abstract = jax.tree.map(functools.partial(_global_leaf, processes), batch)
+        params = _rehome(params, mesh)
         rules = manual_rules(rules, split) if split else rules
-        with use_rules(plan.mesh, rules), jax.set_mesh(plan.mesh), nnx.use_eager_sharding(False):
+        with use_rules(mesh, rules), jax.set_mesh(mesh), nnx.use_eager_sharding(False):
             streams = (jax.tree.map(lambda _: False, params), [is_key(x) for x in rest_leaves],
                        jax.tree.map(lambda _: False, abstract))  # fmt: skip
-            return trace(loss_of, params, rest_leaves, abstract, streams=streams)
+            return trace(loss_of, params, _rehome(rest_leaves, mesh), abstract, streams=streams)
 
-    def data_parallel_for(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> str:
-        """How this step splits the batch for ``model``: ``"manual"`` or ``"xla"``.
+    def plan_for(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> StepPlan:
+        """The step plan for these arguments: every decision, before anything runs.
 
-        Decided before anything runs (the loss is traced, not run, to see whether it draws
-        random numbers), and the compiled step then uses it.
+        The loss is traced (not run) to see whether it draws random numbers or names a batch
+        axis; the compiled step then executes this plan. ``print`` it for one line per
+        decision with its reason, and each parameter's specs.
 
         Args:
           model: The model.
@@ -468,36 +503,37 @@ class TrainStep(JittedStep):
           batch: A batch as passed to the step (its shapes are what matters).
 
         Returns:
-          The mode ``data_parallel="auto"`` chose (or the one asked for).
+          The :class:`StepPlan`.
         """
-        return self._built(model, optimizer, batch).data_parallel
+        return self._built(model, optimizer, batch).plan
 
+    @property
+    def plan(self) -> StepPlan:
+        """The plan of the program used last (see :meth:`plan_for`).
 
-def _traced_obstacle(traced: Traced, split: tuple[str, ...]) -> tuple[str, str] | None:
-    """Why the traced loss cannot run in the manual region, and what would let it, or None.
+        Raises:
+          ValueError: Before the step was called, lowered or planned.
+        """
+        built = self._last
+        if built is None or built.plan is None:
+            raise ValueError(
+                "This step has no plan yet: it is planned for a model and a batch's shapes. "
+                "Call step.plan_for(model, optimizer, batch), or read step.plan after a call."
+            )
+        return built.plan
 
-    Draws from a key that is not an ``nnx.Rngs`` stream would repeat on every device (a
-    stream's are folded with the device's position); a sharding in model code that names a
-    batch axis cannot be traced where that axis is manual.
-    """
-    draws = traced.foreign_draws
-    if draws:
-        return (
-            f"the loss draws random numbers from a key that is not an nnx.Rngs stream "
-            f"({', '.join(draws)} in its trace), so each device would draw the same numbers "
-            "for different rows",
-            "Draw from an nnx.Rngs stream the model holds to get the manual step",
-        )
-    named = traced.naming(split)
-    if named:
-        return (
-            f"the model's code names the batch axes {split} in a sharding "
-            f"({', '.join(named)} in its trace), which the manual data-parallel step cannot "
-            "trace",
-            "Constrain activations with substrax.spmd.constrain and logical names to get the "
-            "manual step",
-        )
-    return None
+    def data_parallel_for(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> str:
+        """How this step splits the batch for ``model``: ``"manual"`` or ``"xla"``.
+
+        Args:
+          model: The model.
+          optimizer: Its optimizer.
+          batch: A batch as passed to the step.
+
+        Returns:
+          ``step.plan_for(model, optimizer, batch).path``.
+        """
+        return self.plan_for(model, optimizer, batch).path
 
 
 def _check_microbatches(batch: Any, mesh: Any, split: tuple[str, ...], k: int) -> None:
@@ -520,22 +556,6 @@ def _global_leaf(processes: int, leaf: Any) -> jax.ShapeDtypeStruct:
     if shape and not isinstance(leaf, jax.Array):
         shape = (shape[0] * processes, *shape[1:])
     return jax.ShapeDtypeStruct(shape, leaf.dtype)
-
-
-def _all_reduce_extra(plan: ModelPlan, split: tuple[str, ...], wrt: Any, model: nnx.Module) -> int:
-    """Bytes per device an all-reduced step moves beyond a reduce-scattered one.
-
-    A gradient sharded over ``n`` devices of ``split`` is reduce-scattered in
-    ``(n - 1) x shard`` bytes and all-reduced in twice that.
-    """
-    sizes = dict(plan.mesh.shape)
-    paths = {path for path, _ in variables(nnx.state(model, wrt))}
-    extra = 0
-    for row in plan.rows:
-        axes = {a for entry in row.spec for a in entry_axes(entry)} & set(split)
-        if row.path in paths and axes:
-            extra += row.bytes_per_device * (math.prod(sizes[a] for a in axes) - 1)
-    return extra
 
 
 def _check_experts(plan: ModelPlan, traced: Callable[[], Traced]) -> None:
@@ -563,6 +583,33 @@ def _check_experts(plan: ModelPlan, traced: Callable[[], Traced]) -> None:
         "see docs/experts.md, or use a layout without expert axes.",
         ShardingWarning,
     )
+
+
+def _on(mesh: jax.sharding.Mesh, shardings: Any) -> Any:
+    """``shardings`` with each ``NamedSharding`` on ``mesh`` (the step's: maybe a twin)."""
+
+    def move(sharding):
+        if isinstance(sharding, NamedSharding) and sharding.mesh != mesh:
+            return NamedSharding(mesh, sharding.spec)
+        return sharding
+
+    return jax.tree.map(move, shardings)
+
+
+def _batch_reason(asked: tuple[str, ...] | None, plan: ModelPlan) -> str:
+    if asked:
+        return "data_axes as asked"
+    if plan.layout is not None:
+        return f"the {plan.layout.name} layout's batch axes"
+    return "the rules' 'batch' / 'data' axes"
+
+
+def _precision_name(policy: MixedPrecision) -> str:
+    """The name of :data:`~substrax.spmd.PRECISIONS` that ``policy`` is, else its repr."""
+    for name in PRECISIONS:
+        if as_precision(name) == policy:
+            return name
+    return repr(policy)
 
 
 def _megabytes(count: int) -> str:
@@ -754,11 +801,11 @@ def make_train_step(
         :data:`substrax.spmd.PRECISIONS`, as the planner names them: ``"mixed"`` (float32
         master weights and optimizer state, bfloat16 gathers, compute and gradient
         reductions, float32 loss), ``"bf16"`` (parameters stored in bfloat16 too) or
-        ``"f32"`` / None (as stored). Parameters and floating-point batch leaves are cast at the point of use; the
-        optimizer sees gradients in the stored dtype. In the manual step the gathers and
-        reductions run in the policy's dtypes (bf16 halves their traffic); with
-        ``data_parallel="xla"`` XLA chooses where to cast, and its collectives may stay in
-        the stored dtype.
+        ``"f32"`` / None (as stored). Parameters and floating-point batch leaves are cast
+        at the point of use; the optimizer sees gradients in the stored dtype. In the
+        manual step the gathers and reductions run in the policy's dtypes (bf16 halves
+        their traffic); with ``data_parallel="xla"`` XLA chooses where to cast, and its
+        collectives may stay in the stored dtype.
 
     Returns:
       A :class:`TrainStep`.

@@ -1,0 +1,315 @@
+"""The step plan: every decision of a training step, made before the step is traced, and shown.
+
+:class:`StepPlan` is to the step what :class:`~substrax_flax.ModelPlan` is to the parameters:
+one immutable value, computed from the model's plan, the step's options and the shapes of a
+batch. The step executes it; ``print(step.plan_for(model, optimizer, batch))`` shows it, one
+line per decision with its reason, then each parameter's specs: stored, where used, how its
+gradient is reduced and where its optimizer state lives.
+
+The gradient path is one of:
+
+* ``"manual"``: each device computes the loss of its own rows inside ``shard_map`` over the
+  batch axes; FSDP parameters are all-gathered and their gradients reduce-scattered.
+* ``"xla"``: XLA partitions the whole step; it all-reduces the gathered gradients.
+
+``data_parallel="auto"`` chooses ``"manual"`` unless an obstacle is in the way (see
+:func:`choose_path`), and then says which, and what it costs, in a ``ShardingWarning``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from flax import nnx
+from jax.sharding import AxisType, PartitionSpec
+
+from substrax.spmd import MixedPrecision, region_obstacle
+from substrax_flax._manual import batch_stat_obstacle
+from substrax_flax._plan import ModelPlan
+from substrax_flax._resolve import entry_axes
+from substrax_flax._state import values_by_path, variables
+from substrax_flax._traced import Traced
+
+__all__ = ["Decision", "ParamStep", "StepPlan", "choose_path", "step_mesh"]
+
+#: The gradient paths a step plan may name.
+PATHS = ("manual", "xla", "pipeline")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One decision of a step plan.
+
+    Attributes:
+      name: What was decided (``"path"``, ``"mesh"``, ``"region"``, ``"precision"``, ...).
+      value: The choice, as text.
+      reason: Why.
+    """
+
+    name: str
+    value: str
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamStep:
+    """What the step does with one differentiated parameter.
+
+    Attributes:
+      path: The parameter's path, ``/``-joined.
+      stored: Its planned spec (how it is stored between steps).
+      used: Its spec where the loss uses it (the stored spec without the gathered axes).
+      gradient: How its gradient is reduced: ``"reduce-scatter over (...)"``,
+        ``"all-reduce over (...)"``, or ``"none"`` (nothing splits the batch).
+      optimizer: The spec of its optimizer state (sharded further under ZeRO).
+    """
+
+    path: str
+    stored: PartitionSpec
+    used: PartitionSpec
+    gradient: str
+    optimizer: PartitionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """Every decision of a training step, made before it is traced.
+
+    Attributes:
+      path: The gradient path: ``"manual"``, ``"xla"`` or ``"pipeline"``.
+      reason: Why this path.
+      mesh: The mesh the step runs on: the model's, or its Auto twin for a model written for
+        Auto axes placed on a mesh with Explicit axes.
+      batch_axes: The mesh axes of the batch's leading dimension.
+      region_axes: The axes the manual region spans (empty outside one).
+      seq_axes: The axes the batch's sequences are split over (context parallelism).
+      precision: The mixed-precision policy.
+      remat: The remat policy's name.
+      microbatches: Gradient-accumulation slices per device.
+      gather: ``"keep"`` or ``"regather"``.
+      extra_bytes: Traffic per device per step this path moves beyond the manual step
+        (0 on the manual step, and where XLA's step costs nothing more).
+      params: One :class:`ParamStep` per differentiated parameter.
+      decisions: One :class:`Decision` per line of the plan.
+      advice: What would put the step on the manual path ("" when it is there, or nothing
+        the model could change would).
+    """
+
+    path: str
+    reason: str
+    mesh: jax.sharding.Mesh
+    batch_axes: tuple[str, ...]
+    region_axes: tuple[str, ...]
+    seq_axes: tuple[str, ...]
+    precision: MixedPrecision
+    remat: str
+    microbatches: int
+    gather: str
+    extra_bytes: int
+    params: tuple[ParamStep, ...]
+    decisions: tuple[Decision, ...]
+    advice: str = ""
+
+    def __str__(self) -> str:
+        width = max(len(d.name) for d in self.decisions)
+        lines = ["Step plan:"]
+        lines += [f"  {d.name:<{width}}  {d.value}: {d.reason}" for d in self.decisions]
+        if self.params:
+            lines.append("  parameter: stored -> used; gradient; optimizer state")
+            lines += [
+                f"    {p.path}: {_spec(p.stored)} -> {_spec(p.used)}; {p.gradient}; "
+                f"{_spec(p.optimizer)}"
+                for p in self.params
+            ]
+        return "\n".join(lines)
+
+
+def _spec(spec: PartitionSpec) -> str:
+    return "P(" + ", ".join(repr(e) if e is not None else "None" for e in spec) + ")"
+
+
+def step_mesh(plan: ModelPlan) -> tuple[jax.sharding.Mesh, Decision]:
+    """The mesh the step runs on, with why.
+
+    A model written for Auto axes (no spec in its variables' types) placed on a mesh with
+    Explicit axes (``jax.make_mesh`` makes one) runs on the mesh's Auto twin: the same devices
+    and names with Auto axes, where XLA propagates shardings through code that was not written
+    to say them (``nnx.Embed``'s gather). Arrays move between the two without a copy.
+    """
+    types = tuple(plan.mesh.axis_types)
+    if AxisType.Explicit not in types:
+        return plan.mesh, Decision("mesh", "as placed", "its axes are Auto")
+    if plan.explicit_code:
+        return plan.mesh, Decision(
+            "mesh", "Explicit axes", "the model's variables carry their specs in their types"
+        )
+    twin = plan.mesh.update(axis_types=(AxisType.Auto,) * len(types))
+    return twin, Decision(
+        "mesh",
+        "Auto twin of the Explicit mesh",
+        "the model is written for Auto axes (no spec in its variables' types); same devices, "
+        "no copy",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Path:
+    """A chosen gradient path: ``"manual"`` or ``"xla"``, why, and what would change it."""
+
+    name: str
+    reason: str
+    advice: str = ""
+    extra_bytes: int = 0
+
+
+def choose_path(
+    asked: str,
+    model: nnx.Module,
+    plan: ModelPlan,
+    mesh: jax.sharding.Mesh,
+    split: tuple[str, ...],
+    precision: MixedPrecision,
+    microbatches: int,
+    traced: Callable[[], Traced],
+    wrt: Any,
+) -> Path:
+    """The gradient path for ``data_parallel=asked``, decided before the step is traced.
+
+    In order: ``"xla"`` asked; nothing to split (one replica, no accumulation); what this
+    jax cannot compile (:func:`substrax.spmd.region_obstacle`, the planner's list too); batch
+    statistics outside an ``nnx.BatchNorm``; then what the loss's trace shows (a draw from a
+    key that is not an ``nnx.Rngs`` stream, a sharding that names a batch axis).
+
+    Args:
+      asked: ``"auto"``, ``"manual"`` or ``"xla"``.
+      model: The model.
+      plan: Its plan.
+      mesh: The step's mesh.
+      split: The batch axes of size > 1 a manual region would span.
+      precision: The step's policy.
+      microbatches: Gradient-accumulation slices (above 1 needs the manual step).
+      traced: ``traced()`` is the loss's :class:`~substrax_flax._traced.Traced`.
+      wrt: The differentiated variables.
+
+    Returns:
+      The :class:`Path`.
+
+    Raises:
+      ValueError: If ``"manual"`` (or ``microbatches`` above 1) was asked where an obstacle
+        is in the way.
+    """
+    if asked == "xla":
+        return Path("xla", "data_parallel='xla' was asked")
+    forced = asked == "manual" or microbatches > 1
+    if not split:
+        if forced:
+            return Path("manual", "gradient accumulation: the slices run one after the other")
+        return Path("xla", "one replica: no batch axis of size > 1 to split")
+    found = _obstacle(model, mesh, split, precision, traced)
+    if found is None:
+        return Path("manual", "each device computes its own rows; nothing needs XLA's step")
+    obstacle, advice = found
+    if forced:
+        what, instead = "data_parallel='manual'", "data_parallel='xla' (or 'auto')"
+        if asked != "manual":
+            what, instead = f"microbatches={microbatches}", "microbatches=1 (XLA's step)"
+        raise ValueError(
+            f"{what} computes each device's loss on its own rows, but {obstacle}. Use {instead}."
+        )
+    return Path("xla", obstacle, advice, all_reduce_extra(plan, split, wrt, model))
+
+
+def _obstacle(model, mesh, split, precision, traced) -> tuple[str, str] | None:
+    platform = mesh.devices.flat[0].platform
+    found = region_obstacle(dict(mesh.shape), split, precision.compute_dtype, platform)
+    if found is not None:
+        return found, ""
+    found = batch_stat_obstacle(model)
+    if found is not None:
+        return found, ""
+    return traced_obstacle(traced(), split)
+
+
+def traced_obstacle(traced: Traced, split: tuple[str, ...]) -> tuple[str, str] | None:
+    """Why the traced loss cannot run in the manual region, and what would let it, or None.
+
+    Draws from a key that is not an ``nnx.Rngs`` stream would repeat on every device (a
+    stream's are folded with the device's position); a sharding in model code that names a
+    batch axis cannot be traced where that axis is manual.
+    """
+    draws = traced.foreign_draws
+    if draws:
+        return (
+            f"the loss draws random numbers from a key that is not an nnx.Rngs stream "
+            f"({', '.join(draws)} in its trace), so each device would draw the same numbers "
+            "for different rows",
+            "Draw from an nnx.Rngs stream the model holds to get the manual step",
+        )
+    named = traced.naming(split)
+    if named:
+        return (
+            f"the model's code names the batch axes {split} in a sharding "
+            f"({', '.join(named)} in its trace), which the manual data-parallel step cannot "
+            "trace",
+            "Constrain activations with substrax.spmd.constrain and logical names to get the "
+            "manual step",
+        )
+    return None
+
+
+def all_reduce_extra(plan: ModelPlan, split: tuple[str, ...], wrt: Any, model: nnx.Module) -> int:
+    """Bytes per device an all-reduced step moves beyond a reduce-scattered one.
+
+    A gradient sharded over ``n`` devices of ``split`` is reduce-scattered in
+    ``(n - 1) x shard`` bytes and all-reduced in twice that.
+    """
+    sizes = dict(plan.mesh.shape)
+    paths = {path for path, _ in variables(nnx.state(model, wrt))}
+    extra = 0
+    for row in plan.rows:
+        axes = {a for entry in row.spec for a in entry_axes(entry)} & set(split)
+        if row.path in paths and axes:
+            extra += row.bytes_per_device * (math.prod(sizes[a] for a in axes) - 1)
+    return extra
+
+
+def param_steps(
+    plan: ModelPlan, params: Any, used: Any, path: str, split: tuple[str, ...]
+) -> tuple[ParamStep, ...]:
+    """Each differentiated parameter's specs and gradient reduction on ``path``.
+
+    Args:
+      plan: The model's plan.
+      params: The differentiated state.
+      used: Its shardings where the loss uses them.
+      path: ``"manual"`` or ``"xla"``.
+      split: The batch axes of size > 1.
+    """
+    rows = {row.path: row for row in plan.rows}
+    used_by_path = values_by_path(used)
+    layout = plan.layout
+    steps = []
+    for name, _ in variables(params):
+        row = rows[name]
+        optimizer = row.spec
+        if layout is not None and layout.zero:
+            optimizer = layout.optimizer_spec(row.spec, row.shape)[0]
+        on = tuple(a for e in optimizer for a in entry_axes(e) if a in split)
+        rest = tuple(a for a in split if a not in on)
+        if not split:
+            gradient = "none"
+        elif path == "xla":
+            gradient = f"all-reduce over {split} (XLA)"
+        elif on and rest:
+            gradient = f"reduce-scatter over {on}, all-reduce over {rest}"
+        elif on:
+            gradient = f"reduce-scatter over {on}"
+        else:
+            gradient = f"all-reduce over {split}"
+        used_spec = used_by_path[name].spec
+        steps.append(ParamStep(name, row.spec, used_spec, gradient, optimizer))
+    return tuple(steps)
