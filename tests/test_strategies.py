@@ -178,3 +178,13 @@ def test_strategy_on_a_three_axis_config_mesh():
         config,
     )
     assert multi.resolve((4, 4), mesh).spec == P(None, "model")
+
+
+def test_strategies_compare_by_value():
+    assert FSDPStrategy("data", 0) == FSDPStrategy("data", 0)
+    assert len({FSDPStrategy("data", 0), FSDPStrategy("data", 0)}) == 1
+    # a setting the repr does not show still makes them differ
+    narrow = FSDPStrategy("data", 0, min_weight_size=8)
+    assert repr(narrow) == repr(FSDPStrategy("data", 0)) and narrow != FSDPStrategy("data", 0)
+    assert TensorParallelStrategy("model", 1) != FSDPStrategy("model", 1)
+    assert TensorParallelStrategy("model", 1, "in_features") != TensorParallelStrategy("model", 1)

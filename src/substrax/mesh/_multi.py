@@ -64,6 +64,16 @@ class MultiDimensionalStrategy:
     def __repr__(self) -> str:
         return f"MultiDimensionalStrategy({self.strategies!r})"
 
+    def __eq__(self, other: object) -> bool:
+        """Equal when the strategies (in priority order) and the configs are."""
+        if not isinstance(other, MultiDimensionalStrategy):
+            return NotImplemented
+        mine, theirs = list(self.strategies.items()), list(other.strategies.items())
+        return mine == theirs and self.config == other.config
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.strategies), self.config))
+
     def get_combined_partition_spec(
         self, tensor_name: str, tensor_shape: tuple[str, ...]
     ) -> PartitionSpec:

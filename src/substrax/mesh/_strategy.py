@@ -67,6 +67,15 @@ class ShardingStrategy(abc.ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(axis_name={self.axis_name!r}, mesh_axis={self.mesh_axis})"
 
+    def __eq__(self, other: object) -> bool:
+        """Strategies are values: equal when of one type with equal settings."""
+        if type(other) is not type(self):
+            return NotImplemented
+        return vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self), self.axis_name, self.mesh_axis))
+
     @abc.abstractmethod
     def get_partition_spec(self, tensor_shape: tuple[str, ...]) -> PartitionSpec:
         """Get partition specification for a tensor with given shape names.

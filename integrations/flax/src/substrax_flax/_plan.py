@@ -265,7 +265,7 @@ class ModelPlan:
             differs.append(f"mesh {dict(mesh.shape)} (the model's: {dict(self.mesh.shape)})")
         if rules is not None and as_rules(rules, None) != self.rules:
             differs.append(f"rules {as_rules(rules, None)} (the model's: {self.rules})")
-        if strategy is not None and repr(strategy) != repr(self.strategy):
+        if strategy is not None and strategy != self.strategy:
             differs.append(f"strategy {strategy!r} (the model's: {self.strategy!r})")
         if differs:
             raise ValueError(
@@ -319,6 +319,76 @@ class ModelPlan:
         model = nnx.merge(self.graphdef, self.init())
         remember(model, self)
         return model
+
+    def adopt(self, model: nnx.Module, what: str) -> None:
+        """Makes ``model`` remember this plan, checking that it is laid out by it.
+
+        Args:
+          model: A model this plan created, or a copy of one (``nnx.clone``, ``nnx.merge``).
+          what: The call, for the message.
+
+        Raises:
+          ValueError: If ``model`` remembers another plan, or its graph or an array's
+            sharding is not this plan's.
+        """
+        own = plan_of(model)
+        if own is self:
+            return
+        if isinstance(own, ModelPlan):
+            raise ValueError(
+                f"{what}: the model was placed by another plan ({own!r}, not {self!r})."
+            )
+        graphdef, state = nnx.split(model)
+        wrong = _misplaced(self, state)
+        if self.graphdef is not None and not _same_graph(self.graphdef, graphdef):
+            wrong = ["its graph (modules and attributes) is not the plan's", *wrong]
+        if wrong:
+            raise ValueError(
+                f"{what}: the model is not laid out by this plan: {'; '.join(wrong[:3])}. "
+                "Create it with plan.create() (or create_sharded_model)."
+            )
+        remember(model, self)
+
+    def optimizer(self, model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param) -> nnx.Optimizer:
+        """An ``nnx.Optimizer`` for ``model`` with its optax state sharded by this plan.
+
+        Args:
+          model: A model laid out by this plan (see :meth:`adopt`).
+          tx: The optax transformation.
+          wrt: The variables the optimizer updates.
+
+        Returns:
+          As :func:`~substrax_flax.create_sharded_optimizer`.
+
+        Raises:
+          ValueError: As :meth:`adopt`.
+        """
+        from substrax_flax._optimizer import create_sharded_optimizer
+
+        self.adopt(model, "plan.optimizer")
+        return create_sharded_optimizer(model, tx, wrt=wrt)
+
+    def train_step(self, loss_fn: Callable[..., Any], **options: Any) -> Any:
+        """A training step that runs this plan: :func:`~substrax_flax.make_train_step`.
+
+        Args:
+          loss_fn: ``loss_fn(model, batch)``.
+          **options: The step's options (``has_aux``, ``microbatches``, ``precision``, ...);
+            not ``mesh``, ``rules``, ``layout`` or ``strategy``, which are the plan's.
+
+        Returns:
+          A :class:`~substrax_flax.TrainStep` that uses this plan for every model it is
+          called with (each checked by :meth:`adopt`).
+
+        Raises:
+          TypeError: If ``options`` names the plan's own arguments.
+        """
+        from substrax_flax._train import make_train_step
+
+        own = sorted({"mesh", "rules", "layout", "strategy"} & set(options))
+        if own:
+            raise TypeError(f"plan.train_step takes the plan's {', '.join(own)}; leave it out.")
+        return make_train_step(loss_fn, **options)._with_plan(self)
 
     def report(self) -> Any:
         """The plan as a sharding report.
@@ -626,6 +696,8 @@ def model_plan(
       ValueError: If the model remembers a plan and the arguments disagree with it.
     """
     plan = plan_of(model)
+    if plan is None and all(x is None for x in (mesh, rules, strategy, layout)):
+        plan = _plan_of_copy(model, what)
     if isinstance(plan, ModelPlan):
         if mesh is not None:  # without a plan, make_resolver checks it
             check_mesh(mesh)
@@ -638,3 +710,55 @@ def model_plan(
         return plan
     resolver, layout = make_resolver(mesh, rules, strategy, layout)
     return ModelPlan(nnx.state(model), resolver, layout=layout, graphdef=nnx.graphdef(model))
+
+
+def _plan_of_copy(model: nnx.Module, what: str) -> ModelPlan | None:
+    """The plan of the model ``model`` is a copy of (``nnx.clone``, ``nnx.merge``), or None.
+
+    A copy has its original's graph and every array in its original's planned sharding; it
+    takes that plan (and remembers it). A model whose arrays are sharded but match no live
+    plan is never re-planned with default options.
+
+    Raises:
+      ValueError: If ``model``'s arrays are sharded over several devices but no live plan
+        matches them.
+    """
+    graphdef, state = nnx.split(model)
+    for plan in {id(p): p for p in _PLANS.values() if isinstance(p, ModelPlan)}.values():
+        if plan.graphdef is None or not _same_graph(plan.graphdef, graphdef):
+            continue
+        if not _misplaced(plan, state):
+            remember(model, plan)
+            return plan
+    shardings = [getattr(v, "sharding", None) for v in jax.tree.leaves(state)]
+    meshes = {s.mesh.shape_tuple for s in shardings if isinstance(s, NamedSharding)}
+    if any(s is not None and len(s.device_set) > 1 for s in shardings):
+        raise ValueError(
+            f"{what} was given a model whose arrays are sharded (over the mesh "
+            f"{', '.join(str(dict(m)) for m in meshes) or 'of its arrays'}) but that has no "
+            "substrax plan: it is a copy (nnx.clone, nnx.merge) of a model whose plan is gone, "
+            "or was placed by hand. Pass its plan's mesh and layout (or rules), or build the "
+            "step from the plan: plan.train_step(loss_fn)."
+        )
+    return None
+
+
+def _misplaced(plan: ModelPlan, state: Any) -> list[str]:
+    """Where ``state``'s arrays are not in ``plan``'s shardings (path and both shardings)."""
+    planned = values_by_path(plan.shardings)
+    wrong = []
+    for path, variable in variables(state):
+        sharding = getattr(variable.get_value() if is_variable(variable) else variable,
+                           "sharding", None)  # fmt: skip
+        if path not in planned:
+            wrong.append(f"{path} is not in the plan")
+        elif sharding != planned[path]:
+            wrong.append(f"{path} is laid out as {sharding}, the plan has {planned[path]}")
+    return wrong
+
+
+def _same_graph(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError):
+        return False

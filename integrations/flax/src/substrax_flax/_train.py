@@ -285,6 +285,7 @@ class TrainStep(JittedStep):
         self.mesh, self.rules, self.layout, self.strategy = mesh, rules, layout, strategy
         self.compute_rules, self.gather = compute_rules, gather
         self.data_axes, self.donate = data_axes, donate
+        self._given: ModelPlan | None = None
 
     def _compute(self, plan: ModelPlan, params: Any) -> tuple[Any, MeshRules]:
         """Parameter shardings at the point of use, and the rules for activations."""
@@ -366,10 +367,19 @@ class TrainStep(JittedStep):
 
         return step
 
+    def _with_plan(self, plan: ModelPlan) -> TrainStep:
+        """This step, bound to ``plan`` (see :meth:`ModelPlan.train_step`)."""
+        self._given = plan
+        return self
+
     def _build(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Built:
-        plan = model_plan(
-            model, self.mesh, self.rules, self.strategy, self.layout, what="make_train_step"
-        )
+        if self._given is not None:
+            self._given.adopt(model, "plan.train_step")
+            plan = self._given
+        else:
+            plan = model_plan(
+                model, self.mesh, self.rules, self.strategy, self.layout, what="make_train_step"
+            )
         step_plan, traced = self._step_plan(model, optimizer, batch, plan)
         self._warn_path(step_plan)
         _check_experts(plan, traced)
