@@ -128,7 +128,7 @@ def test_bad_policies_are_named():
     with pytest.raises(ValueError, match=r"one of \('f32', 'mixed', 'bf16'\), got 'fp8'"):
         sf.make_train_step(gpt.loss_fn, precision="fp8")
     # the planner's names are the step's: "fp32" is neither's
-    with pytest.raises(ValueError, match=r"Unknown precision 'fp32'; choose one of f32, mixed, bf16"):
+    with pytest.raises(ValueError, match=r"precision 'fp32'; choose one of f32, mixed, bf16"):
         Workload(batch_tokens=1024, seq=16, precision="fp32")
 
 
@@ -141,7 +141,7 @@ def test_precision_names_mean_the_same_to_the_step_and_the_planner():
 
 
 def test_bf16_stores_bf16_parameters_and_says_so_for_f32_ones():
-    with pytest.raises(TypeError, match="stores parameters in bfloat16.*precision='mixed'"):
+    with pytest.raises(TypeError, match=r"stores parameters in bfloat16.*precision='mixed'"):
         _run("bf16")
     policy = MixedPrecision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
     with pytest.raises(TypeError, match=r"stores parameters in bfloat16, but \S+ is float32"):

@@ -30,7 +30,10 @@ KEY = jax.random.key(7)  # a key that is not an nnx.Rngs stream, closed over by 
 
 
 class MLP(nnx.Module):
-    """Plain nnx.Linear layers (no biases: ZeRO shards every state); optionally a statistic of its own or a bare batch-axis spec."""
+    """Plain nnx.Linear layers (no biases: ZeRO shards every state).
+
+    Optionally a statistic of its own, or a bare batch-axis spec in its code.
+    """
 
     def __init__(self, rngs: nnx.Rngs, *, stat: bool = False, names_batch: bool = False):
         self.up = nnx.Linear(16, 64, use_bias=False, rngs=rngs)
