@@ -9,7 +9,11 @@ On the example decoder over 8 simulated devices, with the default ``make_train_s
   difference of the mixed losses from the f32 ones;
 * **accumulation**: FSDP over 8 with ``microbatches`` K = 1, 2, 4, 8 on one batch: the
   compiled step's temp and peak bytes, its collectives (counts do not grow with K), and the
-  losses of three steps against K = 1.
+  losses of three steps against K = 1;
+* **paths**: FSDP over 8 with the default step, for the decoder as benchmarked, with two
+  ``nnx.Dropout(0.1)`` per block, and each on a ``jax.make_mesh`` mesh (Explicit axes): the
+  path the step plan names, the compiled step's traffic against the bound of 1.05 x (one
+  all-gather and one reduce-scatter of the parameters), and the losses of three steps.
 
 Run: ``python benchmarks/step.py [--size tiny] [--steps 100] [--output-dir DIR]``; writes
 ``step.json`` and ``step.md``.
@@ -27,6 +31,7 @@ if __name__ == "__main__":
     jax.config.update("jax_num_cpu_devices", 8)
 
 import argparse
+import dataclasses
 import pathlib
 import time
 
@@ -110,6 +115,44 @@ def accumulation_rows(config, batch_size, microbatches=MICROBATCHES) -> list[dic
     return rows
 
 
+#: Label -> (dropout rate, whether the mesh comes from jax.make_mesh).
+PATH_CASES = {
+    "as benchmarked": (0.0, False),
+    "dropout 0.1": (0.1, False),
+    "jax.make_mesh": (0.0, True),
+    "dropout 0.1, jax.make_mesh": (0.1, True),
+}
+
+
+def path_rows(config, batch_size) -> list[dict]:
+    """The default step's path and traffic for the decoder with dropout and Explicit meshes."""
+    rows = []
+    batches = [gpt.batch_at(i, batch_size, config.seq) for i in range(3)]
+    for label, (dropout, make_mesh) in PATH_CASES.items():
+        print(f"paths: {label} ...", flush=True)
+        case = dataclasses.replace(config, dropout=dropout)
+        if make_mesh:
+            mesh = jax.make_mesh((8,), ("data",))
+        else:
+            mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+        model = sf.create_sharded_model(lambda c=case: gpt.GPT(c, nnx.Rngs(0)), mesh,
+                                        layout="fsdp")  # fmt: skip
+        optimizer = sf.create_sharded_optimizer(model, gpt.optimizer())
+        step = sf.make_train_step(gpt.loss_fn)
+        plan = step.plan_for(model, optimizer, batches[0])
+        compiled = step.lower(model, optimizer, batches[0]).compile()
+        params = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        rows.append({
+            "case": label,
+            "path": plan.path,
+            "mesh": next(d.value for d in plan.decisions if d.name == "mesh"),
+            "traffic_bytes": compiled_stats(compiled, 8)["traffic_bytes"],
+            "bound_bytes": 1.05 * 2 * params * 7 / 8,
+            "losses": [float(step(model, optimizer, b)["loss"]) for b in batches],
+        })  # fmt: skip
+    return rows
+
+
 def markdown(report: dict) -> str:
     lines = [
         "### Mixed precision (`make_train_step(loss_fn, precision=...)`)\n",
@@ -147,6 +190,19 @@ def markdown(report: dict) -> str:
             f"{row['peak_bytes'] / MIB:.1f} | {kinds} | {row['traffic_bytes'] / MIB:.1f} | "
             f"{row['flops'] / 1e9:.2f} | {row['max_loss_difference']:.1e} |"
         )
+    lines += [
+        "",
+        "### The default step's path (FSDP 8, `make_train_step(loss_fn)`)\n",
+        "| decoder | path | mesh | traffic MiB | bound MiB (1.05 x gather + scatter) | "
+        "losses of 3 steps |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in report.get("paths", []):
+        losses = ", ".join(f"{loss:.4f}" for loss in row["losses"])
+        lines.append(
+            f"| {row['case']} | {row['path']} | {row['mesh']} | "
+            f"{row['traffic_bytes'] / MIB:.1f} | {row['bound_bytes'] / MIB:.1f} | {losses} |"
+        )
     lines.append(
         f"\nMeasured {report['date']}, {report['devices']} simulated CPU devices, jax "
         f"{report['jax']}; model {report['config']}. Traffic for precision is the lowered "
@@ -168,6 +224,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--microbatches", type=int, nargs="*", default=list(MICROBATCHES))
     parser.add_argument("--layouts", nargs="*", default=list(PRECISION_CASES),
                         choices=list(PRECISION_CASES))  # fmt: skip
+    parser.add_argument("--no-paths", dest="paths", action="store_false",
+                        help="leave out the paths section")  # fmt: skip
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks"))
     args = parser.parse_args(argv)
     config = SIZES[args.size]
@@ -185,6 +243,7 @@ def main(argv=None) -> dict:
         "accumulation_batch": args.accumulation_batch,
         "precision": precision,
         "accumulation": accumulation_rows(config, args.accumulation_batch, args.microbatches),
+        "paths": path_rows(config, args.batch_size) if args.paths else [],
     }
     write_results(args.output_dir, "step", report, markdown(report))
     return report

@@ -81,3 +81,10 @@ def test_step_benchmark_runs_at_a_tiny_size(tmp_path):
     one, four = report["accumulation"]
     assert four["collectives"] == one["collectives"]  # reductions do not grow with K
     assert four["temp_bytes"] < one["temp_bytes"] and four["max_loss_difference"] < 1e-5
+    paths = {row["case"]: row for row in report["paths"]}
+    for row in paths.values():  # dropout and jax.make_mesh meshes keep the manual step
+        assert row["path"] == "manual" and row["traffic_bytes"] <= row["bound_bytes"], row
+    for dropout in ("", "dropout 0.1, "):
+        explicit = paths[f"{dropout}jax.make_mesh"]
+        auto = paths[dropout[:-2] if dropout else "as benchmarked"]
+        assert "Auto twin" in explicit["mesh"] and explicit["losses"] == auto["losses"]
