@@ -1,5 +1,7 @@
 """A Flax NNX model whose stacked layers run as a pipeline trains like the unpipelined model."""
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -16,7 +18,9 @@ from flax_test_models import (
 from jax.sharding import PartitionSpec as P
 
 import substrax_flax as sf
-from substrax import ShardingWarning
+from substrax import ShardingWarning, spmd
+from substrax.hlo import traffic_by_kind
+from substrax.layout import Layout
 from substrax.mesh import DeviceMeshManager, MeshRules
 
 NAMES = dict(vocab=None, kv=None, mlp=None, heads=None, embed=None)
@@ -171,3 +175,48 @@ def test_a_pipeline_is_immutable():
     pipe = Pipeline(block, head, mesh, PipelineParallelStrategy("pipe", 0, 4), num_microbatches=4)
     with pytest.raises(AttributeError, match="A Pipeline is immutable"):
         pipe.layer_fn = embed
+
+
+def _constrained_block(layer, x):
+    return spmd.constrain(layer(x), "data", None, "embed_tp")
+
+
+def _constraints_on_model(step, model, optimizer, batch):
+    """The sharding constraints of a stage's activation (2 rows x 8 tokens x 32) on 'model'."""
+    text = step.lower(model, optimizer, batch).as_text()
+    found = re.findall(r'sharding_constraint .*<@mesh, \[\{\}, \{\}, \{"model"\}\]> : '
+                       r"tensor<2x8x32xf32>", text)  # fmt: skip
+    return len(found)
+
+
+def test_constrain_inside_a_stage_resolves_through_the_rules():
+    mesh = DeviceMeshManager.create_device_mesh({"pipe": 2, "data": 2, "model": 2})
+    rules = MeshRules(data="data").extend(layers="pipe", embed_tp="model", **NAMES)
+    model = sf.create_sharded_model(_factory(4), mesh, rules)
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
+    counts = {}
+    for name, fn in (("constrained", _constrained_block), ("plain", block)):
+        step = sf.make_pipeline_train_step(embed, fn, head, mesh, rules, stack="blocks",
+                                           num_microbatches=2)  # fmt: skip
+        counts[name] = _constraints_on_model(step, model, optimizer, tokens())
+    assert counts["constrained"] >= 1 and counts["plain"] == 0  # forward (and its transpose)
+    losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(2)]
+    assert np.all(np.isfinite(losses))
+
+
+def test_a_pp_x_fsdp_layout_trains_from_create_sharded_model_like_the_flat_step(reference):
+    layout = Layout.from_degrees(pp=2, fsdp=4)
+    mesh = layout.make_mesh()
+    model = sf.create_sharded_model(_factory(4), mesh, layout=layout)
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2))
+    assert model.blocks.wq[...].sharding.spec == P("pipe", "fsdp", None, None)
+    step = sf.make_pipeline_train_step(embed, block, head, mesh, stack="blocks",
+                                       num_microbatches=2)  # fmt: skip
+    plan = step.plan_for(model, optimizer, tokens())
+    assert "fsdp          'fsdp'" in str(plan) and plan.path == "pipeline"
+    (wq,) = [p for p in plan.params if p.path == "blocks/wq"]
+    assert wq.gradient == "reduce-scatter over ('fsdp',)"
+    traffic = traffic_by_kind(step.lower(model, optimizer, tokens()).compile().as_text(), 8)
+    assert traffic["reduce-scatter"]["count"] >= 1 and traffic["all-gather"]["count"] >= 1
+    losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
+    np.testing.assert_allclose(losses, reference[4][0], rtol=1e-5)

@@ -31,12 +31,16 @@ class StageLayout:
       strategy: Names the stage axis and the number of stages.
       repeats: Rounds of the ring (circular schedules; 1 otherwise).
       fsdp_axis: A mesh axis over which each layer's parameters are also sharded, or None.
+      fsdp_dims: ``(layer_shape, dim)`` pairs: where a model's plan put the FSDP axis (dim
+        None: kept whole), so the pipeline gathers each parameter as it is stored. Shapes not
+        listed take the first dimension the axis divides.
     """
 
     mesh: Mesh
     strategy: PipelineParallelStrategy
     repeats: int = 1
     fsdp_axis: str | None = None
+    fsdp_dims: tuple[tuple[tuple[int, ...], int | None], ...] = ()
 
     @property
     def stage_axis(self) -> str:
@@ -128,6 +132,9 @@ class StageLayout:
         """
         if self.fsdp_axis is None or not layer_shape:
             return None
+        given = dict(self.fsdp_dims)
+        if tuple(layer_shape) in given:
+            return given[tuple(layer_shape)]
         proposal = [(self.fsdp_axis,)] * len(layer_shape)
         spec = resolve_axes(proposal, tuple(layer_shape), self.mesh).spec
         return next((d for d, entry in enumerate(spec) if entry is not None), None)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -66,6 +66,7 @@ class Pipeline:
         remat: bool = False,
         data_axes: Sequence[str] = (),
         fsdp_axis: str | None = None,
+        fsdp_dims: Mapping[tuple[int, ...], int | None] | None = None,
     ):
         """Validates the configuration.
 
@@ -86,6 +87,8 @@ class Pipeline:
             (FSDP): each stage gathers its layers once before the loop and reduce-scatters
             their gradients once after it. A parameter is sharded on its first per-layer
             dimension that the axis size divides; one with none stays whole.
+          fsdp_dims: Per-layer shape -> the dimension FSDP shards it on (None: whole), where
+            a model's plan decided it; other shapes follow ``fsdp_axis``'s rule.
 
         Raises:
           ValueError: For an unknown schedule, a stage count that differs from the mesh's
@@ -124,7 +127,9 @@ class Pipeline:
             "fsdp_axis": fsdp_axis,
             "data_size": math.prod(dict(mesh.shape)[a] for a in data_axes),
             "timetable": timetable,
-            "layout": StageLayout(mesh, strategy, repeats, fsdp_axis),
+            "layout": StageLayout(
+                mesh, strategy, repeats, fsdp_axis, tuple((fsdp_dims or {}).items())
+            ),
         }
         for name, value in fields.items():
             object.__setattr__(self, name, value)

@@ -12,11 +12,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax import ShardingWarning, warn_user
 from substrax.mesh import PipelineParallelStrategy
 from substrax.pipeline import Pipeline
-from substrax.spmd import MixedPrecision, as_precision
+from substrax.spmd import MixedPrecision, as_precision, use_rules
+from substrax_flax._manual import manual_rules
 from substrax_flax._nonfinite import NonFinite, all_finite, check_policy
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
-from substrax_flax._resolve import Rules, as_rules
+from substrax_flax._resolve import Rules, as_rules, entry_axes
 from substrax_flax._state import constrain_state, map_variables
+from substrax_flax._step_plan import pipeline_plan
 from substrax_flax._train import Built, JittedStep, guarded_update, optimizer_shardings
 
 __all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
@@ -54,10 +56,13 @@ class PipelineTrainStep(JittedStep):
         rules: Rules,
         layout: LayoutLike,
         stack: str,
-        data_axes: Sequence[str],
+        data_axes: Sequence[str] | None,
         num_layers: int | None = None,
         on_nonfinite: NonFinite = "skip",
         precision: MixedPrecision | None = None,
+        donate: bool = True,
+        settings: tuple[tuple[str, str, str], ...] = (),
+        stage_axis: str = "pipe",
     ):
         """Stores the configuration; see :func:`make_pipeline_train_step`.
 
@@ -70,19 +75,24 @@ class PipelineTrainStep(JittedStep):
           rules: The rules, for a model substrax did not place.
           layout: The layout, for a model substrax did not place.
           stack: The attribute holding the stacked layers.
-          data_axes: Mesh axes of the batch.
+          data_axes: Mesh axes of the batch (None: the plan's batch axes but the stage axis).
           num_layers: The real layer count of a stack stored padded (see
             :func:`make_pipeline_train_step`), or None.
           on_nonfinite: ``"skip"``, ``"raise"`` or ``"apply"`` (see :func:`make_train_step`).
           precision: The mixed-precision policy (see :func:`make_pipeline_train_step`).
+          donate: Donate the model and optimizer buffers to the step.
+          settings: The pipeline's settings as ``(name, value, reason)`` lines of the plan.
+          stage_axis: The mesh axis of the stages.
         """
         super().__init__(on_nonfinite)
         self.precision = precision or MixedPrecision()
         self.make_pipeline = make_pipeline
         self.embed_fn, self.user_layer_fn, self.head_fn = embed_fn, layer_fn, head_fn
         self.mesh, self.rules, self.layout = mesh, rules, layout
-        self.stack, self.data_axes = stack, tuple(data_axes)
+        self.stack = stack
+        self.data_axes = tuple(data_axes) if data_axes is not None else None
         self.num_layers = num_layers
+        self.donate, self.settings, self.stage_axis = donate, settings, stage_axis
 
     def num_slots(self, num_layers: int) -> int:
         """The layers a stack of ``num_layers`` is stored with on this step's stages.
@@ -127,8 +137,16 @@ class PipelineTrainStep(JittedStep):
         )
         model_shardings = shardings_of(plan.rows, nnx.state(model), plan.mesh)
         opt_shardings = optimizer_shardings(optimizer, plan)
-        grad_dims = _grad_dims(plan, self.stack, stack, self.data_axes)
+        data_axes = self.data_axes
+        if data_axes is None:  # the plan's batch axes
+            data_axes = tuple(a for a in plan.batch_axes if a != self.stage_axis)
+        grad_dims = _grad_dims(plan, self.stack, stack, data_axes)
+        fsdp_axis, fsdp_dims = _fsdp(plan, self.stack, data_axes)
         opt_def = nnx.graphdef(optimizer)
+        outer = plan.compute_rules  # the embedding runs on the global batch, with XLA
+        # inside the pipeline's map the stage and data axes are manual: rules without them
+        manual = (self.stage_axis, *data_axes)
+        inner = manual_rules(outer, manual)
 
         compute = self.precision.cast_to_compute
 
@@ -136,20 +154,31 @@ class PipelineTrainStep(JittedStep):
             full = nnx.State({**dict(rest_state), self.stack: stack_state})
             return nnx.merge(model_def, full)
 
+        def in_stage():
+            return use_rules(plan.mesh, inner, manual_batch_axes=data_axes)
+
         def layer_fn(layer_state, x):
-            y = self.user_layer_fn(nnx.merge(layer_def, compute(layer_state)), x)
+            with in_stage():
+                y = self.user_layer_fn(nnx.merge(layer_def, compute(layer_state)), x)
             return compute(y)  # a layer with its own dtype: back to the policy's at the boundary
 
         def loss_fn(y, targets, rest_state):
-            loss = self.head_fn(merged(stack_template, compute(rest_state)), y, targets)
+            with in_stage():
+                loss = self.head_fn(merged(stack_template, compute(rest_state)), y, targets)
             return self.precision.cast_to_output(loss)
 
-        pipeline = self.make_pipeline(layer_fn, loss_fn)
+        pipeline = self.make_pipeline(
+            layer_fn, loss_fn, data_axes=data_axes, fsdp_axis=fsdp_axis, fsdp_dims=fsdp_dims
+        )
         _check_stack(pipeline, stored, num_layers, self.num_layers)
         # The head sees the model with placeholders for the stack: it must not read the stack.
         stack_template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack)
 
         def step(model_state, opt_state, batch):
+            with use_rules(plan.mesh, outer), nnx.use_eager_sharding(False):
+                return body(model_state, opt_state, batch)
+
+        def body(model_state, opt_state, batch):
             stack_state = model_state[self.stack]
             rest_state = self._rest(model_state)
 
@@ -183,9 +212,12 @@ class PipelineTrainStep(JittedStep):
             step,
             in_shardings=(model_shardings, opt_shardings, None),
             out_shardings=(model_shardings, opt_shardings, replicated),
-            donate_argnums=(0, 1),
+            donate_argnums=(0, 1) if self.donate else (),
         )
-        return Built(jitted, plan.mesh, self.data_axes, "pipeline")
+        step_plan = pipeline_plan(
+            plan, self.stack, data_axes, pipeline, self.precision, self.settings, grad_dims
+        )
+        return Built(jitted, plan.mesh, data_axes, "pipeline", plan=step_plan)
 
 
 def _grad_dims(plan: Any, name: str, stack: Any, data_axes: Sequence[str]) -> Any:
@@ -213,6 +245,34 @@ def _grad_dims(plan: Any, name: str, stack: Any, data_axes: Sequence[str]) -> An
         return moved[0] - 1 if moved and moved[0] > 0 else None
 
     return map_variables(dim, stack)
+
+
+def _fsdp(plan: Any, name: str, data_axes: Sequence[str]) -> tuple[str | None, dict]:
+    """The layout's FSDP axis for the stack, and where the plan put it on each layer shape.
+
+    Raises:
+      ValueError: If the layout has more than one FSDP axis of size > 1, or one that is not a
+        data axis of the pipeline.
+    """
+    layout = plan.layout
+    sizes = dict(plan.mesh.shape)
+    axes = [a for a in (layout.fsdp_axes if layout is not None else ()) if sizes[a] > 1]
+    if not axes:
+        return None, {}
+    if len(axes) > 1 or axes[0] not in data_axes:
+        raise ValueError(
+            f"The pipelined step gathers a stage's layers over one FSDP axis among its data "
+            f"axes {tuple(data_axes)}; the layout has {tuple(axes)}. Use a layout with one "
+            "FSDP axis (Layout.from_degrees(pp=..., fsdp=...))."
+        )
+    dims: dict = {}
+    for row in plan.rows:
+        if not row.path.startswith(f"{name}/"):
+            continue
+        spec = tuple(row.spec) + (None,) * (len(row.shape) - len(row.spec))
+        on = [d for d, entry in enumerate(spec) if axes[0] in entry_axes(entry)]
+        dims.setdefault(tuple(row.shape[1:]), on[0] - 1 if on and on[0] > 0 else None)
+    return axes[0], dims
 
 
 def _check_stack(pipeline: Pipeline, stored: int, num_layers: int, given: int | None) -> None:
@@ -252,6 +312,7 @@ def make_pipeline_train_step(
     num_layers: int | None = None,
     on_nonfinite: NonFinite = "skip",
     precision: MixedPrecision | str | None = None,
+    donate: bool = True,
 ) -> PipelineTrainStep:
     """Builds a training step that runs a model's layer stack as a pipeline.
 
@@ -279,7 +340,8 @@ def make_pipeline_train_step(
       schedule: ``"gpipe"``, ``"1f1b"`` or ``"circular"``.
       repeats: Rounds of the ring for ``"circular"``.
       remat: Recompute stages in the backward pass (GPipe, circular).
-      data_axes: Mesh axes of the batch; by default the layout's batch axes, or every axis
+      data_axes: Mesh axes of the batch; by default the layout's (or the model's plan's)
+        batch axes but ``stage_axis``, or every axis
         but ``stage_axis`` that the rules' ``data`` names.
       num_layers: The real layer count of a stack stored padded: a stack whose layers do
         not divide the stages cannot be sharded over the stage axis (a sharded dimension
@@ -297,6 +359,14 @@ def make_pipeline_train_step(
         stack's inputs and each layer's output are cast to it, so the activations passed
         between stages are in it; the optimizer sees gradients in the stored dtype and the
         loss is in the output dtype.
+      donate: Donate the model and optimizer buffers to the step.
+
+    The rules are in force inside the stages, as in :func:`make_train_step`:
+    :func:`substrax.spmd.constrain` in ``layer_fn`` or ``head_fn`` resolves through the
+    plan's compute rules without the stage and data axes (manual there). A layout with an
+    FSDP axis (``Layout.from_degrees(pp=2, fsdp=4)``) shards each layer over it as the plan
+    stores it; each stage gathers its layers once per step and reduce-scatters their
+    gradients once. ``step.plan_for(model, optimizer, batch)`` shows the step's plan.
 
     Returns:
       A :class:`PipelineTrainStep`.
@@ -312,21 +382,31 @@ def make_pipeline_train_step(
         raise ValueError(
             f"stage_axis {stage_axis!r} is not a mesh axis; the mesh has {tuple(mesh.axis_names)}."
         )
-    if data_axes is None:
+    if data_axes is None and (rules is not None or layout is not None):
         data_axes = _data_axes(mesh, rules, layout, stage_axis)
     strategy = PipelineParallelStrategy(stage_axis, tuple(mesh.axis_names).index(stage_axis),
                                         dict(mesh.shape)[stage_axis])  # fmt: skip
     options = dict(num_microbatches=num_microbatches, schedule=schedule, repeats=repeats,
-                   remat=remat, data_axes=data_axes)  # fmt: skip
-    Pipeline(lambda p, x: x, lambda y, t: 0.0, mesh, strategy, **options)  # validate now
+                   remat=remat)  # fmt: skip
+    # validate now
+    Pipeline(lambda p, x: x, lambda y, t: 0.0, mesh, strategy, data_axes=data_axes or (), **options)
 
-    def make_pipeline(layer_fn, loss_fn):
-        return Pipeline(layer_fn, loss_fn, mesh, strategy, **options)
+    def make_pipeline(layer_fn, loss_fn, **extra):
+        return Pipeline(layer_fn, loss_fn, mesh, strategy, **options, **extra)
 
+    settings = (
+        ("stages", f"{strategy.num_stages} on {stage_axis!r}", "the mesh's stage axis"),
+        ("schedule", f"{schedule}" + (f" x {repeats} rounds" if repeats > 1 else ""),
+         "as asked"),
+        ("microbatches", str(num_microbatches), "as asked"),
+        ("remat", "stages" if remat or schedule == "1f1b" else "none",
+         "1F1B recomputes each stage" if schedule == "1f1b" else "as asked"),
+    )  # fmt: skip
     return PipelineTrainStep(make_pipeline, embed_fn, layer_fn, head_fn, mesh=mesh, rules=rules,
                              layout=layout, stack=stack, data_axes=data_axes,
                              num_layers=num_layers, on_nonfinite=on_nonfinite,
-                             precision=as_precision(precision))  # fmt: skip
+                             precision=as_precision(precision), donate=donate,
+                             settings=settings, stage_axis=stage_axis)  # fmt: skip
 
 
 def _data_axes(mesh: Any, rules: Rules, layout: LayoutLike, stage_axis: str) -> tuple[str, ...]:

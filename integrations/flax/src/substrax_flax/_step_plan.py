@@ -27,14 +27,14 @@ import jax
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
-from substrax.spmd import MixedPrecision, region_obstacle
+from substrax.spmd import PRECISIONS, MixedPrecision, as_precision, region_obstacle
 from substrax_flax._manual import batch_stat_obstacle
 from substrax_flax._plan import ModelPlan
-from substrax_flax._resolve import entry_axes
+from substrax_flax._resolve import entry_axes, without_axes
 from substrax_flax._state import values_by_path, variables
 from substrax_flax._traced import Traced
 
-__all__ = ["Decision", "ParamStep", "StepPlan", "choose_path", "step_mesh"]
+__all__ = ["Decision", "ParamStep", "StepPlan", "choose_path", "pipeline_plan", "step_mesh"]
 
 #: The gradient paths a step plan may name.
 PATHS = ("manual", "xla", "pipeline")
@@ -313,3 +313,70 @@ def param_steps(
         used_spec = used_by_path[name].spec
         steps.append(ParamStep(name, row.spec, used_spec, gradient, optimizer))
     return tuple(steps)
+
+
+def pipeline_plan(
+    plan: ModelPlan,
+    stack: str,
+    data_axes: tuple[str, ...],
+    pipeline: Any,
+    precision: MixedPrecision,
+    settings: tuple[tuple[str, str, str], ...],
+    grad_dims: Any,
+) -> StepPlan:
+    """The plan of a pipelined step: its stages, schedule and each parameter's reduction.
+
+    Args:
+      plan: The model's plan.
+      stack: The attribute holding the layer stack.
+      data_axes: The pipeline's data axes.
+      pipeline: The :class:`~substrax.pipeline.Pipeline` that runs the stack.
+      precision: The step's policy.
+      settings: ``(name, value, reason)`` of the pipeline's options.
+      grad_dims: Under ZeRO, the stack leaves' scatter dimensions (None: none).
+    """
+    sizes = dict(plan.mesh.shape)
+    split = tuple(a for a in data_axes if sizes[a] > 1)
+    fsdp = pipeline.fsdp_axis
+    zero = grad_dims is not None
+    steps = []
+    for row in plan.rows:
+        in_stack = row.path.startswith(f"{stack}/")
+        optimizer = row.spec
+        if plan.layout is not None and plan.layout.zero:
+            optimizer = plan.layout.optimizer_spec(row.spec, row.shape)[0]
+        on = tuple(a for e in row.spec for a in entry_axes(e) if a == fsdp)
+        if not split:
+            gradient = "none"
+        elif in_stack and on:
+            rest = tuple(a for a in split if a != fsdp)
+            gradient = f"reduce-scatter over {on}" + (f", all-reduce over {rest}" if rest else "")
+        elif in_stack and zero:
+            gradient = f"reduce-scatter over {split} (ZeRO)"
+        elif in_stack:
+            gradient = f"all-reduce over {split}"
+        else:
+            gradient = f"all-reduce over {split} (XLA, outside the stages)"
+        used = without_axes(row.spec, set(on) | set(plan.gather_axes))
+        steps.append(ParamStep(row.path, row.spec, used, gradient, optimizer))
+    decisions = (
+        Decision("path", "pipeline", f"the layer stack {stack!r} runs as a pipeline"),
+        *(Decision(*line) for line in settings),
+        Decision("data axes", str(tuple(data_axes)), "split each microbatch"),
+        Decision("fsdp", repr(fsdp) if fsdp else "none",
+                 "each stage gathers its layers once and reduce-scatters their gradients"
+                 if fsdp else "the layout has no FSDP axis"),
+        Decision("precision", precision_name(precision), "as asked"),
+    )  # fmt: skip
+    return StepPlan(
+        "pipeline", decisions[0].reason, plan.mesh, tuple(data_axes), (), (), precision,
+        "none", pipeline.num_microbatches, "keep", 0, tuple(steps), decisions,
+    )  # fmt: skip
+
+
+def precision_name(policy: MixedPrecision) -> str:
+    """The name of :data:`~substrax.spmd.PRECISIONS` that ``policy`` is, else its repr."""
+    for name in PRECISIONS:
+        if as_precision(name) == policy:
+            return name
+    return repr(policy)

@@ -19,7 +19,6 @@ from substrax import ShardingWarning, warn_user
 from substrax.layout import Layout
 from substrax.mesh import MeshRules
 from substrax.spmd import (
-    PRECISIONS,
     MixedPrecision,
     as_precision,
     check_batch,
@@ -41,7 +40,14 @@ from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, plan_of, shar
 from substrax_flax._remat import Marked, use_remat
 from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules, entry_axes
 from substrax_flax._state import constrain_state, shape_and_dtype, variables
-from substrax_flax._step_plan import Decision, StepPlan, choose_path, param_steps, step_mesh
+from substrax_flax._step_plan import (
+    Decision,
+    StepPlan,
+    choose_path,
+    param_steps,
+    precision_name,
+    step_mesh,
+)
 from substrax_flax._traced import Traced, is_key, trace
 
 __all__ = ["Built", "JittedStep", "TrainStep", "make_train_step", "optimizer_shardings"]
@@ -204,6 +210,38 @@ class JittedStep:
         nnx.update(optimizer, opt_state)
         self._guard.after(metrics)
         return {"path": path, **metrics}
+
+    def plan_for(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> StepPlan:
+        """The step plan for these arguments: every decision, before anything runs.
+
+        The loss is traced (not run) to see whether it draws random numbers or names a batch
+        axis; the compiled step then executes this plan. ``print`` it for one line per
+        decision with its reason, and each parameter's specs.
+
+        Args:
+          model: The model.
+          optimizer: Its optimizer.
+          batch: A batch as passed to the step (its shapes are what matters).
+
+        Returns:
+          The :class:`StepPlan`.
+        """
+        return self._built(model, optimizer, batch).plan
+
+    @property
+    def plan(self) -> StepPlan:
+        """The plan of the program used last (see :meth:`plan_for`).
+
+        Raises:
+          ValueError: Before the step was called, lowered or planned.
+        """
+        built = self._last
+        if built is None or built.plan is None:
+            raise ValueError(
+                "This step has no plan yet: it is planned for a model and a batch's shapes. "
+                "Call step.plan_for(model, optimizer, batch), or read step.plan after a call."
+            )
+        return built.plan
 
     def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> jax.stages.Lowered:
         """Lowers the step without running it.
@@ -444,7 +482,7 @@ class TrainStep(JittedStep):
             Decision("region", str(region) if region else "none",
                      "manual over the batch axes of size > 1 (expert axes stay with XLA)"
                      if region else "XLA partitions the whole step"),
-            Decision("precision", _precision_name(self.precision), "as asked (make_train_step)"),
+            Decision("precision", precision_name(self.precision), "as asked"),
             Decision("remat", self.remat, "as asked"),
             Decision("microbatches", str(self.microbatches), "as asked"),
             Decision("gather", self.gather, "as asked"),
@@ -499,38 +537,6 @@ class TrainStep(JittedStep):
             streams = (jax.tree.map(lambda _: False, params), [is_key(x) for x in rest_leaves],
                        jax.tree.map(lambda _: False, abstract))  # fmt: skip
             return trace(loss_of, params, _rehome(rest_leaves, mesh), abstract, streams=streams)
-
-    def plan_for(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> StepPlan:
-        """The step plan for these arguments: every decision, before anything runs.
-
-        The loss is traced (not run) to see whether it draws random numbers or names a batch
-        axis; the compiled step then executes this plan. ``print`` it for one line per
-        decision with its reason, and each parameter's specs.
-
-        Args:
-          model: The model.
-          optimizer: Its optimizer.
-          batch: A batch as passed to the step (its shapes are what matters).
-
-        Returns:
-          The :class:`StepPlan`.
-        """
-        return self._built(model, optimizer, batch).plan
-
-    @property
-    def plan(self) -> StepPlan:
-        """The plan of the program used last (see :meth:`plan_for`).
-
-        Raises:
-          ValueError: Before the step was called, lowered or planned.
-        """
-        built = self._last
-        if built is None or built.plan is None:
-            raise ValueError(
-                "This step has no plan yet: it is planned for a model and a batch's shapes. "
-                "Call step.plan_for(model, optimizer, batch), or read step.plan after a call."
-            )
-        return built.plan
 
     def data_parallel_for(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> str:
         """How this step splits the batch for ``model``: ``"manual"`` or ``"xla"``.
@@ -612,14 +618,6 @@ def _batch_reason(asked: tuple[str, ...] | None, plan: ModelPlan) -> str:
     if plan.layout is not None:
         return f"the {plan.layout.name} layout's batch axes"
     return "the rules' 'batch' / 'data' axes"
-
-
-def _precision_name(policy: MixedPrecision) -> str:
-    """The name of :data:`~substrax.spmd.PRECISIONS` that ``policy`` is, else its repr."""
-    for name in PRECISIONS:
-        if as_precision(name) == policy:
-            return name
-    return repr(policy)
 
 
 def _megabytes(count: int) -> str:
