@@ -1,8 +1,8 @@
 """What this jax/XLA cannot compile in a manual region: one list, read by the step and the planner.
 
-Each entry was observed on a given jax version and backend; it is gated by both, so the step
-plan (:mod:`substrax_flax._step_plan`) and the planner (:mod:`substrax.planner`) take the same
-path for the same layout. Recheck an entry when jax moves: until a version is known to fix
+Each entry was observed on a given jax version and backend; it is gated by both, so the train
+step's plan (in the Flax adapter) and the planner (:mod:`substrax.planner`) take the same path
+for the same layout. Recheck an entry when jax moves: until a version is known to fix
 it, it applies (an XLA ``CHECK`` aborts the process, which no ``try`` can catch).
 """
 

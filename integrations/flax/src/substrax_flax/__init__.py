@@ -9,31 +9,37 @@ report take it from there. ``substrax_flax.planner`` plans your own models for t
 
 from substrax_flax._checkpoint import Checkpointer as Checkpointer
 from substrax_flax._checkpoint import CheckpointWarning as CheckpointWarning
+from substrax_flax._create import create_sharded_model as create_sharded_model
+from substrax_flax._create import get_shardings as get_shardings
+from substrax_flax._create import plan_model as plan_model
+from substrax_flax._create import shard_model as shard_model
 from substrax_flax._experts import MixtureOfExperts as MixtureOfExperts
 from substrax_flax._nonfinite import NonFiniteWarning as NonFiniteWarning
 from substrax_flax._optimizer import create_sharded_optimizer as create_sharded_optimizer
 from substrax_flax._pipeline_step import PipelineTrainStep as PipelineTrainStep
 from substrax_flax._pipeline_step import make_pipeline_train_step as make_pipeline_train_step
 from substrax_flax._plan import ModelPlan as ModelPlan
-from substrax_flax._plan import create_sharded_model as create_sharded_model
-from substrax_flax._plan import get_shardings as get_shardings
-from substrax_flax._plan import plan_model as plan_model
-from substrax_flax._plan import shard_model as shard_model
 from substrax_flax._remat import remat as remat
 from substrax_flax._report import ShardingReport as ShardingReport
 from substrax_flax._report import sharding_report as sharding_report
 from substrax_flax._resolve import VariableSharding as VariableSharding
+from substrax_flax._step_plan import Decision as Decision
+from substrax_flax._step_plan import ParamStep as ParamStep
+from substrax_flax._step_plan import StepPlan as StepPlan
 from substrax_flax._train import TrainStep as TrainStep
 from substrax_flax._train import make_train_step as make_train_step
 
 __all__ = [
     "CheckpointWarning",
     "Checkpointer",
+    "Decision",
     "MixtureOfExperts",
     "ModelPlan",
     "NonFiniteWarning",
+    "ParamStep",
     "PipelineTrainStep",
     "ShardingReport",
+    "StepPlan",
     "TrainStep",
     "VariableSharding",
     "create_sharded_model",

@@ -9,16 +9,10 @@ parameters that are replicated over the batch axes. The loss is the mean of the 
 device holding as many rows.
 
 What changes against the XLA-partitioned step: code that couples rows across devices sees only
-its device's rows. ``nnx.BatchNorm`` layers get the batch axes as their ``axis_name``
-(:func:`sync_batch_norms`), so their moments are still the whole batch's; other batch
-statistics would differ from one device's, so :func:`manual_obstacle` names them and the
-default (``data_parallel="auto"``) keeps such models on XLA's partitioning; so does a loss
-whose trace draws random numbers from a key that is not an ``nnx.Rngs`` stream (each device
-would draw from the same key, :mod:`substrax_flax._traced`), with a warning naming the cost.
-Draws from the model's streams run per device: each device's keys are folded with its
-position (:func:`per_device_streams`). A loss normalised by a count over the whole batch (a
-token-weighted mean) becomes the mean of the devices' means, as in PyTorch's DDP; it cannot be
-detected, so it is documented.
+its device's rows; :mod:`substrax_flax._per_device` says what the region does about batch
+statistics and random draws, and what it cannot do (the step plan then keeps XLA's step). A
+loss normalised by a count over the whole batch (a token-weighted mean) becomes the mean of the
+devices' means, as in PyTorch's DDP; it cannot be detected, so it is documented.
 
 Parameters also sharded over tensor axes are gathered in a nested ``shard_map`` over those axes
 as well: XLA would otherwise replicate them over the tensor axes before the gather.
@@ -37,14 +31,12 @@ from jax.sharding import PartitionSpec
 
 from substrax.layout import Layout
 from substrax.mesh import MeshRules
-from substrax.spmd import MixedPrecision, is_replicated_leaf, region_obstacle
+from substrax.spmd import MixedPrecision, is_replicated_leaf
+from substrax_flax._per_device import per_device_streams
 from substrax_flax._resolve import axes_entry, entry_axes, without_axes
-from substrax_flax._state import map_variables, values_by_path, variables
-from substrax_flax._traced import is_key
+from substrax_flax._state import map_variables, values_by_path
 
 __all__ = [
-    "batch_stat_obstacle",
-    "manual_obstacle",
     "manual_movers",
     "manual_rules",
     "manual_value_and_grad",
@@ -101,77 +93,6 @@ def manual_movers(
         return Mover(spec, batch_axes, by_path[path], precision, row.spec, over_batch(grad))
 
     return nnx.to_pure_dict(map_variables(mover, params))
-
-
-def manual_obstacle(
-    model: nnx.Module,
-    mesh: jax.sharding.Mesh,
-    batch_axes: tuple[str, ...] = (),
-    precision: MixedPrecision | None = None,
-) -> str | None:
-    """Why this model's step cannot be manual without changing its numbers, or None.
-
-    What this jax/XLA cannot compile (:func:`substrax.spmd.region_obstacle`, shared with the
-    planner), then :func:`batch_stat_obstacle`. Random draws and shardings that name a batch
-    axis are found in the loss's trace instead, by :mod:`substrax_flax._traced`.
-
-    Args:
-      model: The model.
-      mesh: Its mesh.
-      batch_axes: The batch axes (the other axes of size > 1 are tensor or stage axes).
-      precision: The step's mixed-precision policy.
-
-    Returns:
-      A sentence naming the obstacle, or None.
-    """
-    compute = precision.compute_dtype if precision is not None else None
-    platform = mesh.devices.flat[0].platform
-    obstacle = region_obstacle(dict(mesh.shape), batch_axes, compute, platform)
-    return obstacle if obstacle is not None else batch_stat_obstacle(model)
-
-
-def batch_stat_obstacle(model: nnx.Module) -> str | None:
-    """The first batch statistic outside an ``nnx.BatchNorm`` substrax can sync, or None.
-
-    Such statistics would be computed from each device's rows in a manual region, so they
-    would differ from one device's.
-    """
-    synced = synced_stats(model)
-    for path, variable in variables(nnx.state(model)):
-        if isinstance(variable, nnx.BatchStat) and path not in synced:
-            return (
-                f"the model has batch statistics ({path}, an nnx.BatchStat) outside an "
-                "nnx.BatchNorm whose axis_name substrax can set, so the step would not match "
-                "one device's"
-            )
-    return None
-
-
-def synced_stats(model: nnx.Module) -> set[str]:
-    """Paths of the batch statistics the manual step reduces over the batch axes.
-
-    Those of every ``nnx.BatchNorm`` without an ``axis_name`` of its own: inside the manual
-    region :func:`sync_batch_norms` gives it the batch axes, so its moments are the whole
-    batch's (``lax.pmean`` over the devices, each holding as many rows) and its running
-    averages are the same on every device, as on one device.
-    """
-    synced = set()
-    for path, module in nnx.iter_modules(model):
-        if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
-            prefix = "/".join(map(str, path))
-            synced.update(f"{prefix}/{name}" if prefix else name for name in ("mean", "var"))
-    return synced
-
-
-def sync_batch_norms(model: nnx.Module, batch_axes: tuple[str, ...]) -> None:
-    """Gives every ``nnx.BatchNorm`` of ``model`` without an ``axis_name`` the batch axes.
-
-    Call on the model merged inside the manual region (its moments are then reduced over the
-    devices); the stored model is not changed.
-    """
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
-            module.axis_name = batch_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,41 +296,6 @@ def manual_value_and_grad(
     )
     (loss, extra), grads_pure = mapped(nnx.to_pure_dict(params), rest_leaves, batch)
     return (loss, extra), _state(template, grads_pure)
-
-
-def per_device_streams(loss_of: Callable, batch_axes: tuple[str, ...]) -> Callable:
-    """``loss_of`` drawing each device's random numbers from its own streams.
-
-    Every typed key among the other state's leaves (an ``nnx.Rngs`` stream's key) enters the
-    loss folded with the device's linear position over ``batch_axes``
-    (``jax.random.fold_in(key, axis_index)``), so dropout masks differ across devices and
-    repeat for a given seed and layout, as in other data-parallel frameworks; the stored keys
-    come back unchanged (the counts advance as on one device). Inside a manual region only.
-
-    Args:
-      loss_of: ``loss_of(params, rest_leaves, batch) -> (loss, (aux, new_rest))``.
-      batch_axes: The manual batch axes.
-
-    Returns:
-      The wrapped ``loss_of``.
-    """
-
-    def folded(params, rest_leaves, batch):
-        keys = [is_key(x) for x in rest_leaves]
-        if not any(keys):
-            return loss_of(params, rest_leaves, batch)
-        index = jax.lax.axis_index(batch_axes)
-        pairs = zip(rest_leaves, keys, strict=True)
-        leaves = [jax.random.fold_in(x, index) if k else x for x, k in pairs]
-        loss, (aux, new_rest) = loss_of(params, leaves, batch)
-        new_leaves, new_def = jax.tree.flatten(new_rest)
-        if len(new_leaves) == len(keys):  # the state kept its structure: restore the keys
-            triples = zip(new_leaves, rest_leaves, keys, strict=True)
-            new_leaves = [x if k else n for n, x, k in triples]
-            new_rest = jax.tree.unflatten(new_def, new_leaves)
-        return loss, (aux, new_rest)
-
-    return folded
 
 
 def _state(template: Any, pure: Any) -> Any:

@@ -2,7 +2,7 @@
 
 Inside the jitted step, :func:`all_finite` checks the loss and every gradient, and the step
 runs its optimizer update inside ``lax.cond`` on that flag
-(:func:`substrax_flax._train.guarded_update`): a skipped step leaves the model and optimizer
+(:func:`substrax_flax._jitted.guarded_update`): a skipped step leaves the model and optimizer
 state as they were, and the taken branch still updates the donated buffers in place (measured:
 the same temporary memory as an unguarded step). Outside, :class:`Guard` reads the flag
 without stalling the pipeline of dispatched steps, and warns or raises naming the step.

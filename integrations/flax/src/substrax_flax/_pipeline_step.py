@@ -13,13 +13,13 @@ from substrax import ShardingWarning, warn_user
 from substrax.mesh import PipelineParallelStrategy
 from substrax.pipeline import Pipeline
 from substrax.spmd import MixedPrecision, as_precision, use_rules
+from substrax_flax._jitted import Built, JittedStep, guarded_update, optimizer_shardings
 from substrax_flax._manual import manual_rules
 from substrax_flax._nonfinite import NonFinite, all_finite, check_policy
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
 from substrax_flax._resolve import Rules, as_rules, entry_axes
 from substrax_flax._state import constrain_state, map_variables
 from substrax_flax._step_plan import pipeline_plan
-from substrax_flax._train import Built, JittedStep, guarded_update, optimizer_shardings
 
 __all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
 

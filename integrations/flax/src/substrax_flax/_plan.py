@@ -36,13 +36,11 @@ from substrax_flax._state import (
 
 __all__ = [
     "ModelPlan",
-    "create_sharded_model",
-    "get_shardings",
-    "plan_model",
+    "as_layout",
+    "make_resolver",
     "model_plan",
     "plan_of",
     "remember",
-    "shard_model",
     "shardings_of",
 ]
 
@@ -161,7 +159,7 @@ class ModelPlan:
           graphdef: The model's graph definition.
           factory: A function of no arguments that builds the model (for :attr:`init`).
           under_mesh: Whether the factory must run under ``jax.set_mesh`` (Explicit style;
-            None: read off ``state``, see :func:`_typed`).
+            None: read off ``state``, see :func:`code_is_typed`).
         """
         self.mesh, self.rules, self.strategy = resolver.mesh, resolver.rules, resolver.strategy
         self.layout, self.graphdef, self._factory = layout, graphdef, factory
@@ -178,7 +176,7 @@ class ModelPlan:
             self.shardings,
         )
         if under_mesh is None:
-            under_mesh = _typed(state, self.mesh)
+            under_mesh = code_is_typed(state, self.mesh)
         self._template, self.init, self._under_mesh = state, None, under_mesh
         if factory is not None:
             # The jitted init returns its values by path: a Variable's metadata may differ
@@ -417,113 +415,7 @@ def _value(leaf: Any) -> Any:
     return leaf.get_value() if is_variable(leaf) else leaf
 
 
-def plan_model(
-    factory: Callable[[], nnx.Module],
-    mesh: jax.sharding.Mesh | None = None,
-    rules: Rules = None,
-    *,
-    layout: LayoutLike = None,
-    strategy: Strategy = None,
-    strict: bool = False,
-    unknown_names: UnknownNames = "error",
-    indivisible: Indivisible = "move",
-) -> ModelPlan:
-    """Plans the sharding of every variable of the model that ``factory`` builds.
-
-    The model is built abstractly (``nnx.eval_shape``, no allocation). Each variable's logical
-    axis names come from Flax's own metadata (``nnx.with_partitioning``; the ``out_sharding``,
-    ``sharding_names`` and ``sharding`` keys are all read) and resolve through ``rules`` with
-    substrax's one resolver (:meth:`substrax.mesh.MeshRules.resolve`): a mesh axis is used
-    once per variable (first dimension wins), and a dimension keeps the longest prefix of its
-    axes that divides it. Unannotated variables get their spec from ``strategy``, or are
-    replicated. Flax's eager sharding is switched off while the factory runs, so the factory
-    needs no mesh context and no ``nnx.logical_axis_rules``. A variable left (partly)
-    replicated against its annotation gets one ``ShardingWarning``, pointing at your call.
-
-    Args:
-      factory: A function of no arguments that builds the model, such as
-        ``lambda: Model(rngs=nnx.Rngs(0))``.
-      mesh: The device mesh. None means the layout's mesh, or without a layout a single
-        device: the model is created unsharded on the first device, so that an annotated
-        model runs in a plain unit test (Flax alone refuses to create an annotated variable
-        without a mesh context).
-      rules: ``MeshRules``, Flax-style pairs ``[(logical, mesh_axes), ...]``, or None: the
-        layout's parameter rules, or without a layout, logical names are mesh axis names.
-      layout: A :class:`substrax.layout.Layout`, or a layout name (``"fsdp"``, ``"fsdp+tp"``,
-        ... on ``mesh``). It gives the mesh (when ``mesh`` is None), the rules (when
-        ``rules`` is None), the strategy for unannotated variables and the batch axes the
-        train step uses.
-      strategy: A ``ShardingStrategy`` or ``MultiDimensionalStrategy`` for unannotated
-        variables; None means the layout's, or replicated.
-      strict: Raise instead of warning when a dimension does not divide its mesh axes.
-      unknown_names: ``"error"`` (default) raises on a logical name that ``rules`` does not
-        know; ``"replicate"`` replicates that dimension with a ``ShardingWarning``.
-      indivisible: What an annotated dimension does with the mesh axes it does not divide
-        (128 experts on an FSDP axis of 256, a vocabulary of 1001 on 4 tensor devices):
-        ``"move"`` (the default) puts them on the largest dimension they divide, preferring
-        an unsharded one, and the report's ``moved`` reason says where; an axis moved off
-        its dimension shards storage only, and the train step gathers it where the
-        parameter is used, as it gathers FSDP axes. ``"replicate"`` keeps the array
-        replicated over them, with a ``ShardingWarning``; ``strict`` raises either way.
-
-    Returns:
-      A :class:`ModelPlan`.
-
-    Raises:
-      ValueError: If an annotation's length differs from the variable's rank, a logical name
-        is repeated in one annotation or unknown to the rules, a rule names a mesh axis that
-        the mesh lacks, the layout's mesh differs from ``mesh``, or (``strict``) a dimension
-        does not divide its mesh axes.
-      TypeError: If ``rules``, ``layout`` or ``strategy`` has the wrong type.
-    """
-    resolver, layout = make_resolver(
-        mesh, rules, strategy, layout, strict=strict, unknown_names=unknown_names,
-        indivisible=indivisible,
-    )  # fmt: skip
-    graphdef, state, under_mesh = _abstract_split(factory, resolver.mesh)
-    return ModelPlan(
-        state, resolver, layout=layout, graphdef=graphdef, factory=factory, under_mesh=under_mesh
-    )
-
-
-def _mesh_context(mesh: Any) -> Any:
-    """``jax.set_mesh(mesh)``, or for an ``AbstractMesh`` (a plan only) its abstract form."""
-    if isinstance(mesh, jax.sharding.AbstractMesh):
-        return jax.sharding.use_abstract_mesh(mesh)
-    return jax.set_mesh(mesh)
-
-
-def _abstract_split(factory: Callable[[], nnx.Module], mesh: Any) -> tuple[Any, Any, bool]:
-    """``(graphdef, abstract state, whether the factory is created under the mesh context)``.
-
-    The factory is traced under ``jax.set_mesh(mesh)``: model code in Flax's Explicit style
-    builds its own ``PartitionSpec``s at creation (``out_sharding=P(...)`` in initializers,
-    ``reshard``, ``with_sharding_constraint``), which jax allows only under a mesh context, and
-    on Auto axes the context changes nothing else. It is later created under the context too,
-    except on a mesh with Explicit axes where the traced state carries no spec in its types:
-    created there without the context, jax still partitions its initializers instead of
-    building each parameter whole (replicated, as the context would type it) first.
-    """
-    if not callable(factory):
-        raise TypeError(
-            f"factory must be a function of no arguments that builds the model, such as "
-            f"lambda: Model(rngs=nnx.Rngs(0)); got {type(factory).__name__} {factory!r:.80}."
-        )
-
-    def split():
-        model = factory()
-        if not isinstance(model, nnx.Module):
-            raise TypeError(
-                f"factory must return an nnx.Module, got {type(model).__name__} {model!r:.80}."
-            )
-        return nnx.split(model)
-
-    with nnx.use_eager_sharding(False), _mesh_context(mesh):
-        graphdef, state = jax.eval_shape(split)
-    return graphdef, state, _typed(state, mesh)
-
-
-def _typed(state: Any, mesh: Any) -> bool:
+def code_is_typed(state: Any, mesh: Any) -> bool:
     """Whether a model's code is created under the mesh context.
 
     On Auto axes always; on Explicit axes when its variables carry their specs in their types
@@ -534,151 +426,10 @@ def _typed(state: Any, mesh: Any) -> bool:
     return any(typed_spec(variable) is not None for _, variable in variables(state))
 
 
-def create_sharded_model(
-    factory: Callable[[], nnx.Module],
-    mesh: jax.sharding.Mesh | None = None,
-    rules: Rules = None,
-    *,
-    layout: LayoutLike = None,
-    strategy: Strategy = None,
-    strict: bool = False,
-    unknown_names: UnknownNames = "error",
-    indivisible: Indivisible = "move",
-) -> nnx.Module:
-    """Creates the model that ``factory`` builds, every variable already sharded.
-
-    The same as ``plan_model(...).create()``: the model is created inside ``jax.jit`` with the
-    planned output shardings, so no device ever holds a full parameter that the plan shards.
-    Values equal those of ``factory()`` run unsharded with the same seeds. The model remembers
-    its plan: :func:`create_sharded_optimizer`, :func:`make_train_step` and
-    :func:`sharding_report` take it from there, with every option given here.
-
-    On a mesh with Explicit axes the model is created the same way (the init uses
-    ``jax.sharding.reshard`` there) and the model code needs no change to be *created*; to
-    *run* it, every contraction over sharded dimensions must say how its output is sharded
-    (``out_sharding=`` or ``jax.sharding.reshard``), as jax requires of Explicit meshes. Meshes
-    from :class:`substrax.mesh.DeviceMeshManager` are Auto unless asked otherwise.
-
-    Args:
-      factory: A function of no arguments that builds the model.
-      mesh: The device mesh (see :func:`plan_model`).
-      rules: ``MeshRules``, Flax-style pairs, or None (see :func:`plan_model`).
-      layout: A layout or layout name (see :func:`plan_model`).
-      strategy: Spec for unannotated variables (see :func:`plan_model`).
-      strict: Raise instead of warning when a dimension does not divide its mesh axes.
-      unknown_names: ``"error"`` or ``"replicate"`` (see :func:`plan_model`).
-      indivisible: ``"move"`` or ``"replicate"`` (see :func:`plan_model`).
-
-    Returns:
-      The sharded model.
-
-    Raises:
-      ValueError: As :func:`plan_model`.
-      TypeError: As :func:`plan_model`.
-    """
-    plan = plan_model(
-        factory, mesh, rules, layout=layout, strategy=strategy, strict=strict,
-        unknown_names=unknown_names, indivisible=indivisible,
-    )  # fmt: skip
-    return plan.create()
-
-
 def shardings_of(rows: tuple[VariableSharding, ...], state: Any, mesh: Any) -> Any:
     """A state like ``state`` holding each row's ``NamedSharding`` on ``mesh``, by path."""
     by_path = {row.path: row for row in rows}
     return map_variables(lambda path, _: NamedSharding(mesh, by_path[path].spec), state)
-
-
-def _state_of(model_or_state: Any) -> Any:
-    if isinstance(model_or_state, nnx.Module):
-        return nnx.state(model_or_state)
-    if isinstance(model_or_state, nnx.State):
-        return model_or_state
-    raise TypeError(f"Expected an nnx.Module or nnx.State, got {type(model_or_state).__name__}.")
-
-
-def get_shardings(
-    model_or_state: Any,
-    mesh: jax.sharding.Mesh | None = None,
-    rules: Rules = None,
-    *,
-    layout: LayoutLike = None,
-    strategy: Strategy = None,
-    strict: bool = False,
-    unknown_names: UnknownNames = "error",
-    indivisible: Indivisible = "move",
-) -> nnx.State:
-    """The planned shardings of a model's variables, without moving any data.
-
-    Args:
-      model_or_state: A model (live or abstract) or its ``nnx.State``.
-      mesh: The device mesh (see :func:`plan_model`).
-      rules: ``MeshRules``, Flax-style pairs, or None (see :func:`plan_model`).
-      layout: A layout or layout name (see :func:`plan_model`).
-      strategy: Spec for unannotated variables (see :func:`plan_model`).
-      strict: Raise instead of warning when a dimension does not divide its mesh axes.
-      unknown_names: ``"error"`` or ``"replicate"`` (see :func:`plan_model`).
-      indivisible: ``"move"`` or ``"replicate"`` (see :func:`plan_model`).
-
-    Returns:
-      An ``nnx.State`` matching ``nnx.state(model)`` whose variables hold ``NamedSharding``
-      values.
-
-    Raises:
-      ValueError: As :func:`plan_model`.
-      TypeError: If ``model_or_state`` is neither a module nor a state.
-    """
-    resolver, layout = make_resolver(
-        mesh, rules, strategy, layout, strict=strict, unknown_names=unknown_names,
-        indivisible=indivisible,
-    )  # fmt: skip
-    return ModelPlan(_state_of(model_or_state), resolver, layout=layout).shardings
-
-
-def shard_model(
-    model: nnx.Module,
-    mesh: jax.sharding.Mesh | None = None,
-    rules: Rules = None,
-    *,
-    layout: LayoutLike = None,
-    strategy: Strategy = None,
-    strict: bool = False,
-    unknown_names: UnknownNames = "error",
-    indivisible: Indivisible = "move",
-) -> nnx.Module:
-    """Moves a live model's variables to their planned shardings, in place.
-
-    Prefer :func:`create_sharded_model` for new models: this one needs the model to fit where
-    it is now. The model remembers its plan, as one from :func:`create_sharded_model` does.
-
-    Args:
-      model: A live model.
-      mesh: The device mesh (see :func:`plan_model`).
-      rules: ``MeshRules``, Flax-style pairs, or None (see :func:`plan_model`).
-      layout: A layout or layout name (see :func:`plan_model`).
-      strategy: Spec for unannotated variables (see :func:`plan_model`).
-      strict: Raise instead of warning when a dimension does not divide its mesh axes.
-      unknown_names: ``"error"`` or ``"replicate"`` (see :func:`plan_model`).
-      indivisible: ``"move"`` or ``"replicate"`` (see :func:`plan_model`).
-
-    Returns:
-      ``model`` itself, its variables now sharded.
-
-    Raises:
-      ValueError: As :func:`plan_model`.
-      TypeError: If ``model`` is not an ``nnx.Module``.
-    """
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"shard_model expects an nnx.Module, got {type(model).__name__}.")
-    graphdef, state = nnx.split(model)
-    resolver, layout = make_resolver(
-        mesh, rules, strategy, layout, strict=strict, unknown_names=unknown_names,
-        indivisible=indivisible,
-    )  # fmt: skip
-    plan = ModelPlan(state, resolver, layout=layout, graphdef=graphdef)
-    nnx.update(model, jax.device_put(state, plan.shardings))
-    remember(model, plan)
-    return model
 
 
 def model_plan(

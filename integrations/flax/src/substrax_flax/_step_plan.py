@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
 from substrax.spmd import PRECISIONS, MixedPrecision, as_precision, region_obstacle
-from substrax_flax._manual import batch_stat_obstacle
+from substrax_flax._per_device import batch_stat_obstacle
 from substrax_flax._plan import ModelPlan
 from substrax_flax._resolve import entry_axes, without_axes
 from substrax_flax._state import values_by_path, variables

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import warnings
@@ -21,22 +20,16 @@ from substrax.mesh import MeshRules
 from substrax.spmd import (
     MixedPrecision,
     as_precision,
-    check_batch,
     checkpoint_policy,
     is_replicated_leaf,
-    shard_batch,
     use_rules,
 )
-from substrax_flax._cache import ProgramKey, StepCache
-from substrax_flax._manual import (
-    manual_movers,
-    manual_rules,
-    manual_value_and_grad,
-    sync_batch_norms,
-)
-from substrax_flax._nonfinite import Guard, NonFinite, all_finite, check_policy
-from substrax_flax._optimizer import check_owner, optimizer_rows
-from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, plan_of, shardings_of
+from substrax_flax._jitted import Built, JittedStep, guarded_update, optimizer_shardings, rehome
+from substrax_flax._manual import manual_movers, manual_rules, manual_value_and_grad
+from substrax_flax._nonfinite import NonFinite, all_finite, check_policy
+from substrax_flax._optimizer import check_owner
+from substrax_flax._per_device import sync_batch_norms
+from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, shardings_of
 from substrax_flax._remat import Marked, use_remat
 from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules, entry_axes
 from substrax_flax._state import constrain_state, shape_and_dtype, variables
@@ -50,218 +43,11 @@ from substrax_flax._step_plan import (
 )
 from substrax_flax._traced import Traced, is_key, trace
 
-__all__ = ["Built", "JittedStep", "TrainStep", "make_train_step", "optimizer_shardings"]
+__all__ = ["TrainStep", "make_train_step"]
 
 Gather = Literal["keep", "regather"]
 DATA_PARALLEL = ("auto", "manual", "xla")
 _GATHERED = "substrax_gathered_param"
-
-
-@dataclasses.dataclass(frozen=True)
-class Built:
-    """A compiled step for one pair of graph definitions, with where its batch goes."""
-
-    jitted: Any
-    mesh: jax.sharding.Mesh
-    data_axes: tuple[str, ...]
-    #: The gradient path (``"manual"``, ``"xla"`` or ``"pipeline"``), as metrics["path"].
-    path: str = "xla"
-    #: Mesh axes the batch's sequences are split over (context parallelism), in zigzag order.
-    seq_axes: tuple[str, ...] = ()
-    #: The step plan it executes (the flat step's), or None.
-    plan: StepPlan | None = None
-    #: The model's mesh when the step runs on its Auto twin (arrays move without a copy).
-    home: jax.sharding.Mesh | None = None
-
-    def enter(self, tree: Any) -> Any:
-        """``tree``'s arrays on the step's mesh (as they are unless it runs on a twin)."""
-        return tree if self.home is None else _rehome(tree, self.mesh)
-
-    def leave(self, tree: Any) -> Any:
-        """``tree``'s arrays back on the model's mesh."""
-        return tree if self.home is None else _rehome(tree, self.home)
-
-
-def _rehome(tree: Any, mesh: jax.sharding.Mesh) -> Any:
-    """Each array of ``tree`` on ``mesh`` (same devices and spec, other axis types): no copy."""
-
-    def move(x):
-        sharding = getattr(x, "sharding", None)
-        if isinstance(sharding, NamedSharding) and sharding.mesh != mesh:
-            return jax.device_put(x, NamedSharding(mesh, sharding.spec))
-        return x
-
-    return jax.tree.map(move, tree)
-
-
-def optimizer_shardings(optimizer: nnx.Optimizer, plan: ModelPlan) -> Any:
-    """The optimizer state's shardings: its remembered rows, or rows mirroring ``plan``."""
-    opt_state = nnx.state(optimizer)
-    rows = plan_of(optimizer)
-    if not isinstance(rows, tuple):
-        rows = optimizer_rows(opt_state, plan.rows, plan.mesh, plan.layout)
-    return shardings_of(rows, opt_state, plan.mesh)
-
-
-def guarded_update(
-    model_def, opt_def, model_state, opt_state, rest, grads, finite, on_nonfinite: NonFinite
-) -> tuple[Any, Any]:
-    """The model and optimizer states after the update, or as they were when not ``finite``.
-
-    ``rest`` (the new non-differentiated state: batch statistics, rng counts) or None is part
-    of the update. The update runs inside ``lax.cond``, so a skipped step does no update work
-    and, on the taken branch, the donated buffers are still updated in place.
-    ``on_nonfinite="apply"`` updates unconditionally.
-    """
-
-    def update(model_state, opt_state, rest, grads):
-        model = nnx.merge(model_def, model_state)
-        if rest is not None:
-            nnx.update(model, rest)
-        optimizer = nnx.merge(opt_def, opt_state)
-        optimizer.update(model, grads)
-        return nnx.state(model), nnx.state(optimizer)
-
-    def keep(model_state, opt_state, rest, grads):
-        return model_state, opt_state
-
-    if on_nonfinite == "apply":
-        return update(model_state, opt_state, rest, grads)
-    return jax.lax.cond(finite, update, keep, model_state, opt_state, rest, grads)
-
-
-class JittedStep:
-    """What every substrax step shares: batch placement, calls, lowering, jit cache, guard.
-
-    The non-finite guard is :mod:`substrax_flax._nonfinite`'s.
-
-    Subclasses implement ``_build(model, optimizer, batch) -> Built``; their jitted step returns
-    ``metrics["finite"]`` and keeps the old state when it is False (:func:`guarded_update`).
-    """
-
-    def __init__(self, on_nonfinite: NonFinite = "skip") -> None:
-        self._compiled = StepCache()
-        self._last: Built | None = None
-        self._guard = Guard(on_nonfinite)
-
-    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Built:
-        raise NotImplementedError
-
-    def _built(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Built:
-        """The compiled step for these arguments' program (see :mod:`substrax_flax._cache`)."""
-        check_batch(batch)  # before its leaves are read for the key
-        key = ProgramKey.of(model, optimizer, batch)
-        built = self._compiled.get(key)
-        if built is None:
-            built = self._build(model, optimizer, batch)
-            self._compiled.put(key, built)
-        self._last = built
-        return built
-
-    def _with_built(
-        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, use: Callable
-    ) -> Any:
-        """``use(built)`` with the compiled step for these arguments."""
-        return use(self._built(model, optimizer, batch))
-
-    @staticmethod
-    def _batch(batch: Any, built: Built) -> Any:
-        check_batch(batch)
-        if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(batch)):
-            return built.enter(batch)
-        return shard_batch(batch, built.mesh, built.data_axes, seq_axes=built.seq_axes)
-
-    def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> dict:
-        """Runs one step and updates ``model`` and ``optimizer`` in place.
-
-        The step runs under ``jax.set_mesh(mesh)``, so model code may use bare
-        ``PartitionSpec``s (``with_sharding_constraint(x, P("data"))``); ``einsum(...,
-        out_sharding=P(...))`` and ``jax.sharding.reshard`` also need Explicit mesh axes
-        (``DeviceMeshManager.create_device_mesh(..., axis_types=(AxisType.Explicit,) * n)``).
-        Stateful variables (dropout rng counts, batch statistics, counters) are updated and
-        kept in their planned shardings.
-
-        Args:
-          model: The model (its state is donated and replaced).
-          optimizer: Its ``nnx.Optimizer`` (likewise).
-          batch: Host arrays (sharded over the data axes here; in a multi-process run each
-            process passes its local slice) or ``jax.Array``s already on the mesh.
-
-        Returns:
-          The metrics: ``{"path": ..., "loss": ..., "finite": ...}`` plus ``loss_fn``'s aux
-          (a dict's items, or ``"aux"``). ``path`` is the gradient path the step ran (a
-          string: ``"manual"``, ``"xla"`` or ``"pipeline"``, see :class:`StepPlan`).
-          ``finite`` is False when the loss or a gradient was NaN or inf; the update was then
-          skipped (a :class:`NonFiniteWarning` says so).
-
-        Raises:
-          FloatingPointError: With ``on_nonfinite="raise"``, when the loss or a gradient was
-            not finite (the model and optimizer are unchanged).
-        """
-
-        def run(built):
-            with jax.set_mesh(built.mesh):  # model code may use bare PartitionSpecs
-                args = built.enter((nnx.state(model), nnx.state(optimizer)))
-                out = built.jitted(*args, self._batch(batch, built))
-            return (*built.leave(out[:2]), out[2], built.path)
-
-        model_state, opt_state, metrics, path = self._with_built(model, optimizer, batch, run)
-        nnx.update(model, model_state)
-        nnx.update(optimizer, opt_state)
-        self._guard.after(metrics)
-        return {"path": path, **metrics}
-
-    def plan_for(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> StepPlan:
-        """The step plan for these arguments: every decision, before anything runs.
-
-        The loss is traced (not run) to see whether it draws random numbers or names a batch
-        axis; the compiled step then executes this plan. ``print`` it for one line per
-        decision with its reason, and each parameter's specs.
-
-        Args:
-          model: The model.
-          optimizer: Its optimizer.
-          batch: A batch as passed to the step (its shapes are what matters).
-
-        Returns:
-          The :class:`StepPlan`.
-        """
-        return self._built(model, optimizer, batch).plan
-
-    @property
-    def plan(self) -> StepPlan:
-        """The plan of the program used last (see :meth:`plan_for`).
-
-        Raises:
-          ValueError: Before the step was called, lowered or planned.
-        """
-        built = self._last
-        if built is None or built.plan is None:
-            raise ValueError(
-                "This step has no plan yet: it is planned for a model and a batch's shapes. "
-                "Call step.plan_for(model, optimizer, batch), or read step.plan after a call."
-            )
-        return built.plan
-
-    def lower(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> jax.stages.Lowered:
-        """Lowers the step without running it.
-
-        Args:
-          model: The model.
-          optimizer: Its optimizer.
-          batch: A batch, as for a call.
-
-        Returns:
-          The lowered step; ``.compile()`` gives ``memory_analysis()``, ``cost_analysis()`` and
-          ``as_text()`` (the partitioned HLO).
-        """
-
-        def lower(built):
-            with jax.set_mesh(built.mesh):
-                args = built.enter((nnx.state(model), nnx.state(optimizer)))
-                return built.jitted.lower(*args, self._batch(batch, built))
-
-        return self._with_built(model, optimizer, batch, lower)
 
 
 class TrainStep(JittedStep):
@@ -531,12 +317,12 @@ class TrainStep(JittedStep):
         loss_of = self._loss_fn(nnx.graphdef(model), compute, rest_def)
         processes = len({d.process_index for d in mesh.devices.flat})
         abstract = jax.tree.map(functools.partial(_global_leaf, processes), batch)
-        params = _rehome(params, mesh)
+        params = rehome(params, mesh)
         rules = manual_rules(rules, split) if split else rules
         with use_rules(mesh, rules), jax.set_mesh(mesh), nnx.use_eager_sharding(False):
             streams = (jax.tree.map(lambda _: False, params), [is_key(x) for x in rest_leaves],
                        jax.tree.map(lambda _: False, abstract))  # fmt: skip
-            return trace(loss_of, params, _rehome(rest_leaves, mesh), abstract, streams=streams)
+            return trace(loss_of, params, rehome(rest_leaves, mesh), abstract, streams=streams)
 
     def data_parallel_for(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> str:
         """How this step splits the batch for ``model``: ``"manual"`` or ``"xla"``.

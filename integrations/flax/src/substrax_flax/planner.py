@@ -43,8 +43,8 @@ from substrax.planner import (
 from substrax.planner import main as planner_main
 from substrax.planner import transformer_leaves as leaves_of
 from substrax.spmd import attention, context_axes, experts
+from substrax_flax._create import create_sharded_model
 from substrax_flax._optimizer import create_sharded_optimizer
-from substrax_flax._plan import create_sharded_model
 from substrax_flax._report import sharding_report
 from substrax_flax._state import logical_names, shape_and_dtype, variables
 from substrax_flax._train import make_train_step
