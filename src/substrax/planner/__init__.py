@@ -18,8 +18,8 @@ from substrax.planner._estimate import Hardware as Hardware
 from substrax.planner._estimate import LeafPlan as LeafPlan
 from substrax.planner._estimate import Workload as Workload
 from substrax.planner._estimate import evaluate as evaluate
-from substrax.planner._estimate import layouts as layouts
 from substrax.planner._hardware import HARDWARE as HARDWARE
+from substrax.planner._layouts import layouts as layouts
 from substrax.planner._rank import MICROBATCH_CHOICES as MICROBATCH_CHOICES
 from substrax.planner._rank import Plan as Plan
 from substrax.planner._rank import plan as plan

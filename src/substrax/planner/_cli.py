@@ -20,8 +20,9 @@ import sys
 from collections.abc import Callable, Sequence
 
 from substrax.planner._architectures import ARCHITECTURES, Leaf, config_from_leaves
-from substrax.planner._estimate import PRECISION_BYTES, STRATEGIES, Hardware, Workload
+from substrax.planner._estimate import PRECISION_BYTES, Hardware, Workload
 from substrax.planner._hardware import HARDWARE
+from substrax.planner._layouts import STRATEGIES
 from substrax.planner._rank import plan
 from substrax.spmd import REMAT
 

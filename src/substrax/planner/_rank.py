@@ -12,14 +12,8 @@ from substrax.planner._architectures import (
     architecture,
     transformer_leaves,
 )
-from substrax.planner._estimate import (
-    STRATEGIES,
-    Candidate,
-    Hardware,
-    Workload,
-    evaluate,
-    layouts,
-)
+from substrax.planner._estimate import Candidate, Hardware, Workload, evaluate
+from substrax.planner._layouts import STRATEGIES, layouts
 from substrax.spmd import REMAT
 
 __all__ = ["MICROBATCH_CHOICES", "Plan", "plan"]
