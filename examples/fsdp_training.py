@@ -324,7 +324,7 @@ def make_step(args, mesh):
     try:
         return sf.make_pipeline_train_step(
             gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh,
-            layout=Layout.named("pp", mesh), stack="blocks", num_microbatches=args.microbatches,
+            layout=Layout.named("pp", mesh), stack="blocks", microbatches=args.microbatches,
             schedule=args.schedule, repeats=args.repeats, remat=args.remat == "full",
             precision=args.precision, num_layers=args.layers,
         )  # fmt: skip

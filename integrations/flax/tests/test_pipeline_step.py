@@ -69,7 +69,7 @@ def test_pipelined_training_matches_and_keeps_shardings(reference, schedule, rep
     assert model.blocks.wq[...].sharding.spec == P("pipe", None, None, None)
     planned = [a.sharding for a in jax.tree.leaves((nnx.state(model), nnx.state(optimizer)))]
     step = sf.make_pipeline_train_step(
-        embed, block, head, mesh, rules, stack="blocks", num_microbatches=4,
+        embed, block, head, mesh, rules, stack="blocks", microbatches=4,
         schedule=schedule, repeats=repeats,
     )  # fmt: skip
     losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
@@ -108,7 +108,7 @@ def test_a_padded_uneven_stack_is_sharded_over_the_stages_and_trains_like_its_la
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
     assert model.blocks.wq[...].sharding.spec == P("pipe", None, None, None)
     step = sf.make_pipeline_train_step(
-        embed, block, head, mesh, rules, stack="blocks", num_microbatches=4, num_layers=6
+        embed, block, head, mesh, rules, stack="blocks", microbatches=4, num_layers=6
     )
     losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -125,11 +125,11 @@ def test_an_uneven_stack_warns_and_a_wrong_layer_count_is_named():
         model = sf.create_sharded_model(_factory(6), mesh, rules)  # 6 does not divide 4
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
     step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
-                                       num_microbatches=4)  # fmt: skip
+                                       microbatches=4)  # fmt: skip
     with pytest.warns(ShardingWarning, match=r"step.num_slots\(6\) = 8 layers"):
         step(model, optimizer, tokens())
     step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
-                                       num_microbatches=4, num_layers=5)  # fmt: skip
+                                       microbatches=4, num_layers=5)  # fmt: skip
     with pytest.raises(ValueError, match="num_layers=5: the stack stores 6 layers, but 5 layers "
                                          "take 8 padded slots"):  # fmt: skip
         step(model, optimizer, tokens())
@@ -139,12 +139,12 @@ def test_bad_configuration():
     mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
     with pytest.raises(ValueError, match="stage_axis 'stage' is not a mesh axis"):
         sf.make_pipeline_train_step(embed, block, head, mesh, stack="blocks",
-                                    stage_axis="stage", num_microbatches=4)  # fmt: skip
+                                    stage_axis="stage", microbatches=4)  # fmt: skip
     rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
     model = sf.create_sharded_model(_factory(4), mesh, rules)
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
     step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="layers",
-                                       num_microbatches=4)  # fmt: skip
+                                       microbatches=4)  # fmt: skip
     with pytest.raises(ValueError, match="no attribute 'layers' holding the layer stack"):
         step(model, optimizer, tokens())
 
@@ -153,7 +153,7 @@ def test_one_step_trains_two_models_each_with_its_own_pipeline(reference):
     mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
     rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
     step = sf.make_pipeline_train_step(
-        embed, block, head, mesh, rules, stack="blocks", num_microbatches=4
+        embed, block, head, mesh, rules, stack="blocks", microbatches=4
     )
     runs = {}
     for layers in (4, 8):
@@ -197,7 +197,7 @@ def test_constrain_inside_a_stage_resolves_through_the_rules():
     counts = {}
     for name, fn in (("constrained", _constrained_block), ("plain", block)):
         step = sf.make_pipeline_train_step(embed, fn, head, mesh, rules, stack="blocks",
-                                           num_microbatches=2)  # fmt: skip
+                                           microbatches=2)  # fmt: skip
         counts[name] = _constraints_on_model(step, model, optimizer, tokens())
     assert counts["constrained"] >= 1 and counts["plain"] == 0  # forward (and its transpose)
     losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(2)]
@@ -211,12 +211,28 @@ def test_a_pp_x_fsdp_layout_trains_from_create_sharded_model_like_the_flat_step(
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2))
     assert model.blocks.wq[...].sharding.spec == P("pipe", "fsdp", None, None)
     step = sf.make_pipeline_train_step(embed, block, head, mesh, stack="blocks",
-                                       num_microbatches=2)  # fmt: skip
+                                       microbatches=2)  # fmt: skip
     plan = step.plan_for(model, optimizer, tokens())
     assert "fsdp          'fsdp'" in str(plan) and plan.path == "pipeline"
     (wq,) = [p for p in plan.params if p.path == "blocks/wq"]
     assert wq.gradient == "reduce-scatter over ('fsdp',)"
     traffic = traffic_by_kind(step.lower(model, optimizer, tokens()).compile().as_text(), 8)
     assert traffic["reduce-scatter"]["count"] >= 1 and traffic["all-gather"]["count"] >= 1
+    losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
+    np.testing.assert_allclose(losses, reference[4][0], rtol=1e-5)
+
+
+def test_remat_takes_the_names_the_flat_step_takes(reference):
+    mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
+    rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
+    with pytest.raises(ValueError, match=r"remat must be one of \('none', 'selective', 'full'\)"):
+        sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
+                                    microbatches=4, remat="some")  # fmt: skip
+    model = sf.create_sharded_model(_factory(4), mesh, rules)
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
+    step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
+                                       microbatches=4, remat="selective")  # fmt: skip
+    plan = step.plan_for(model, optimizer, tokens())
+    assert plan.remat == "selective" and "remat         selective" in str(plan)
     losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
     np.testing.assert_allclose(losses, reference[4][0], rtol=1e-5)

@@ -111,7 +111,7 @@ def test_pipeline_stages_compute_in_bf16():
                                         rules)  # fmt: skip
         optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
         step = sf.make_pipeline_train_step(
-            embed, block, head, mesh, rules, stack="blocks", num_microbatches=4,
+            embed, block, head, mesh, rules, stack="blocks", microbatches=4,
             precision=precision,
         )  # fmt: skip
         lowered = step.lower(model, optimizer, tokens(seed=0)).as_text()

@@ -131,7 +131,7 @@ def test_a_pipeline_with_zero_shards_the_optimizer_and_trains_alike():
     for zero in (0, 1):  # 3 layers on 2 stages: stored padded to 4 slots
         layout = Layout.from_degrees(pp=2, dp=4, zero=zero)
         step = sf.make_pipeline_train_step(embed, block, head, layout.make_mesh(), layout=layout,
-                                           stack="blocks", num_microbatches=2,
+                                           stack="blocks", microbatches=2,
                                            num_layers=3)  # fmt: skip
         slots = step.num_slots(3)
         assert slots == 4

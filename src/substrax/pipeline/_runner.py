@@ -38,8 +38,17 @@ from jax.sharding import Mesh, PartitionSpec
 from substrax.mesh import PipelineParallelStrategy
 from substrax.pipeline._layout import StageLayout
 from substrax.pipeline._schedule import Schedule, ScheduleSlot
+from substrax.spmd import checkpoint_policy
 
 __all__ = ["Pipeline"]
+
+
+def _remat_name(remat: bool | str) -> str:
+    """A remat setting as a name of :data:`~substrax.spmd.REMAT` (True: ``"full"``)."""
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    checkpoint_policy(remat)  # raises for an unknown name
+    return remat
 
 
 def _or_minus_one(dim: int | None) -> int:
@@ -63,7 +72,7 @@ class Pipeline:
         num_microbatches: int,
         schedule: str = "gpipe",
         repeats: int = 1,
-        remat: bool = False,
+        remat: bool | str = False,
         data_axes: Sequence[str] = (),
         fsdp_axis: str | None = None,
         fsdp_dims: Mapping[tuple[int, ...], int | None] | None = None,
@@ -80,8 +89,11 @@ class Pipeline:
           num_microbatches: How many microbatches each batch is split into.
           schedule: ``"gpipe"``, ``"1f1b"`` or ``"circular"``.
           repeats: Rounds of the ring for ``"circular"`` (1 otherwise).
-          remat: Recompute each stage in the backward pass instead of keeping its activations
-            (GPipe and circular; 1F1B always recomputes).
+          remat: Which of a stage's activations the backward pass keeps, a name of
+            :data:`substrax.spmd.REMAT` as every substrax step takes it: ``"none"`` (all),
+            ``"selective"`` (the products with the weights; the rest is recomputed) or
+            ``"full"`` (the stage's input: the stage is recomputed). True is ``"full"``,
+            False ``"none"``. GPipe and circular; 1F1B always recomputes.
           data_axes: Mesh axes that split each microbatch (data parallelism).
           fsdp_axis: One of ``data_axes`` over which the layer parameters are also sharded
             (FSDP): each stage gathers its layers once before the loop and reduce-scatters
@@ -91,10 +103,10 @@ class Pipeline:
             a model's plan decided it; other shapes follow ``fsdp_axis``'s rule.
 
         Raises:
-          ValueError: For an unknown schedule, a stage count that differs from the mesh's
-            stage axis, ``repeats`` other than 1 outside ``"circular"``, a circular schedule
-            with fewer microbatches than stages, data axes that are not mesh axes, or an
-            ``fsdp_axis`` that is not one of them.
+          ValueError: For an unknown schedule or remat name, a stage count that differs
+            from the mesh's stage axis, ``repeats`` other than 1 outside ``"circular"``, a
+            circular schedule with fewer microbatches than stages, data axes that are not mesh
+            axes, or an ``fsdp_axis`` that is not one of them.
         """
         stage_size = dict(mesh.shape).get(strategy.axis_name)
         if stage_size != strategy.num_stages:
@@ -122,7 +134,7 @@ class Pipeline:
             "num_microbatches": num_microbatches,
             "schedule": schedule,
             "repeats": repeats,
-            "remat": remat,
+            "remat": _remat_name(remat),
             "data_axes": data_axes,
             "fsdp_axis": fsdp_axis,
             "data_size": math.prod(dict(mesh.shape)[a] for a in data_axes),
@@ -431,7 +443,8 @@ class Pipeline:
         pattern = self.strategy.get_forward_communication_pattern()
         if repeats > 1:
             pattern = [*pattern, (stages - 1, 0)]
-        apply = jax.checkpoint(self._stage) if self.remat else self._stage
+        policy = checkpoint_policy(self.remat)
+        apply = jax.checkpoint(self._stage, policy=policy) if policy else self._stage
 
         def tick(carry, t):
             received, ring, total = carry

@@ -304,10 +304,10 @@ def make_pipeline_train_step(
     layout: LayoutLike = None,
     stack: str,
     stage_axis: str = "pipe",
-    num_microbatches: int,
+    microbatches: int,
     schedule: str = "gpipe",
     repeats: int = 1,
-    remat: bool = False,
+    remat: bool | str = "none",
     data_axes: Sequence[str] | None = None,
     num_layers: int | None = None,
     on_nonfinite: NonFinite = "skip",
@@ -336,10 +336,14 @@ def make_pipeline_train_step(
       layout: For a model substrax did not place: its layout (``pp``).
       stack: The model attribute holding the stacked layers.
       stage_axis: The mesh axis of the pipeline stages.
-      num_microbatches: Microbatches per batch.
+      microbatches: Microbatches per batch (as ``make_train_step`` and the planner's
+        ``Workload`` name them).
       schedule: ``"gpipe"``, ``"1f1b"`` or ``"circular"``.
       repeats: Rounds of the ring for ``"circular"``.
-      remat: Recompute stages in the backward pass (GPipe, circular).
+      remat: ``"none"``, ``"selective"`` or ``"full"``, as :func:`make_train_step` takes
+        them (a stage is the block): which of a stage's activations the backward pass keeps
+        (GPipe, circular; 1F1B always recomputes). True and False still mean ``"full"`` and
+        ``"none"``.
       data_axes: Mesh axes of the batch; by default the layout's (or the model's plan's)
         batch axes but ``stage_axis``, or every axis
         but ``stage_axis`` that the rules' ``data`` names.
@@ -386,7 +390,7 @@ def make_pipeline_train_step(
         data_axes = _data_axes(mesh, rules, layout, stage_axis)
     strategy = PipelineParallelStrategy(stage_axis, tuple(mesh.axis_names).index(stage_axis),
                                         dict(mesh.shape)[stage_axis])  # fmt: skip
-    options = dict(num_microbatches=num_microbatches, schedule=schedule, repeats=repeats,
+    options = dict(num_microbatches=microbatches, schedule=schedule, repeats=repeats,
                    remat=remat)  # fmt: skip
     # validate now
     Pipeline(lambda p, x: x, lambda y, t: 0.0, mesh, strategy, data_axes=data_axes or (), **options)
@@ -398,9 +402,7 @@ def make_pipeline_train_step(
         ("stages", f"{strategy.num_stages} on {stage_axis!r}", "the mesh's stage axis"),
         ("schedule", f"{schedule}" + (f" x {repeats} rounds" if repeats > 1 else ""),
          "as asked"),
-        ("microbatches", str(num_microbatches), "as asked"),
-        ("remat", "stages" if remat or schedule == "1f1b" else "none",
-         "1F1B recomputes each stage" if schedule == "1f1b" else "as asked"),
+        ("microbatches", str(microbatches), "as asked"),
     )  # fmt: skip
     return PipelineTrainStep(make_pipeline, embed_fn, layer_fn, head_fn, mesh=mesh, rules=rules,
                              layout=layout, stack=stack, data_axes=data_axes,

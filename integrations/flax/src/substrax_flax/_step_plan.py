@@ -362,6 +362,9 @@ def pipeline_plan(
     decisions = (
         Decision("path", "pipeline", f"the layer stack {stack!r} runs as a pipeline"),
         *(Decision(*line) for line in settings),
+        Decision("remat", "full" if pipeline.schedule == "1f1b" else pipeline.remat,
+                 "1F1B recomputes each stage" if pipeline.schedule == "1f1b"
+                 else "as asked, per stage"),
         Decision("data axes", str(tuple(data_axes)), "split each microbatch"),
         Decision("fsdp", repr(fsdp) if fsdp else "none",
                  "each stage gathers its layers once and reduce-scatters their gradients"
@@ -370,7 +373,7 @@ def pipeline_plan(
     )  # fmt: skip
     return StepPlan(
         "pipeline", decisions[0].reason, plan.mesh, tuple(data_axes), (), (), precision,
-        "none", pipeline.num_microbatches, "keep", 0, tuple(steps), decisions,
+        pipeline.remat, pipeline.num_microbatches, "keep", 0, tuple(steps), decisions,
     )  # fmt: skip
 
 
