@@ -17,12 +17,21 @@ from jax.sharding import NamedSharding
 
 from substrax.spmd import check_batch, shard_batch
 from substrax_flax._cache import ProgramKey, StepCache
-from substrax_flax._nonfinite import Guard, NonFinite
+from substrax_flax._nonfinite import Guard, NonFinite, all_finite
 from substrax_flax._optimizer import optimizer_rows
 from substrax_flax._plan import ModelPlan, plan_of, shardings_of
+from substrax_flax._state import constrain_state
 from substrax_flax._step_plan import StepPlan
 
-__all__ = ["Built", "JittedStep", "guarded_update", "optimizer_shardings", "rehome"]
+__all__ = [
+    "Built",
+    "JittedStep",
+    "Update",
+    "apply_update",
+    "guarded_update",
+    "optimizer_shardings",
+    "rehome",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,13 +107,64 @@ def guarded_update(
     return jax.lax.cond(finite, update, keep, model_state, opt_state, rest, grads)
 
 
+@dataclasses.dataclass(frozen=True)
+class Update:
+    """What a step's gradient function hands the one core: the step's outputs follow from it.
+
+    Attributes:
+      loss: The scalar loss.
+      aux: ``loss_fn``'s aux (None without), merged into the metrics.
+      rest: The new non-differentiated state (batch statistics, rng counts), or None.
+      grads: The gradients, a state like the differentiated parameters.
+    """
+
+    loss: jax.Array
+    aux: Any
+    rest: Any
+    grads: Any
+
+
+def apply_update(
+    update: Update, model_def, opt_def, model_state, opt_state, shardings, on_nonfinite
+) -> tuple[Any, Any, dict]:
+    """The core every step shares: guard, update, metrics, and the planned shardings.
+
+    Args:
+      update: The gradient function's result.
+      model_def: The model's graph definition.
+      opt_def: The optimizer's.
+      model_state: The model's state on the way in.
+      opt_state: The optimizer's.
+      shardings: ``(model shardings, optimizer shardings)``, the plan's.
+      on_nonfinite: The guard's policy.
+
+    Returns:
+      ``(new model state, new optimizer state, metrics)``, each state in its planned
+      sharding; the metrics are ``{"loss", "finite"}`` plus the aux.
+    """
+    finite = all_finite(update.loss, update.grads)
+    new_model, new_opt = guarded_update(
+        model_def, opt_def, model_state, opt_state, update.rest, update.grads, finite,
+        on_nonfinite,
+    )  # fmt: skip
+    metrics = {"loss": update.loss, "finite": finite}
+    if update.aux is not None:
+        metrics.update(update.aux if isinstance(update.aux, dict) else {"aux": update.aux})
+    return (
+        constrain_state(new_model, shardings[0]),
+        constrain_state(new_opt, shardings[1]),
+        metrics,
+    )
+
+
 class JittedStep:
     """What every substrax step shares: batch placement, calls, lowering, jit cache, guard.
 
     The non-finite guard is :mod:`substrax_flax._nonfinite`'s.
 
-    Subclasses implement ``_build(model, optimizer, batch) -> Built``; their jitted step returns
-    ``metrics["finite"]`` and keeps the old state when it is False (:func:`guarded_update`).
+    Subclasses implement ``_build(model, optimizer, batch) -> Built``: their gradient function
+    (XLA's, the manual region's, the pipeline's) is the only part that differs; it hands an
+    :class:`Update` to :func:`apply_update`, which guards, updates and lays out the state.
     """
 
     def __init__(self, on_nonfinite: NonFinite = "skip") -> None:

@@ -13,12 +13,12 @@ from substrax import ShardingWarning, warn_user
 from substrax.mesh import PipelineParallelStrategy
 from substrax.pipeline import Pipeline
 from substrax.spmd import MixedPrecision, as_precision, use_rules
-from substrax_flax._jitted import Built, JittedStep, guarded_update, optimizer_shardings
+from substrax_flax._jitted import Built, JittedStep, Update, apply_update, optimizer_shardings
 from substrax_flax._manual import manual_rules
-from substrax_flax._nonfinite import NonFinite, all_finite, check_policy
+from substrax_flax._nonfinite import NonFinite, check_policy
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
 from substrax_flax._resolve import Rules, as_rules, entry_axes
-from substrax_flax._state import constrain_state, map_variables
+from substrax_flax._state import map_variables
 from substrax_flax._step_plan import pipeline_plan
 
 __all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
@@ -196,16 +196,10 @@ class PipelineTrainStep(JittedStep):
             drest = jax.tree.map(lambda a, b: a + b, dhead, dembed)
             dstack = pipeline.unstack(dpadded, num_layers, keep_padding=stored != num_layers)
             grads = nnx.State({**dict(drest), self.stack: dstack})
-            finite = all_finite(loss, grads)
-            new_model, new_opt = guarded_update(
-                model_def, opt_def, model_state, opt_state, None, grads, finite,
-                self._guard.on_nonfinite,
+            return apply_update(
+                Update(loss, None, None, grads), model_def, opt_def, model_state, opt_state,
+                (model_shardings, opt_shardings), self._guard.on_nonfinite,
             )  # fmt: skip
-            return (
-                constrain_state(new_model, model_shardings),
-                constrain_state(new_opt, opt_shardings),
-                {"loss": loss, "finite": finite},
-            )
 
         replicated = NamedSharding(plan.mesh, PartitionSpec())
         jitted = jax.jit(

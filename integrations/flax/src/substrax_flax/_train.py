@@ -24,9 +24,16 @@ from substrax.spmd import (
     is_replicated_leaf,
     use_rules,
 )
-from substrax_flax._jitted import Built, JittedStep, guarded_update, optimizer_shardings, rehome
+from substrax_flax._jitted import (
+    Built,
+    JittedStep,
+    Update,
+    apply_update,
+    optimizer_shardings,
+    rehome,
+)
 from substrax_flax._manual import manual_movers, manual_rules, manual_value_and_grad
-from substrax_flax._nonfinite import NonFinite, all_finite, check_policy
+from substrax_flax._nonfinite import NonFinite, check_policy
 from substrax_flax._optimizer import check_owner
 from substrax_flax._per_device import sync_batch_norms
 from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, shardings_of
@@ -175,19 +182,10 @@ class TrainStep(JittedStep):
                         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
                         (loss, (aux, rest)), grads = grad_fn(params, rest_leaves, batch)
                 _check_marked(marked)
-                finite = all_finite(loss, grads)
-                new_model, new_opt = guarded_update(
-                    model_def, opt_def, model_state, opt_state, rest, grads, finite,
-                    self._guard.on_nonfinite,
+                return apply_update(
+                    Update(loss, aux, rest, grads), model_def, opt_def, model_state, opt_state,
+                    (model_sh, opt_sh), self._guard.on_nonfinite,
                 )  # fmt: skip
-                metrics = {"loss": loss, "finite": finite}
-                if aux is not None:
-                    metrics.update(aux if isinstance(aux, dict) else {"aux": aux})
-                return (
-                    constrain_state(new_model, model_sh),
-                    constrain_state(new_opt, opt_sh),
-                    metrics,
-                )
 
         return step
 
