@@ -263,9 +263,9 @@ def test_a_strategy_that_differs_only_in_a_setting_is_not_the_models():
     )
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2))
     same = FSDPStrategy("data", 0, min_weight_size=8)
-    step = sf.make_train_step(_loss, strategy=same, data_axes="data")
+    step = sf.make_train_step(_loss, strategy=same, batch_axes="data")
     assert step.plan_for(model, optimizer, _batch()).path == "manual"
     other = FSDPStrategy("data", 0)  # the same repr
-    step = sf.make_train_step(_loss, strategy=other, data_axes="data")
+    step = sf.make_train_step(_loss, strategy=other, batch_axes="data")
     with pytest.raises(ValueError, match="strategy FSDPStrategy"):
         step.plan_for(model, optimizer, _batch())

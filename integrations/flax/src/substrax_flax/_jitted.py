@@ -40,7 +40,7 @@ class Built:
 
     jitted: Any
     mesh: jax.sharding.Mesh
-    data_axes: tuple[str, ...]
+    batch_axes: tuple[str, ...]
     #: The gradient path (``"manual"``, ``"xla"`` or ``"pipeline"``), as metrics["path"].
     path: str = "xla"
     #: Mesh axes the batch's sequences are split over (context parallelism), in zigzag order.
@@ -197,7 +197,7 @@ class JittedStep:
         check_batch(batch)
         if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(batch)):
             return built.enter(batch)
-        return shard_batch(batch, built.mesh, built.data_axes, seq_axes=built.seq_axes)
+        return shard_batch(batch, built.mesh, built.batch_axes, seq_axes=built.seq_axes)
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> dict:
         """Runs one step and updates ``model`` and ``optimizer`` in place.

@@ -56,7 +56,7 @@ class PipelineTrainStep(JittedStep):
         rules: Rules,
         layout: LayoutLike,
         stack: str,
-        data_axes: Sequence[str] | None,
+        batch_axes: Sequence[str] | None,
         num_layers: int | None = None,
         on_nonfinite: NonFinite = "skip",
         precision: MixedPrecision | None = None,
@@ -75,7 +75,7 @@ class PipelineTrainStep(JittedStep):
           rules: The rules, for a model substrax did not place.
           layout: The layout, for a model substrax did not place.
           stack: The attribute holding the stacked layers.
-          data_axes: Mesh axes of the batch (None: the plan's batch axes but the stage axis).
+          batch_axes: Mesh axes of the batch (None: the plan's batch axes but the stage axis).
           num_layers: The real layer count of a stack stored padded (see
             :func:`make_pipeline_train_step`), or None.
           on_nonfinite: ``"skip"``, ``"raise"`` or ``"apply"`` (see :func:`make_train_step`).
@@ -90,7 +90,7 @@ class PipelineTrainStep(JittedStep):
         self.embed_fn, self.user_layer_fn, self.head_fn = embed_fn, layer_fn, head_fn
         self.mesh, self.rules, self.layout = mesh, rules, layout
         self.stack = stack
-        self.data_axes = tuple(data_axes) if data_axes is not None else None
+        self.batch_axes = tuple(batch_axes) if batch_axes is not None else None
         self.num_layers = num_layers
         self.donate, self.settings, self.stage_axis = donate, settings, stage_axis
 
@@ -137,15 +137,15 @@ class PipelineTrainStep(JittedStep):
         )
         model_shardings = shardings_of(plan.rows, nnx.state(model), plan.mesh)
         opt_shardings = optimizer_shardings(optimizer, plan)
-        data_axes = self.data_axes
-        if data_axes is None:  # the plan's batch axes
-            data_axes = tuple(a for a in plan.batch_axes if a != self.stage_axis)
-        grad_dims = _grad_dims(plan, self.stack, stack, data_axes)
-        fsdp_axis, fsdp_dims = _fsdp(plan, self.stack, data_axes)
+        batch_axes = self.batch_axes
+        if batch_axes is None:  # the plan's batch axes
+            batch_axes = tuple(a for a in plan.batch_axes if a != self.stage_axis)
+        grad_dims = _grad_dims(plan, self.stack, stack, batch_axes)
+        fsdp_axis, fsdp_dims = _fsdp(plan, self.stack, batch_axes)
         opt_def = nnx.graphdef(optimizer)
         outer = plan.compute_rules  # the embedding runs on the global batch, with XLA
         # inside the pipeline's map the stage and data axes are manual: rules without them
-        manual = (self.stage_axis, *data_axes)
+        manual = (self.stage_axis, *batch_axes)
         inner = manual_rules(outer, manual)
 
         compute = self.precision.cast_to_compute
@@ -155,7 +155,7 @@ class PipelineTrainStep(JittedStep):
             return nnx.merge(model_def, full)
 
         def in_stage():
-            return use_rules(plan.mesh, inner, manual_batch_axes=data_axes)
+            return use_rules(plan.mesh, inner, manual_batch_axes=batch_axes)
 
         def layer_fn(layer_state, x):
             with in_stage():
@@ -168,7 +168,7 @@ class PipelineTrainStep(JittedStep):
             return self.precision.cast_to_output(loss)
 
         pipeline = self.make_pipeline(
-            layer_fn, loss_fn, data_axes=data_axes, fsdp_axis=fsdp_axis, fsdp_dims=fsdp_dims
+            layer_fn, loss_fn, data_axes=batch_axes, fsdp_axis=fsdp_axis, fsdp_dims=fsdp_dims
         )
         _check_stack(pipeline, stored, num_layers, self.num_layers)
         # The head sees the model with placeholders for the stack: it must not read the stack.
@@ -209,12 +209,12 @@ class PipelineTrainStep(JittedStep):
             donate_argnums=(0, 1) if self.donate else (),
         )
         step_plan = pipeline_plan(
-            plan, self.stack, data_axes, pipeline, self.precision, self.settings, grad_dims
+            plan, self.stack, batch_axes, pipeline, self.precision, self.settings, grad_dims
         )
-        return Built(jitted, plan.mesh, data_axes, "pipeline", plan=step_plan)
+        return Built(jitted, plan.mesh, batch_axes, "pipeline", plan=step_plan)
 
 
-def _grad_dims(plan: Any, name: str, stack: Any, data_axes: Sequence[str]) -> Any:
+def _grad_dims(plan: Any, name: str, stack: Any, batch_axes: Sequence[str]) -> Any:
     """Under ZeRO, each stack leaf's per-layer dimension its optimizer state is sharded on.
 
     The pipeline then reduce-scatters the layers' gradients along it (None: all-reduce), as
@@ -225,7 +225,7 @@ def _grad_dims(plan: Any, name: str, stack: Any, data_axes: Sequence[str]) -> An
     if layout is None or not layout.zero:
         return None
     sizes = layout.shape
-    if {a for a in layout.optimizer_axes if sizes[a] > 1} != {a for a in data_axes
+    if {a for a in layout.optimizer_axes if sizes[a] > 1} != {a for a in batch_axes
                                                              if sizes[a] > 1}:  # fmt: skip
         return None
 
@@ -241,7 +241,7 @@ def _grad_dims(plan: Any, name: str, stack: Any, data_axes: Sequence[str]) -> An
     return map_variables(dim, stack)
 
 
-def _fsdp(plan: Any, name: str, data_axes: Sequence[str]) -> tuple[str | None, dict]:
+def _fsdp(plan: Any, name: str, batch_axes: Sequence[str]) -> tuple[str | None, dict]:
     """The layout's FSDP axis for the stack, and where the plan put it on each layer shape.
 
     Raises:
@@ -253,10 +253,10 @@ def _fsdp(plan: Any, name: str, data_axes: Sequence[str]) -> tuple[str | None, d
     axes = [a for a in (layout.fsdp_axes if layout is not None else ()) if sizes[a] > 1]
     if not axes:
         return None, {}
-    if len(axes) > 1 or axes[0] not in data_axes:
+    if len(axes) > 1 or axes[0] not in batch_axes:
         raise ValueError(
             f"The pipelined step gathers a stage's layers over one FSDP axis among its data "
-            f"axes {tuple(data_axes)}; the layout has {tuple(axes)}. Use a layout with one "
+            f"axes {tuple(batch_axes)}; the layout has {tuple(axes)}. Use a layout with one "
             "FSDP axis (Layout.from_degrees(pp=..., fsdp=...))."
         )
     dims: dict = {}
@@ -302,7 +302,7 @@ def make_pipeline_train_step(
     schedule: str = "gpipe",
     repeats: int = 1,
     remat: bool | str = "none",
-    data_axes: Sequence[str] | None = None,
+    batch_axes: Sequence[str] | None = None,
     num_layers: int | None = None,
     on_nonfinite: NonFinite = "skip",
     precision: MixedPrecision | str | None = None,
@@ -338,7 +338,7 @@ def make_pipeline_train_step(
         them (a stage is the block): which of a stage's activations the backward pass keeps
         (GPipe, circular; 1F1B always recomputes). True and False still mean ``"full"`` and
         ``"none"``.
-      data_axes: Mesh axes of the batch; by default the layout's (or the model's plan's)
+      batch_axes: Mesh axes of the batch; by default the layout's (or the model's plan's)
         batch axes but ``stage_axis``, or every axis
         but ``stage_axis`` that the rules' ``data`` names.
       num_layers: The real layer count of a stack stored padded: a stack whose layers do
@@ -380,14 +380,16 @@ def make_pipeline_train_step(
         raise ValueError(
             f"stage_axis {stage_axis!r} is not a mesh axis; the mesh has {tuple(mesh.axis_names)}."
         )
-    if data_axes is None and (rules is not None or layout is not None):
-        data_axes = _data_axes(mesh, rules, layout, stage_axis)
+    if batch_axes is None and (rules is not None or layout is not None):
+        batch_axes = _data_axes(mesh, rules, layout, stage_axis)
     strategy = PipelineParallelStrategy(stage_axis, tuple(mesh.axis_names).index(stage_axis),
                                         dict(mesh.shape)[stage_axis])  # fmt: skip
     options = dict(num_microbatches=microbatches, schedule=schedule, repeats=repeats,
                    remat=remat)  # fmt: skip
     # validate now
-    Pipeline(lambda p, x: x, lambda y, t: 0.0, mesh, strategy, data_axes=data_axes or (), **options)
+    Pipeline(
+        lambda p, x: x, lambda y, t: 0.0, mesh, strategy, data_axes=batch_axes or (), **options
+    )
 
     def make_pipeline(layer_fn, loss_fn, **extra):
         return Pipeline(layer_fn, loss_fn, mesh, strategy, **options, **extra)
@@ -399,7 +401,7 @@ def make_pipeline_train_step(
         ("microbatches", str(microbatches), "as asked"),
     )  # fmt: skip
     return PipelineTrainStep(make_pipeline, embed_fn, layer_fn, head_fn, mesh=mesh, rules=rules,
-                             layout=layout, stack=stack, data_axes=data_axes,
+                             layout=layout, stack=stack, batch_axes=batch_axes,
                              num_layers=num_layers, on_nonfinite=on_nonfinite,
                              precision=as_precision(precision), donate=donate,
                              settings=settings, stage_axis=stage_axis)  # fmt: skip

@@ -318,7 +318,7 @@ def param_steps(
 def pipeline_plan(
     plan: ModelPlan,
     stack: str,
-    data_axes: tuple[str, ...],
+    batch_axes: tuple[str, ...],
     pipeline: Any,
     precision: MixedPrecision,
     settings: tuple[tuple[str, str, str], ...],
@@ -329,14 +329,14 @@ def pipeline_plan(
     Args:
       plan: The model's plan.
       stack: The attribute holding the layer stack.
-      data_axes: The pipeline's data axes.
+      batch_axes: The pipeline's data axes.
       pipeline: The :class:`~substrax.pipeline.Pipeline` that runs the stack.
       precision: The step's policy.
       settings: ``(name, value, reason)`` of the pipeline's options.
       grad_dims: Under ZeRO, the stack leaves' scatter dimensions (None: none).
     """
     sizes = dict(plan.mesh.shape)
-    split = tuple(a for a in data_axes if sizes[a] > 1)
+    split = tuple(a for a in batch_axes if sizes[a] > 1)
     fsdp = pipeline.fsdp_axis
     zero = grad_dims is not None
     steps = []
@@ -365,14 +365,14 @@ def pipeline_plan(
         Decision("remat", "full" if pipeline.schedule == "1f1b" else pipeline.remat,
                  "1F1B recomputes each stage" if pipeline.schedule == "1f1b"
                  else "as asked, per stage"),
-        Decision("data axes", str(tuple(data_axes)), "split each microbatch"),
+        Decision("batch axes", str(tuple(batch_axes)), "split each microbatch"),
         Decision("fsdp", repr(fsdp) if fsdp else "none",
                  "each stage gathers its layers once and reduce-scatters their gradients"
                  if fsdp else "the layout has no FSDP axis"),
         Decision("precision", precision_name(precision), "as asked"),
     )  # fmt: skip
     return StepPlan(
-        "pipeline", decisions[0].reason, plan.mesh, tuple(data_axes), (), (), precision,
+        "pipeline", decisions[0].reason, plan.mesh, tuple(batch_axes), (), (), precision,
         pipeline.remat, pipeline.num_microbatches, "keep", 0, tuple(steps), decisions,
     )  # fmt: skip
 

@@ -78,7 +78,7 @@ class TrainStep(JittedStep):
         has_aux: bool,
         wrt: Any,
         gather: Gather,
-        data_axes: tuple[str, ...] | None,
+        batch_axes: tuple[str, ...] | None,
         donate: bool,
         on_nonfinite: NonFinite = "skip",
         remat: str = "none",
@@ -99,7 +99,7 @@ class TrainStep(JittedStep):
           has_aux: Whether ``loss_fn`` returns ``(loss, aux)``.
           wrt: The variables that are differentiated and updated.
           gather: ``"keep"`` or ``"regather"`` (see :func:`make_train_step`).
-          data_axes: Mesh axes of the batch's leading dimension (None: the plan's).
+          batch_axes: Mesh axes of the batch's leading dimension (None: the plan's).
           donate: Donate the model and optimizer buffers to the step.
           on_nonfinite: ``"skip"``, ``"raise"`` or ``"apply"`` (see :func:`make_train_step`).
           remat: One of :data:`substrax.spmd.REMAT` (see :func:`make_train_step`).
@@ -115,7 +115,7 @@ class TrainStep(JittedStep):
         self.loss_fn, self.has_aux, self.wrt = loss_fn, has_aux, wrt
         self.mesh, self.rules, self.layout, self.strategy = mesh, rules, layout, strategy
         self.compute_rules, self.gather = compute_rules, gather
-        self.data_axes, self.donate = data_axes, donate
+        self.batch_axes, self.donate = batch_axes, donate
         self._given: ModelPlan | None = None
 
     def _compute(self, plan: ModelPlan, params: Any) -> tuple[Any, MeshRules]:
@@ -239,10 +239,10 @@ class TrainStep(JittedStep):
         check_owner(optimizer, model, "The train step")
         _check_differentiable(model, self.wrt)
         _check_param_dtype(model, self.wrt, self.precision)
-        data_axes = self.data_axes or plan.batch_axes
-        if not data_axes:
+        batch_axes = self.batch_axes or plan.batch_axes
+        if not batch_axes:
             raise ValueError(
-                "make_train_step needs the batch's mesh axes: pass data_axes=..., a layout, or "
+                "make_train_step needs the batch's mesh axes: pass batch_axes=..., a layout, or "
                 f"rules whose 'data' maps to mesh axes (mesh axes: {tuple(plan.mesh.axis_names)})."
             )
         mesh, mesh_decision = step_mesh(plan)
@@ -250,7 +250,7 @@ class TrainStep(JittedStep):
         # The manual region spans the batch axes parameters are whole on where used; expert
         # axes also split the batch, but stay with XLA (the expert layer enters its own region).
         experts = plan.layout.expert_axes if plan.layout is not None else ()
-        split = tuple(a for a in data_axes if dict(mesh.shape)[a] > 1 and a not in experts)
+        split = tuple(a for a in batch_axes if dict(mesh.shape)[a] > 1 and a not in experts)
         traced = functools.cache(functools.partial(
             self._trace, model, mesh, batch, _on(mesh, compute_sh), rules, split
         ))  # fmt: skip
@@ -262,7 +262,7 @@ class TrainStep(JittedStep):
         decisions = (
             Decision("path", path.name, path.reason),
             mesh_decision,
-            Decision("batch axes", str(tuple(data_axes)), _batch_reason(self.data_axes, plan)),
+            Decision("batch axes", str(tuple(batch_axes)), _batch_reason(self.batch_axes, plan)),
             Decision("region", str(region) if region else "none",
                      "manual over the batch axes of size > 1 (expert axes stay with XLA)"
                      if region else "XLA partitions the whole step"),
@@ -275,7 +275,7 @@ class TrainStep(JittedStep):
             more = "more traffic per device per step than the manual step"
             decisions += (Decision("cost", _megabytes(path.extra_bytes), more),)
         step_plan = StepPlan(
-            path.name, path.reason, mesh, tuple(data_axes), region, seq_axes, self.precision,
+            path.name, path.reason, mesh, tuple(batch_axes), region, seq_axes, self.precision,
             self.remat, self.microbatches, self.gather, path.extra_bytes, params, decisions,
             path.advice,
         )  # fmt: skip
@@ -398,7 +398,7 @@ def _on(mesh: jax.sharding.Mesh, shardings: Any) -> Any:
 
 def _batch_reason(asked: tuple[str, ...] | None, plan: ModelPlan) -> str:
     if asked:
-        return "data_axes as asked"
+        return "batch_axes as asked"
     if plan.layout is not None:
         return f"the {plan.layout.name} layout's batch axes"
     return "the rules' 'batch' / 'data' axes"
@@ -509,7 +509,7 @@ def make_train_step(
     has_aux: bool = False,
     wrt: Any = nnx.Param,
     gather: Gather = "keep",
-    data_axes: Sequence[str] | str | None = None,
+    batch_axes: Sequence[str] | str | None = None,
     donate: bool = True,
     on_nonfinite: NonFinite = "skip",
     remat: str = "none",
@@ -549,8 +549,10 @@ def make_train_step(
       wrt: The variables to differentiate and update, as for ``nnx.Optimizer``.
       gather: ``"keep"`` keeps gathered parameters from the forward pass for the backward pass
         (less traffic); ``"regather"`` gathers them again in the backward pass (less memory).
-      data_axes: The mesh axes of the batch's leading dimension; by default the layout's
-        batch axes, or the rules' ``batch`` / ``data`` axes.
+      batch_axes: The mesh axes of the batch's leading dimension; by default the layout's
+        :attr:`~substrax.layout.Layout.batch_axes` (its data, FSDP and expert axes: the
+        name is the layout's, whose ``data_axes`` are its replica axes only), or the rules'
+        ``batch`` / ``data`` axes.
       donate: Donate the model and optimizer buffers to the step.
       on_nonfinite: What a step whose loss or gradients hold a NaN or inf does; it always
         returns ``metrics["finite"] == False``. ``"skip"`` (the default) leaves the model
@@ -633,12 +635,12 @@ def make_train_step(
             "data_parallel='xla' has none. Pass data_parallel='auto' or 'manual'."
         )
     compute = as_rules(compute_rules, mesh) if compute_rules is not None else None
-    axes = _axes(data_axes)
+    axes = _axes(batch_axes)
     if axes is None and rules is not None and layout is None:
         table = as_rules(rules, mesh).as_dict()
         if not (table.get("batch") or table.get("data")):
             raise ValueError(
-                "make_train_step needs the batch's mesh axes: pass data_axes=..., a layout, or "
+                "make_train_step needs the batch's mesh axes: pass batch_axes=..., a layout, or "
                 "rules whose 'data' maps to mesh axes"
                 + (f" (mesh axes: {tuple(mesh.axis_names)})." if mesh is not None else ".")
             )
@@ -646,7 +648,7 @@ def make_train_step(
         layout.check_mesh(mesh)
     return TrainStep(
         loss_fn, mesh=mesh, rules=rules, layout=layout, strategy=strategy, compute_rules=compute,
-        has_aux=has_aux, wrt=wrt, gather=gather, data_axes=axes, donate=donate,
+        has_aux=has_aux, wrt=wrt, gather=gather, batch_axes=axes, donate=donate,
         on_nonfinite=on_nonfinite, remat=remat, data_parallel=data_parallel,
         microbatches=microbatches, precision=as_precision(precision),
     )  # fmt: skip
