@@ -1,5 +1,7 @@
 """Pipeline schedules: the same loss and gradients as no pipeline, and the promised HLO/memory."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -268,3 +270,25 @@ def test_fsdp_inside_the_pipeline_gathers_before_and_scatters_after_the_loop(mes
 def test_fsdp_axis_must_be_a_data_axis(mesh):
     with pytest.raises(ValueError, match=r"fsdp_axis 'model' must be one of data_axes \('data',\)"):
         _pipeline(mesh, "gpipe", micro=4, fsdp_axis="model")
+
+
+def _loss_and_aux(y, t):
+    return jnp.mean((y - t) ** 2), {"y2": jnp.mean(y**2), "t": jnp.mean(t)}
+
+
+@pytest.mark.parametrize(("schedule", "grad_dims"), [("gpipe", None), ("gpipe", 0), ("1f1b", None)])
+def test_aux_is_the_mean_over_every_microbatch(mesh, schedule, grad_dims):
+    strategy = PipelineParallelStrategy("pipe", 0, 4)
+    pipe = Pipeline(layer_fn, _loss_and_aux, mesh, strategy, num_microbatches=4,
+                    schedule=schedule, data_axes=("data",), has_aux=True)  # fmt: skip
+    params = _params(8)
+    x, t = _batch(16)
+    padded, mask = pipe.stack(params)
+    dims = None if grad_dims is None else {"w": grad_dims, "b": grad_dims}
+    (loss, aux), _ = jax.jit(functools.partial(pipe.value_and_grad, grad_dims=dims))(
+        padded, mask, x, t
+    )
+    ys = jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, params)[0]
+    assert abs(float(loss) - float(jnp.mean((ys - t) ** 2))) < 1e-5
+    np.testing.assert_allclose(float(aux["y2"]), float(jnp.mean(ys**2)), rtol=1e-5)
+    np.testing.assert_allclose(float(aux["t"]), float(jnp.mean(t)), rtol=1e-5, atol=1e-7)

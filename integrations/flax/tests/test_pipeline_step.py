@@ -236,3 +236,40 @@ def test_remat_takes_the_names_the_flat_step_takes(reference):
     assert plan.remat == "selective" and "remat         selective" in str(plan)
     losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
     np.testing.assert_allclose(losses, reference[4][0], rtol=1e-5)
+
+
+def _head_with_aux(model, y, targets):
+    logits = rms_norm(y, model.norm[...]) @ model.head[...]
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return loss, {"accuracy": (logits.argmax(-1) == targets).mean()}
+
+
+def _loss_with_aux(model, batch):
+    logits = model(batch[:, :-1])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    return loss, {"accuracy": (logits.argmax(-1) == batch[:, 1:]).mean()}
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_aux_outputs_are_the_flat_steps(schedule):
+    flat_mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    flat_rules = MeshRules(data="data").extend(layers=None, **NAMES)
+    model = sf.create_sharded_model(_factory(4), flat_mesh, flat_rules)
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), flat_mesh, flat_rules)
+    flat = sf.make_train_step(_loss_with_aux, flat_mesh, flat_rules, has_aux=True)
+    want = [flat(model, optimizer, tokens(seed=i)) for i in range(2)]
+    mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
+    rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
+    model = sf.create_sharded_model(_factory(4), mesh, rules)
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
+    step = sf.make_pipeline_train_step(embed, block, _head_with_aux, mesh, rules, stack="blocks",
+                                       microbatches=4, schedule=schedule, has_aux=True)  # fmt: skip
+    got = [step(model, optimizer, tokens(seed=i)) for i in range(2)]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(float(g["loss"]), float(w["loss"]), rtol=1e-5)
+        np.testing.assert_allclose(float(g["accuracy"]), float(w["accuracy"]), atol=1e-6)
+    assert got[0]["path"] == "pipeline" and want[0]["path"] == "manual"
+    step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
+                                       microbatches=4, has_aux=True)  # fmt: skip
+    with pytest.raises(TypeError, match="has_aux=True, so head_fn must return"):
+        step(model, optimizer, tokens())

@@ -76,6 +76,7 @@ class Pipeline:
         data_axes: Sequence[str] = (),
         fsdp_axis: str | None = None,
         fsdp_dims: Mapping[tuple[int, ...], int | None] | None = None,
+        has_aux: bool = False,
     ):
         """Validates the configuration.
 
@@ -101,6 +102,9 @@ class Pipeline:
             dimension that the axis size divides; one with none stays whole.
           fsdp_dims: Per-layer shape -> the dimension FSDP shards it on (None: whole), where
             a model's plan decided it; other shapes follow ``fsdp_axis``'s rule.
+          has_aux: Whether ``loss_fn`` returns ``(loss, aux)``, ``aux`` a pytree of scalars
+            (a microbatch's means); the pipeline then returns ``(loss, aux)`` with both
+            averaged over every microbatch, as the loss is.
 
         Raises:
           ValueError: For an unknown schedule or remat name, a stage count that differs
@@ -137,6 +141,7 @@ class Pipeline:
             "remat": _remat_name(remat),
             "data_axes": data_axes,
             "fsdp_axis": fsdp_axis,
+            "has_aux": bool(has_aux),
             "data_size": math.prod(dict(mesh.shape)[a] for a in data_axes),
             "timetable": timetable,
             "layout": StageLayout(
@@ -372,8 +377,19 @@ class Pipeline:
         value = jax.lax.psum(value, self.stage_axis) / self.num_microbatches
         return jax.lax.pmean(value, self.data_axes) if self.data_axes else value
 
-    def _loss(self, y: jax.Array, target: jax.Array, head: Any) -> jax.Array:
-        return self.loss_fn(y, target) if head is None else self.loss_fn(y, target, head)
+    def _loss(self, y: jax.Array, target: jax.Array, head: Any) -> tuple[jax.Array, Any]:
+        """``(loss, aux)`` of one microbatch (``aux`` is ``()`` without ``has_aux``)."""
+        out = self.loss_fn(y, target) if head is None else self.loss_fn(y, target, head)
+        return out if self.has_aux else (out, ())
+
+    def _aux_zeros(self, x: jax.Array, target: jax.Array, head: Any) -> Any:
+        """Zeros shaped like a microbatch's aux: the start of its sum."""
+        shapes = jax.eval_shape(self._loss, x, target, head)[1]
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), shapes)
+
+    def _out(self, value: jax.Array, aux: Any) -> Any:
+        """The loss, or ``(loss, aux)`` with ``has_aux``."""
+        return (value, aux) if self.has_aux else value
 
     def _shard_map(self, body, padded, head, out_specs, **options):
         param_spec, mask_spec, batch_spec = self._specs(padded)
@@ -413,7 +429,8 @@ class Pipeline:
             (from :meth:`microbatch`).
 
         Returns:
-          The mean loss over every microbatch.
+          The mean loss over every microbatch (with ``has_aux``: ``(loss, aux)``, each the
+          mean over every microbatch).
 
         Raises:
           ValueError: For the 1F1B schedule (use :meth:`value_and_grad`), a batch that does
@@ -424,7 +441,7 @@ class Pipeline:
         xs, ts = self._split(inputs, microbatched), self._split(targets, microbatched)
         self._check_layer(padded, xs)
         run = self._shard_map(self._forward_loop, padded, head, PartitionSpec())
-        return run(padded, mask, xs, ts, head)
+        return self._out(*run(padded, mask, xs, ts, head))
 
     def _gather(self, params: Any, dims: Any) -> Any:
         """Inside the map: each parameter whole along its FSDP dimension (-1: none), once."""
@@ -447,7 +464,7 @@ class Pipeline:
         apply = jax.checkpoint(self._stage, policy=policy) if policy else self._stage
 
         def tick(carry, t):
-            received, ring, total = carry
+            received, ring, total, aux = carry
             item = jnp.clip(t - stage, 0, repeats * micro - 1)
             index, rnd = item % micro, item // micro
             first = xs[index] if repeats == 1 else jnp.where(rnd == 0, xs[index], ring[index])
@@ -455,18 +472,21 @@ class Pipeline:
             layers = jax.tree.map(lambda a: a[rnd], params)
             y = apply(layers, mask[rnd], x)
             done = (stage == stages - 1) & (t - stage >= 0) & (rnd == repeats - 1)
-            total = total + jnp.where(done, self._loss(y, targets[index], head), 0.0)
+            loss, extra = self._loss(y, targets[index], head)
+            total = total + jnp.where(done, loss, 0.0)
+            aux = jax.tree.map(lambda a, e: a + jnp.where(done, e, 0.0), aux, extra)
             sent = jax.lax.ppermute(y, self.stage_axis, pattern)
             if repeats > 1:  # stage 0 keeps what comes back round the ring, by microbatch
                 back = jnp.clip(t - (stages - 1), 0, repeats * micro - 1) % micro
                 ring = jnp.where((stage == 0) & (t >= stages - 1), ring.at[back].set(sent), ring)
-            return (sent, ring, total), None
+            return (sent, ring, total, aux), None
 
         start = jnp.zeros_like(xs[0])
         ring = jnp.zeros_like(xs) if repeats > 1 else jnp.zeros((), xs.dtype)
-        carry = self._varying((start, ring, jnp.zeros((), jnp.float32)))
-        (_, _, total), _ = jax.lax.scan(tick, carry, jnp.arange(self.num_ticks))
-        return self._mean(total)
+        aux = self._aux_zeros(xs[0], targets[0], head)
+        carry = self._varying((start, ring, jnp.zeros((), jnp.float32), aux))
+        (_, _, total, aux), _ = jax.lax.scan(tick, carry, jnp.arange(self.num_ticks))
+        return self._mean(total), jax.tree.map(self._mean, aux)
 
     def value_and_grad(
         self,
@@ -497,7 +517,8 @@ class Pipeline:
             None to all-reduce that leaf) to reduce-scatter each gradient along.
 
         Returns:
-          ``(loss, (grads, head_grads, input_grads))``: ``grads`` shaped like ``padded``
+          ``(loss, (grads, head_grads, input_grads))`` (with ``has_aux``, ``loss`` is
+          ``(loss, aux)``): ``grads`` shaped like ``padded``
           (padding slots exactly zero) and sharded like it, plus the data axes on a
           ``grad_dims`` dimension; ``head_grads`` like ``head`` (None without one),
           ``input_grads`` like ``inputs``, for backpropagating into what produced them.
@@ -509,13 +530,12 @@ class Pipeline:
         if self.schedule != "1f1b" and grad_dims is None:  # jax.grad reduces the gradients
             loss = functools.partial(self.loss, microbatched=microbatched)
             if head is None:
-                value, (grads, dx) = jax.value_and_grad(loss, argnums=(0, 2))(
+                value, (grads, dx) = jax.value_and_grad(loss, argnums=(0, 2), has_aux=self.has_aux)(
                     padded, mask, inputs, targets
                 )
                 return value, (grads, None, dx)
-            value, (grads, dx, dhead) = jax.value_and_grad(loss, argnums=(0, 2, 4))(
-                padded, mask, inputs, targets, head
-            )
+            grad_fn = jax.value_and_grad(loss, argnums=(0, 2, 4), has_aux=self.has_aux)
+            value, (grads, dx, dhead) = grad_fn(padded, mask, inputs, targets, head)
             return value, (grads, dhead, dx)
         scatter = self._scatter_dims(padded, grad_dims)
         xs, ts = self._split(inputs, microbatched), self._split(targets, microbatched)
@@ -530,7 +550,7 @@ class Pipeline:
         value, grads, dhead, dxs = run(padded, mask, xs, ts, head)
         if not microbatched:  # [M, rows] back to the batch's row order
             dxs = jnp.swapaxes(dxs, 0, 1).reshape(inputs.shape)
-        return value, (grads, dhead, dxs)
+        return self._out(*value), (grads, dhead, dxs)
 
     def _scatter_dims(self, padded: Any, grad_dims: Any) -> Any:
         """``grad_dims`` checked, as a tree like ``padded`` of ints (-1: all-reduce)."""
@@ -568,7 +588,8 @@ class Pipeline:
         def loss(p, x, h):
             return self._forward_loop(p, mask, x, targets, h, dims=dims)
 
-        value, (grads, dxs, dhead) = jax.value_and_grad(loss, argnums=(0, 1, 2))(varied, xs, head)
+        grad_fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+        value, (grads, dxs, dhead) = grad_fn(varied, xs, head)
         if self.data_axes:
             grads = jax.tree.map(lambda g, d: self._reduce_grad(g, d, lead=3), grads, scatter)
         return value, grads, dhead, dxs
@@ -617,14 +638,16 @@ class Pipeline:
             return self._stage(p, mask, x)
 
         def tick(carry, t):
-            received, cotangent_in, stash, grads, dhead, dxs, total = carry
+            received, cotangent_in, stash, grads, dhead, dxs, total, aux = carry
             i = jnp.clip(t - stage, 0, micro - 1)
             forward_ok = (t - stage >= 0) & (t - stage < micro)
             x = jnp.where(stage == 0, xs[i], received)
             y = run_stage(params, x)
             stash = jnp.where(forward_ok, stash.at[i % depth].set(x), stash)
-            loss, (dy, dh) = jax.value_and_grad(self._loss, argnums=(0, 2))(y, targets[i], head)
+            grad_fn = jax.value_and_grad(self._loss, argnums=(0, 2), has_aux=True)
+            (loss, extra), (dy, dh) = grad_fn(y, targets[i], head)
             total = total + jnp.where(last & forward_ok, loss, 0.0)
+            aux = jax.tree.map(lambda a, e: a + jnp.where(last & forward_ok, e, 0.0), aux, extra)
             dhead = jax.tree.map(
                 lambda g, d: g + jnp.where(last & forward_ok, d / micro, 0), dhead, dh
             )
@@ -637,16 +660,17 @@ class Pipeline:
             dxs = jnp.where((stage == 0) & backward_ok, dxs.at[j].set(dx), dxs)
             sent = jax.lax.ppermute(y, self.stage_axis, forward)
             sent_back = jax.lax.ppermute(dx, self.stage_axis, backward)
-            return (sent, sent_back, stash, grads, dhead, dxs, total), None
+            return (sent, sent_back, stash, grads, dhead, dxs, total, aux), None
 
         zero = jnp.zeros_like(xs[0])
         stash = jnp.zeros((depth, *xs.shape[1:]), xs.dtype)
         grads = jax.tree.map(jnp.zeros_like, params)
         dhead = jax.tree.map(jnp.zeros_like, head)
-        carry = (zero, zero, stash, grads, dhead, jnp.zeros_like(xs), jnp.zeros((), jnp.float32))
+        carry = (zero, zero, stash, grads, dhead, jnp.zeros_like(xs), jnp.zeros((), jnp.float32),
+                 self._aux_zeros(xs[0], targets[0], head))  # fmt: skip
         carry = self._varying(carry)
         final, _ = jax.lax.scan(tick, carry, jnp.arange(self.num_ticks))
-        grads, dhead, dxs, total = final[3:]
+        grads, dhead, dxs, total, aux = final[3:]
         data = self.data_size
         if self.data_axes:
             grads = jax.tree.map(lambda g, d: self._reduce_grad(g, d) / data, grads, scatter)
@@ -654,7 +678,7 @@ class Pipeline:
         dhead = jax.tree.map(lambda g: jax.lax.psum(g, self.stage_axis) / data, dhead)
         dxs = jax.lax.psum(dxs, self.stage_axis) / data
         grads = jax.tree.map(lambda g: g[None, None], grads)
-        return self._mean(total), grads, dhead, dxs
+        return (self._mean(total), jax.tree.map(self._mean, aux)), grads, dhead, dxs
 
     def reference_loss(
         self, params: Any, inputs: jax.Array, targets: jax.Array, head: Any = None
@@ -674,6 +698,6 @@ class Pipeline:
 
         def one(x, t):
             y = jax.lax.scan(lambda h, p: (self.layer_fn(p, h), None), x, params)[0]
-            return self._loss(y, t, head)
+            return self._loss(y, t, head)[0]
 
         return jnp.mean(jax.vmap(one)(xs, ts))

@@ -63,6 +63,7 @@ class PipelineTrainStep(JittedStep):
         donate: bool = True,
         settings: tuple[tuple[str, str, str], ...] = (),
         stage_axis: str = "pipe",
+        has_aux: bool = False,
     ):
         """Stores the configuration; see :func:`make_pipeline_train_step`.
 
@@ -83,6 +84,7 @@ class PipelineTrainStep(JittedStep):
           donate: Donate the model and optimizer buffers to the step.
           settings: The pipeline's settings as ``(name, value, reason)`` lines of the plan.
           stage_axis: The mesh axis of the stages.
+          has_aux: Whether ``head_fn`` returns ``(loss, aux)``.
         """
         super().__init__(on_nonfinite)
         self.precision = precision or MixedPrecision()
@@ -93,6 +95,7 @@ class PipelineTrainStep(JittedStep):
         self.batch_axes = tuple(batch_axes) if batch_axes is not None else None
         self.num_layers = num_layers
         self.donate, self.settings, self.stage_axis = donate, settings, stage_axis
+        self.has_aux = has_aux
 
     def num_slots(self, num_layers: int) -> int:
         """The layers a stack of ``num_layers`` is stored with on this step's stages.
@@ -164,12 +167,13 @@ class PipelineTrainStep(JittedStep):
 
         def loss_fn(y, targets, rest_state):
             with in_stage():
-                loss = self.head_fn(merged(stack_template, compute(rest_state)), y, targets)
-            return self.precision.cast_to_output(loss)
+                out = self.head_fn(merged(stack_template, compute(rest_state)), y, targets)
+            return self.precision.cast_to_output(_loss_and_aux(out, self.has_aux))
 
         pipeline = self.make_pipeline(
-            layer_fn, loss_fn, data_axes=batch_axes, fsdp_axis=fsdp_axis, fsdp_dims=fsdp_dims
-        )
+            layer_fn, loss_fn, data_axes=batch_axes, fsdp_axis=fsdp_axis, fsdp_dims=fsdp_dims,
+            has_aux=self.has_aux,
+        )  # fmt: skip
         _check_stack(pipeline, stored, num_layers, self.num_layers)
         # The head sees the model with placeholders for the stack: it must not read the stack.
         stack_template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack)
@@ -189,15 +193,16 @@ class PipelineTrainStep(JittedStep):
 
             inputs, embed_vjp, targets = jax.vjp(embed, rest_state, has_aux=True)
             padded, mask = pipeline.stack(stack_state, num_layers)
-            loss, (dpadded, dhead, dinputs) = pipeline.value_and_grad(
+            value, (dpadded, dhead, dinputs) = pipeline.value_and_grad(
                 padded, mask, inputs, targets, rest_state, grad_dims=grad_dims
             )
+            loss, aux = value if self.has_aux else (value, None)
             (dembed,) = embed_vjp(dinputs)
             drest = jax.tree.map(lambda a, b: a + b, dhead, dembed)
             dstack = pipeline.unstack(dpadded, num_layers, keep_padding=stored != num_layers)
             grads = nnx.State({**dict(drest), self.stack: dstack})
             return apply_update(
-                Update(loss, None, None, grads), model_def, opt_def, model_state, opt_state,
+                Update(loss, aux, None, grads), model_def, opt_def, model_state, opt_state,
                 (model_shardings, opt_shardings), self._guard.on_nonfinite,
             )  # fmt: skip
 
@@ -239,6 +244,22 @@ def _grad_dims(plan: Any, name: str, stack: Any, batch_axes: Sequence[str]) -> A
         return moved[0] - 1 if moved and moved[0] > 0 else None
 
     return map_variables(dim, stack)
+
+
+def _loss_and_aux(out: Any, has_aux: bool) -> Any:
+    """What ``head_fn`` returned, checked against ``has_aux``.
+
+    Raises:
+      TypeError: If it is not a pair with ``has_aux``, or is a pair without.
+    """
+    pair = isinstance(out, (tuple, list)) and len(out) == 2
+    if has_aux and not pair:
+        raise TypeError("has_aux=True, so head_fn must return (loss, aux); it returned "
+                        f"{type(out).__name__}. Return a pair, or leave has_aux out.")  # fmt: skip
+    if not has_aux and isinstance(out, (tuple, list)):
+        raise TypeError("head_fn returned a pair; for (loss, aux) pass has_aux=True to "
+                        "make_pipeline_train_step, else return the scalar loss alone.")  # fmt: skip
+    return tuple(out) if has_aux else out
 
 
 def _fsdp(plan: Any, name: str, batch_axes: Sequence[str]) -> tuple[str | None, dict]:
@@ -307,6 +328,7 @@ def make_pipeline_train_step(
     on_nonfinite: NonFinite = "skip",
     precision: MixedPrecision | str | None = None,
     donate: bool = True,
+    has_aux: bool = False,
 ) -> PipelineTrainStep:
     """Builds a training step that runs a model's layer stack as a pipeline.
 
@@ -358,6 +380,9 @@ def make_pipeline_train_step(
         between stages are in it; the optimizer sees gradients in the stored dtype and the
         loss is in the output dtype.
       donate: Donate the model and optimizer buffers to the step.
+      has_aux: Whether ``head_fn`` returns ``(loss, aux)``: ``aux`` a dict (or one value) of
+        a microbatch's scalar means; the step's metrics hold their mean over every
+        microbatch, as the loss is, as :func:`make_train_step` returns its aux.
 
     The rules are in force inside the stages, as in :func:`make_train_step`:
     :func:`substrax.spmd.constrain` in ``layer_fn`` or ``head_fn`` resolves through the
@@ -404,7 +429,8 @@ def make_pipeline_train_step(
                              layout=layout, stack=stack, batch_axes=batch_axes,
                              num_layers=num_layers, on_nonfinite=on_nonfinite,
                              precision=as_precision(precision), donate=donate,
-                             settings=settings, stage_axis=stage_axis)  # fmt: skip
+                             settings=settings, stage_axis=stage_axis,
+                             has_aux=has_aux)  # fmt: skip
 
 
 def _data_axes(mesh: Any, rules: Rules, layout: LayoutLike, stage_axis: str) -> tuple[str, ...]:
