@@ -146,3 +146,15 @@ def test_positions_follow_the_layout():
         assert positions(8).tolist() == [0, 7, 1, 6, 2, 5, 3, 4]
         with pytest.raises(ValueError, match="multiple of 8"):
             attention(*(jnp.zeros((2, 12, 2, 4)),) * 3)
+
+
+def test_attention_that_cannot_split_its_heads_says_so():
+    layout = Layout.from_degrees(cp=2, tp=4)
+    mesh = layout.make_mesh()
+    q = jax.ShapeDtypeStruct((2, 16, 4, 8), jnp.float32)
+    kv = jax.ShapeDtypeStruct((2, 16, 2, 8), jnp.float32)  # 2 key/value heads over 4 devices
+    with use_rules(mesh, layout.compute_rules):
+        attend = jax.jit(lambda q, k, v: attention(q, k, v, causal=True))
+        with pytest.warns(ShardingWarning, match=r"2 key/value heads do not split .* \('model',\)"):
+            attend.lower(q, kv, kv)
+        attend.lower(q, q, q)  # 4 and 4 heads split: nothing to say

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from substrax._warnings import ShardingWarning, warn_user
 from substrax.mesh._resolve import spec_entry
 from substrax.spmd._region import axes_size, free_axes, recomputed_region, region_mesh
 
@@ -163,6 +164,10 @@ def attention(
     Raises:
       ValueError: For an unknown variant, heads that do not group, or a length that does not
         split into ``2 x cp`` chunks.
+
+    Warns:
+      ShardingWarning: Where the layout splits ``heads`` over tensor axes that the query or
+        key/value heads do not divide: the heads then stay whole in the region.
     """
     axes = context_axes()
     if not axes:
@@ -179,7 +184,15 @@ def attention(
     # Each device's own rows and heads: XLA may not regroup them around the region.
     rows, heads = free_axes("batch"), free_axes("heads")
     if q.shape[2] % axes_size(heads) or k.shape[2] % axes_size(heads):
-        heads = ()  # too few key/value heads to split: XLA keeps them whole in the region
+        warn_user(
+            f"substrax.spmd.attention: {q.shape[2]} query and {k.shape[2]} key/value heads do "
+            f"not split over the tensor axes {heads} ({axes_size(heads)} devices), so every "
+            "device of those axes computes the attention of every head of its rows (their "
+            "work repeated, and the heads gathered around the region). Use a head count the "
+            "tensor axes divide, or a layout with fewer tensor devices.",
+            ShardingWarning,
+        )
+        heads = ()
     spec = PartitionSpec(spec_entry(rows), spec_entry(axes), spec_entry(heads))
     ring = functools.partial(context_attention, axis_name=spec_entry(axes), causal=causal,
                              balanced=True, variant=variant, scale=scale)  # fmt: skip
