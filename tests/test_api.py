@@ -26,9 +26,11 @@ REFERENCE = {
         "apply_sharding": "(self, array, mesh)",
     },
     "FSDPStrategy": {
-        # keyword-only addition (issue 12): shard="largest", opt-in; the reference's
-        # positional signature and default behaviour are unchanged
-        "__init__": "(self, axis_name, mesh_axis, min_weight_size=1024, *, shard='first')",
+        # keyword-only additions (issues 12, 24): shard="largest", opt-in, and min_elements;
+        # the reference's positional signature and default behaviour are unchanged
+        "__init__": (
+            "(self, axis_name, mesh_axis, min_weight_size=1024, *, shard='first', min_elements=0)"
+        ),
         "should_shard_weight": "(self, weight)",
         "get_partition_spec": "(self, tensor_shape)",
         "get_gradient_partition_spec": "(self, tensor_shape)",

@@ -4,6 +4,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from substrax import ShardingWarning
+from substrax.layout import Layout
 from substrax.mesh import (
     DataParallelStrategy,
     DeviceMeshManager,
@@ -188,3 +189,29 @@ def test_strategies_compare_by_value():
     assert repr(narrow) == repr(FSDPStrategy("data", 0)) and narrow != FSDPStrategy("data", 0)
     assert TensorParallelStrategy("model", 1) != FSDPStrategy("model", 1)
     assert TensorParallelStrategy("model", 1, "in_features") != TensorParallelStrategy("model", 1)
+
+
+def test_min_weight_size_means_the_first_dimension_everywhere():
+    """One meaning: ShardingConfig, FSDPStrategy (either mode) and Layout count the first
+    dimension as min_weight_size, and elements only as min_elements."""
+    wide = jax.ShapeDtypeStruct((4, 4096), np.float32)  # small first dimension, many elements
+    for shard in ("first", "largest"):
+        strategy = FSDPStrategy("data", 0, 8, shard=shard)
+        assert not strategy.should_shard_weight(wide), shard
+        assert (
+            FSDPStrategy("data", 0, 0, shard=shard, min_elements=16385).should_shard_weight(wide)
+            is False
+        )
+        assert FSDPStrategy("data", 0, 0, shard=shard, min_elements=16384).should_shard_weight(wide)
+    layout = Layout.from_config(
+        ParallelismConfig((8,), ("data",), ShardingConfig(8, fsdp_enabled=True,
+                                                          fsdp_min_weight_size=8))
+    )  # fmt: skip
+    assert layout.fsdp_min_weight_size == 8 and layout.sharding_config().fsdp_min_weight_size == 8
+    mesh = layout.make_mesh()
+    assert layout.strategy().resolve(wide.shape, mesh).spec == P(None, None)  # first dim 4 < 8
+    layout = Layout.named("fsdp", {"data": 8})  # a named layout counts elements only
+    assert (layout.fsdp_min_weight_size, layout.fsdp_min_elements) == (0, 256)
+    assert layout.strategy().resolve(wide.shape, mesh).spec == P(None, "data")
+    with pytest.raises(ValueError, match="min_elements must be a non-negative integer, got -1"):
+        FSDPStrategy("data", 0, min_elements=-1)

@@ -101,7 +101,10 @@ class Layout:
         activations is split, in :func:`~substrax.spmd.zigzag` order; parameters are whole on
         them. Attention runs through :func:`substrax.spmd.attention`.
       tensor_axes: Tensor-parallel axes: ``heads``, ``kv_heads``, ``mlp`` and ``vocab`` are split.
-      fsdp_min_weight_size: The fewest elements of an unannotated variable that the FSDP axes
+      fsdp_min_weight_size: The smallest first dimension of an unannotated variable that the
+        FSDP axes shard, as ``ShardingConfig.fsdp_min_weight_size`` and
+        ``FSDPStrategy(min_weight_size=)`` mean it (0: any).
+      fsdp_min_elements: The fewest elements of an unannotated variable that the FSDP axes
         shard (smaller ones, such as norm scales, stay replicated).
       zero: What the replica axes shard besides the batch (ZeRO's stages): 0 nothing, 1 the
         optimizer state, 2 the optimizer state and the gradients. Parameters stay whole on
@@ -117,7 +120,8 @@ class Layout:
     expert_axes: tuple[str, ...] = ()
     context_axes: tuple[str, ...] = ()
     tensor_axes: tuple[str, ...] = ()
-    fsdp_min_weight_size: int = 256
+    fsdp_min_weight_size: int = 0
+    fsdp_min_elements: int = 256
     zero: int = 0
 
     def __post_init__(self) -> None:
@@ -487,7 +491,8 @@ class Layout:
 
         FSDP axes shard each variable's largest dimension they divide
         (:class:`~substrax.mesh.FSDPStrategy` with ``shard="largest"``, for variables of at
-        least ``fsdp_min_weight_size`` elements), tensor axes split layers as
+        least ``fsdp_min_elements`` elements and a first dimension of at least
+        ``fsdp_min_weight_size``), tensor axes split layers as
         :class:`~substrax.mesh.TensorParallelStrategy` does; both merge into a
         :class:`~substrax.mesh.MultiDimensionalStrategy`. Replica, stage, expert and context
         axes shard no unannotated variable.
@@ -499,7 +504,8 @@ class Layout:
         parts: dict[str, Any] = {}
         for axis in self.fsdp_axes:
             parts[f"fsdp/{axis}"] = FSDPStrategy(
-                axis, index[axis], self.fsdp_min_weight_size, shard="largest"
+                axis, index[axis], self.fsdp_min_weight_size, shard="largest",
+                min_elements=self.fsdp_min_elements,
             )
         for axis in self.tensor_axes:
             parts[f"tensor/{axis}"] = TensorParallelStrategy(axis, index[axis])

@@ -55,7 +55,7 @@ def _one_device(batches):
 
 @pytest.fixture(scope="module")
 def trained():
-    layout = dataclasses.replace(Layout.named("fsdp", {"data": 8}), fsdp_min_weight_size=8)
+    layout = dataclasses.replace(Layout.named("fsdp", {"data": 8}), fsdp_min_elements=8)
     model = sf.create_sharded_model(lambda: NormedMLP(nnx.Rngs(0)), layout=layout)
     optimizer = sf.create_sharded_optimizer(model, _tx())
     step = sf.make_train_step(_loss)

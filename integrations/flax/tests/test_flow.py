@@ -114,7 +114,7 @@ def test_a_strategy_planned_model_is_gathered_once_too():
 
     from substrax.hlo import collectives
 
-    layout = dataclasses.replace(Layout.named("fsdp", {"data": 8}), fsdp_min_weight_size=8)
+    layout = dataclasses.replace(Layout.named("fsdp", {"data": 8}), fsdp_min_elements=8)
     model = sf.create_sharded_model(lambda: Plain(nnx.Rngs(0)), layout=layout)
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-3))
     step = sf.make_train_step(regression_loss)

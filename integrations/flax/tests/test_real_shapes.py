@@ -42,7 +42,8 @@ def test_the_fsdp_layout_shards_real_layers_near_the_ideal(name, devices):
 
 def test_largest_dimension_is_opt_in_and_named_in_the_reasons():
     mesh = {"data": 8}
-    first, largest = FSDPStrategy("data", 0), FSDPStrategy("data", 0, 256, shard="largest")
+    first = FSDPStrategy("data", 0)
+    largest = FSDPStrategy("data", 0, 0, shard="largest", min_elements=256)
     assert first.resolve((16, 128, 1024), mesh).spec == P(None, None, None)
     assert largest.resolve((16, 128, 1024), mesh).spec == P(None, None, "data")
     assert largest.resolve((12, 6, 7), mesh).spec == P(None, None, None)  # none divides 8

@@ -66,7 +66,7 @@ def _batch(rows=16, seq=None):
 
 
 def _fsdp(mesh):
-    return dataclasses.replace(Layout.named("fsdp", mesh), fsdp_min_weight_size=8)
+    return dataclasses.replace(Layout.named("fsdp", mesh), fsdp_min_elements=8)
 
 
 def _case(mesh, layout, model=MLP, loss=_loss, batch=None, **options):

@@ -109,30 +109,40 @@ class FSDPStrategy(ShardingStrategy):
     Shards model parameters across devices to reduce memory usage while maintaining training
     efficiency. By default (``shard="first"``, the reference behaviour) a parameter is sharded
     along its first dimension when that dimension is at least ``min_weight_size`` and divides
-    the axis size; otherwise it is replicated. With ``shard="largest"`` (opt-in) a parameter of
-    at least ``min_weight_size`` elements is sharded along its largest dimension that the axis
-    size divides (the first of equals): real layers put their big dimension anywhere (an
-    attention output ``(heads, head_dim, d_model)``, a conv kernel ``(kh, kw, in, out)``), and
-    the first dimension is often the small one. Batches are sharded along ``"batch"`` over the
+    the axis size; otherwise it is replicated. With ``shard="largest"`` (opt-in) it is sharded
+    along its largest dimension that the axis size divides (the first of equals): real layers
+    put their big dimension anywhere (an attention output ``(heads, head_dim, d_model)``, a conv
+    kernel ``(kh, kw, in, out)``), and the first dimension is often the small one; such a
+    strategy usually sets ``min_weight_size=0`` and counts ``min_elements`` instead. Both
+    thresholds mean the same in either mode. Batches are sharded along ``"batch"`` over the
     same axis.
     """
 
     def __init__(
-        self, axis_name: str, mesh_axis: int, min_weight_size: int = 1024, *, shard: str = "first"
+        self,
+        axis_name: str,
+        mesh_axis: int,
+        min_weight_size: int = 1024,
+        *,
+        shard: str = "first",
+        min_elements: int = 0,
     ):
         """Initialize FSDP strategy.
 
         Args:
           axis_name: Name of the mesh axis.
           mesh_axis: Index of the mesh axis.
-          min_weight_size: Minimum first dimension size to enable sharding (with
-            ``shard="largest"``: minimum number of elements).
+          min_weight_size: Minimum first dimension size to enable sharding (whichever
+            dimension ``shard`` then picks), as ``ShardingConfig.fsdp_min_weight_size``.
           shard: ``"first"`` (the first dimension) or ``"largest"`` (the largest dimension the
             axis divides).
+          min_elements: The fewest elements a weight needs to be sharded (0: any), as
+            ``Layout.fsdp_min_elements``: a layout's FSDP axes shard unannotated variables
+            this way, keeping norm scales and biases whole.
 
         Raises:
-          ValueError: If ``min_weight_size`` is negative, ``shard`` is not one of the two, or
-            an argument is malformed.
+          ValueError: If ``min_weight_size`` or ``min_elements`` is negative, ``shard`` is not
+            one of the two, or an argument is malformed.
         """
         super().__init__(axis_name, mesh_axis)
         if shard not in _FSDP_SHARD:
@@ -147,6 +157,11 @@ class FSDPStrategy(ShardingStrategy):
                 f"min_weight_size must be a non-negative integer, got {min_weight_size!r}."
             )
         self.min_weight_size = int(min_weight_size)
+        if not isinstance(min_elements, numbers.Integral) or isinstance(min_elements, bool) or (
+            min_elements < 0
+        ):
+            raise ValueError(f"min_elements must be a non-negative integer, got {min_elements!r}.")
+        self.min_elements = int(min_elements)
 
     def should_shard_weight(self, weight: jax.Array) -> bool:
         """Determine if a weight should be sharded based on its size.
@@ -156,11 +171,13 @@ class FSDPStrategy(ShardingStrategy):
             ``jax.ShapeDtypeStruct``).
 
         Returns:
-          True if weight should be sharded, False otherwise: it has at least one dimension and
-          its first dimension is at least ``min_weight_size``.
+          True if weight should be sharded, False otherwise: it has at least one dimension,
+          its first dimension is at least ``min_weight_size`` and it has at least
+          ``min_elements`` elements.
         """
         shape = tuple(weight.shape)
-        return bool(shape) and shape[0] >= self.min_weight_size
+        big = math.prod(shape) >= self.min_elements
+        return bool(shape) and shape[0] >= self.min_weight_size and big
 
     def get_partition_spec(self, tensor_shape: tuple[str, ...]) -> PartitionSpec:
         """Get partition spec for FSDP sharding.
@@ -195,18 +212,17 @@ class FSDPStrategy(ShardingStrategy):
     ) -> ShardDims:
         if not shape:
             return (), None
-        if self.shard == "largest":
-            return self._largest(shape, size)
         if shape[0] < self.min_weight_size:
             detail = f"first dimension {shape[0]} is below min_weight_size {self.min_weight_size}"
             return (), self._reason("below_threshold", detail)
+        if math.prod(shape) < self.min_elements:
+            detail = f"{math.prod(shape)} elements are below min_elements {self.min_elements}"
+            return (), self._reason("below_threshold", detail)
+        if self.shard == "largest":
+            return self._largest(shape, size)
         return (0,), None
 
     def _largest(self, shape: tuple[int, ...], size: int) -> ShardDims:
-        count = math.prod(shape)
-        if count < self.min_weight_size:
-            detail = f"{count} elements are below min_weight_size {self.min_weight_size}"
-            return (), self._reason("below_threshold", detail)
         # The size is checked by the resolver; here: the largest dimension the axis divides.
         order = sorted(range(len(shape)), key=lambda d: -shape[d])
         dim = next((d for d in order if shape[d] % size == 0), order[0])
