@@ -504,7 +504,10 @@ class Layout:
         parts: dict[str, Any] = {}
         for axis in self.fsdp_axes:
             parts[f"fsdp/{axis}"] = FSDPStrategy(
-                axis, index[axis], self.fsdp_min_weight_size, shard="largest",
+                axis,
+                index[axis],
+                self.fsdp_min_weight_size,
+                shard="largest",
                 min_elements=self.fsdp_min_elements,
             )
         for axis in self.tensor_axes:

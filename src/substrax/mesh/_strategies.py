@@ -157,8 +157,10 @@ class FSDPStrategy(ShardingStrategy):
                 f"min_weight_size must be a non-negative integer, got {min_weight_size!r}."
             )
         self.min_weight_size = int(min_weight_size)
-        if not isinstance(min_elements, numbers.Integral) or isinstance(min_elements, bool) or (
-            min_elements < 0
+        if (
+            not isinstance(min_elements, numbers.Integral)
+            or isinstance(min_elements, bool)
+            or (min_elements < 0)
         ):
             raise ValueError(f"min_elements must be a non-negative integer, got {min_elements!r}.")
         self.min_elements = int(min_elements)
