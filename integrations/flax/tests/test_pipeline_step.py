@@ -200,8 +200,6 @@ def test_constrain_inside_a_stage_resolves_through_the_rules():
                                            microbatches=2)  # fmt: skip
         counts[name] = _constraints_on_model(step, model, optimizer, tokens())
     assert counts["constrained"] >= 1 and counts["plain"] == 0  # forward (and its transpose)
-    losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(2)]
-    assert np.all(np.isfinite(losses))
 
 
 def test_a_pp_x_fsdp_layout_trains_from_create_sharded_model_like_the_flat_step(reference):
