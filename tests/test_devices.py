@@ -79,3 +79,31 @@ def test_multihost_mesh_in_one_process():
         DeviceMeshManager.create_multihost_mesh({"data": 1}, {"model": 4})
     with pytest.raises(ValueError, match=r"inter_host \{'data': 2\} multiplies to 2"):
         DeviceMeshManager.create_multihost_mesh({"data": 2}, {"model": 8})
+
+
+ONE_CPU = r"""
+import jax
+from substrax.layout import Layout
+from substrax.mesh import DeviceMeshManager
+for make in (lambda: DeviceMeshManager.create_device_mesh({"data": 8}),
+             lambda: Layout.named("fsdp", {"data": 8}).make_mesh()):
+    try:
+        make()
+    except ValueError as error:
+        print(error)
+"""
+
+
+def test_too_few_cpu_devices_says_how_to_simulate_them():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable, "-c", ONE_CPU], capture_output=True, text=True,
+                         env=env, timeout=120)  # fmt: skip
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stderr[-2000:]
+    assert all('jax.config.update("jax_num_cpu_devices", 8)' in line for line in lines), lines
+    assert "devices=jax.devices()[:8]" not in lines[0]  # a slice of one device cannot help

@@ -35,6 +35,7 @@ from substrax.mesh import (
     ShardingConfig,
     TensorParallelStrategy,
 )
+from substrax.mesh._devices import simulate_hint
 from substrax.mesh._resolve import spec_entry
 
 __all__ = ["LAYOUTS", "ROLES", "Layout"]
@@ -553,7 +554,7 @@ class Layout:
             if len(available) < self.devices:
                 raise ValueError(
                     f"Layout {self.label} needs {self.devices} devices; {len(available)} are "
-                    "visible."
+                    "visible." + simulate_hint(self.devices, available)
                 )
             devices = available[: self.devices]
         return DeviceMeshManager.create_device_mesh(self.shape, devices)

@@ -13,7 +13,26 @@ from jax.sharding import AbstractMesh, AxisType, Mesh
 
 MeshShape = Mapping[str, int] | Sequence[tuple[str, int]]
 
-__all__ = ["DeviceMeshManager"]
+__all__ = ["DeviceMeshManager", "simulate_hint"]
+
+
+def simulate_hint(needed: int, devices: Sequence[Any]) -> str:
+    """How to get ``needed`` devices on CPU, when ``devices`` are too few CPU devices; else "".
+
+    Args:
+      needed: The devices a mesh needs.
+      devices: The devices there are.
+
+    Returns:
+      A sentence to append to an error.
+    """
+    if len(devices) >= needed or any(d.platform != "cpu" for d in devices):
+        return ""
+    return (
+        f" On CPU, simulate {needed} devices before jax first touches a device: "
+        f'jax.config.update("jax_num_cpu_devices", {needed}) at the top of the script '
+        f"(or XLA_FLAGS=--xla_force_host_platform_device_count={needed})."
+    )
 
 
 def _normalize_shape(mesh_shape: MeshShape) -> list[tuple[str, int]]:
@@ -223,8 +242,12 @@ class DeviceMeshManager:
         if math.prod(sizes) != len(devices):
             raise ValueError(
                 f"mesh_shape {dict(pairs)} needs {math.prod(sizes)} devices, but "
-                f"{len(devices)} were given. Use sizes whose product is {len(devices)}, "
-                f"a -1 axis, or devices=jax.devices()[:{math.prod(sizes)}]."
+                f"{len(devices)} were given. Use sizes whose product is {len(devices)}"
+                + (
+                    f", a -1 axis, or devices=jax.devices()[:{math.prod(sizes)}]."
+                    if math.prod(sizes) < len(devices)
+                    else f" or a -1 axis.{simulate_hint(math.prod(sizes), devices)}"
+                )
             )
         return jax.make_mesh(sizes, tuple(names), axis_types=types, devices=devices)
 
