@@ -180,3 +180,11 @@ def test_mesh_rules_object_is_reused(mesh):
     plan = sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, RULES)
     assert isinstance(plan.rules, MeshRules) and plan.rules == RULES
     assert repr(plan).startswith("ModelPlan(")
+
+
+def test_a_pipeline_layout_on_an_unstacked_model_is_refused_with_the_page_named():
+    mesh = DeviceMeshManager.create_device_mesh({"pipe": 2, "data": 4})
+    with pytest.raises(ValueError, match=r"no variable of the model has a 'layers'.*docs/pipeline"):
+        sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, layout="pp")
+    plan = sf.plan_model(lambda: StackedTransformer(nnx.Rngs(0)), mesh, layout="pp")
+    assert plan.shardings["blocks"]["wq"].get_value().spec[0] == "pipe"

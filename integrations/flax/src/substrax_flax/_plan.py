@@ -21,6 +21,7 @@ from substrax_flax._resolve import (
     UnknownNames,
     VariableSharding,
     as_rules,
+    entry_axes,
     without_axes,
 )
 from substrax_flax._shortfall import warn_shortfall
@@ -165,6 +166,7 @@ class ModelPlan:
         self.layout, self.graphdef, self._factory = layout, graphdef, factory
         self.strict, self.unknown_names = resolver.strict, resolver.unknown_names
         self.rows = resolver.rows(state, _layers(graphdef, state))
+        _check_stages(self.rows, layout, self.mesh)
         self.shortfall = warn_shortfall(self.rows, self.mesh, "The model")
         self.shardings = shardings_of(self.rows, state, self.mesh)
         self.specs = jax.tree.map(lambda sharding: sharding.spec, self.shardings)
@@ -492,6 +494,32 @@ def _plan_of_copy(model: nnx.Module, what: str) -> ModelPlan | None:
             "step from the plan: plan.train_step(loss_fn)."
         )
     return None
+
+
+def _check_stages(rows: tuple[VariableSharding, ...], layout: Layout | None, mesh: Any) -> None:
+    """Raises when a layout splits pipeline stages but the model has no stacked layers.
+
+    Raises:
+      ValueError: If ``layout`` has stage axes of size > 1 and no variable has a ``layers``
+        dimension (or a spec on those axes): every device would hold the whole model.
+    """
+    sizes = dict(mesh.shape)
+    stages = tuple(a for a in (layout.pipe_axes if layout is not None else ()) if sizes[a] > 1)
+    if not stages:
+        return
+    for row in rows:
+        if "layers" in (row.logical_names or ()) or any(
+            a in stages for entry in row.spec for a in entry_axes(entry)
+        ):
+            return
+    raise ValueError(
+        f"Layout {layout.name!r} splits the model's stacked layers (the 'layers' dimension) "
+        f"over the stage axes {stages}, but no variable of the model has a 'layers' "
+        "dimension: every device would hold the whole model. Stack the blocks with "
+        "nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: 'layers'}) and train with "
+        "make_pipeline_train_step (see docs/pipeline.md), or use a layout without pipeline "
+        "stages ('fsdp', 'fsdp+tp')."
+    )
 
 
 def _misplaced(plan: ModelPlan, state: Any) -> list[str]:
