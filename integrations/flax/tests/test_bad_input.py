@@ -253,3 +253,10 @@ def test_bad_creation_input_raises_a_clear_error(mesh):
         sf.create_sharded_model(lambda: _Small(nnx.Rngs(0)), {"data": 8}, RULES)
     with pytest.raises(TypeError, match=r"loss_fn must be a function .* got NoneType None"):
         sf.make_train_step(None)
+
+
+def test_a_built_model_passed_as_the_factory_says_what_to_pass(mesh):
+    with nnx.use_eager_sharding(False):
+        model = Transformer(nnx.Rngs(0))
+    with pytest.raises(TypeError, match=r"a built Transformer: pass lambda: Transformer\(...\)"):
+        sf.create_sharded_model(model, mesh, layout="fsdp")

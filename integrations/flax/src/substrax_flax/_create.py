@@ -107,6 +107,13 @@ def _abstract_split(factory: Callable[[], nnx.Module], mesh: Any) -> tuple[Any, 
     created there without the context, jax still partitions its initializers instead of
     building each parameter whole (replicated, as the context would type it) first.
     """
+    if isinstance(factory, nnx.Module):
+        name = type(factory).__name__
+        raise TypeError(
+            f"factory must be a function that builds the model, got a built {name}: pass "
+            f"lambda: {name}(...) so substrax creates it already sharded, or place this one "
+            "with substrax_flax.shard_model(model, mesh, layout=...)."
+        )
     if not callable(factory):
         raise TypeError(
             f"factory must be a function of no arguments that builds the model, such as "
