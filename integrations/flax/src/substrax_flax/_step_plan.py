@@ -206,8 +206,10 @@ def choose_path(
         return Path("xla", "data_parallel='xla' was asked")
     forced = asked == "manual" or microbatches > 1
     if not split:
-        if forced:
+        if microbatches > 1:
             return Path("manual", "gradient accumulation: the slices run one after the other")
+        if forced:
+            return Path("manual", "data_parallel='manual' was asked; one replica, no region")
         return Path("xla", "one replica: no batch axis of size > 1 to split")
     found = _obstacle(model, mesh, split, precision, traced)
     if found is None:
