@@ -292,3 +292,61 @@ def test_aux_is_the_mean_over_every_microbatch(mesh, schedule, grad_dims):
     assert abs(float(loss) - float(jnp.mean((ys - t) ** 2))) < 1e-5
     np.testing.assert_allclose(float(aux["y2"]), float(jnp.mean(ys**2)), rtol=1e-5)
     np.testing.assert_allclose(float(aux["t"]), float(jnp.mean(t)), rtol=1e-5, atol=1e-7)
+
+
+def _layer_with_frozen(pair, x):
+    trained, frozen = pair
+    return jnp.tanh(x @ (trained["w"] + frozen["w0"]) + frozen["b"])
+
+
+@pytest.mark.parametrize(("schedule", "fsdp"), [("gpipe", False), ("1f1b", False), ("gpipe", True)])
+def test_frozen_layer_parameters_are_used_but_not_differentiated(mesh, schedule, fsdp):
+    strategy = PipelineParallelStrategy("pipe", 0, 4)
+    pipe = Pipeline(_layer_with_frozen, loss_fn, mesh, strategy, num_microbatches=4,
+                    schedule=schedule, data_axes=("data",),
+                    fsdp_axis="data" if fsdp else None)  # fmt: skip
+    params = _params(8)
+    trained = {"w": params["w"]}
+    frozen = {"w0": params["w"] * 0.5, "b": params["b"]}
+    x, t = _batch(16)
+    padded, mask = pipe.stack(trained)
+    still, _ = pipe.stack(frozen)
+    run = jax.jit(functools.partial(pipe.value_and_grad, frozen=still))
+    loss, (grads, _, _) = run(padded, mask, x, t)
+
+    def reference(w):
+        layers = {"w": w + frozen["w0"], "b": frozen["b"]}
+        ys = jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, layers)[0]
+        return jnp.mean((ys - t) ** 2)
+
+    want, dw = jax.value_and_grad(reference)(trained["w"])
+    assert abs(float(loss) - float(want)) < 1e-5
+    np.testing.assert_allclose(pipe.unstack(grads, 8)["w"], dw, atol=1e-5)
+    # only the trained weights' gradients are reduced: the frozen ones' bytes move nowhere
+    text = run.lower(padded, mask, x, t).compile().as_text()
+    reduced = sum(op.result_bytes for op in collectives(text, 8)
+                  if op.kind in ("all-reduce", "reduce-scatter"))  # fmt: skip
+
+    def all_trained(p, x):
+        return _layer_with_frozen(({"w": p["w"]}, {"w0": p["w0"], "b": p["b"]}), x)
+
+    everything = jax.jit(
+        Pipeline(
+            all_trained,
+            loss_fn,
+            mesh,
+            strategy,
+            num_microbatches=4,
+            schedule=schedule,
+            data_axes=("data",),
+            fsdp_axis="data" if fsdp else None,
+        ).value_and_grad
+    )
+    both, _ = pipe.stack({**trained, **frozen})
+    text = everything.lower(both, mask, x, t).compile().as_text()
+    reduced_all = sum(op.result_bytes for op in collectives(text, 8)
+                      if op.kind in ("all-reduce", "reduce-scatter"))  # fmt: skip
+    # w's gradients only: what the all-trained run reduces more is w0's and b's, one stage's
+    # layers each (2 of 8), FSDP shards where the data axis shards them
+    frozen_grads = sum(a.size * 4 // 4 // (2 if fsdp else 1) for a in jax.tree.leaves(frozen))
+    assert reduced_all - reduced >= frozen_grads

@@ -310,8 +310,11 @@ class Pipeline:
             )
         return x
 
-    def _check_layer(self, padded: Any, xs: jax.Array) -> None:
-        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[3:], a.dtype), padded)
+    def _check_layer(self, padded: Any, xs: jax.Array, frozen: Any = None) -> None:
+        def one(tree):
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[3:], a.dtype), tree)
+
+        layer = one(padded) if frozen is None else (one(padded), one(frozen))
         rows = xs.shape[1] // self.data_size
         sample = jax.ShapeDtypeStruct((rows, *xs.shape[2:]), xs.dtype)
         out = jax.eval_shape(self.layer_fn, layer, sample)
@@ -321,12 +324,15 @@ class Pipeline:
                 f"became {out.shape} {out.dtype}."
             )
 
-    def _stage(self, params: Any, mask: jax.Array, x: jax.Array) -> jax.Array:
-        def body(x, layer):
-            layer_params, keep = layer
-            return jnp.where(keep, self.layer_fn(layer_params, x), x), None
+    def _stage(self, params: Any, mask: jax.Array, x: jax.Array, frozen: Any = None) -> jax.Array:
+        """The stage's layers in order; ``layer_fn`` gets ``(params, frozen)`` with frozen."""
 
-        return jax.lax.scan(body, x, (params, mask))[0]
+        def body(x, layer):
+            layer_params, keep, layer_frozen = layer
+            args = layer_params if frozen is None else (layer_params, layer_frozen)
+            return jnp.where(keep, self.layer_fn(args, x), x), None
+
+        return jax.lax.scan(body, x, (params, mask, frozen))[0]
 
     def _specs(self, padded: Any) -> tuple[Any, PartitionSpec, PartitionSpec]:
         data = self.data_axes if len(self.data_axes) != 1 else self.data_axes[0]
@@ -391,17 +397,23 @@ class Pipeline:
         """The loss, or ``(loss, aux)`` with ``has_aux``."""
         return (value, aux) if self.has_aux else value
 
-    def _shard_map(self, body, padded, head, out_specs, **options):
+    def _shard_map(self, body, padded, head, out_specs, frozen=None, **options):
         param_spec, mask_spec, batch_spec = self._specs(padded)
+        frozen_spec = self._specs(frozen)[0] if frozen is not None else None
         head_spec = jax.tree.map(lambda _: PartitionSpec(), head)
         if callable(out_specs):
             out_specs = out_specs(param_spec, head_spec, batch_spec)
-        # FSDP dimensions from the global shapes (a local shard's shape can divide differently)
-        dims = jax.tree.map(lambda a: _or_minus_one(self.fsdp_dim(a.shape[3:])), padded)
+
+        def fsdp_dims(tree):
+            # from the global shapes (a local shard's shape can divide differently)
+            return jax.tree.map(lambda a: _or_minus_one(self.fsdp_dim(a.shape[3:])), tree)
+
+        dims = fsdp_dims(padded)
+        frozen_dims = fsdp_dims(frozen) if frozen is not None else None
         return jax.shard_map(
-            functools.partial(body, dims=dims, **options),
+            functools.partial(body, dims=dims, frozen_dims=frozen_dims, **options),
             mesh=self.mesh,
-            in_specs=(param_spec, mask_spec, batch_spec, batch_spec, head_spec),
+            in_specs=(param_spec, mask_spec, batch_spec, batch_spec, head_spec, frozen_spec),
             out_specs=out_specs,
             axis_names={self.stage_axis, *self.data_axes},
         )
@@ -415,6 +427,7 @@ class Pipeline:
         head: Any = None,
         *,
         microbatched: bool = False,
+        frozen: Any = None,
     ) -> Any:
         """The pipelined loss (GPipe or circular), differentiable with ``jax.grad``.
 
@@ -427,6 +440,10 @@ class Pipeline:
             passed as ``loss_fn(y, target, head)``; None calls ``loss_fn(y, target)``.
           microbatched: Whether ``inputs`` and ``targets`` are already ``[M, rows, ...]``
             (from :meth:`microbatch`).
+          frozen: Layer parameters that are not trained, from :meth:`stack` like
+            ``padded`` (None: none): each stage holds and gathers them as it does ``padded``,
+            ``layer_fn`` then receives ``(params, frozen)`` of its layer, and no gradient is
+            computed or reduced for them.
 
         Returns:
           The mean loss over every microbatch (with ``has_aux``: ``(loss, aux)``, each the
@@ -439,9 +456,9 @@ class Pipeline:
         if self.schedule == "1f1b":
             raise ValueError("The 1F1B schedule computes its own backward: use value_and_grad.")
         xs, ts = self._split(inputs, microbatched), self._split(targets, microbatched)
-        self._check_layer(padded, xs)
-        run = self._shard_map(self._forward_loop, padded, head, PartitionSpec())
-        return self._out(*run(padded, mask, xs, ts, head))
+        self._check_layer(padded, xs, frozen)
+        run = self._shard_map(self._forward_loop, padded, head, PartitionSpec(), frozen)
+        return self._out(*run(padded, mask, xs, ts, head, frozen))
 
     def _gather(self, params: Any, dims: Any) -> Any:
         """Inside the map: each parameter whole along its FSDP dimension (-1: none), once."""
@@ -451,10 +468,13 @@ class Pipeline:
                 return a
             return jax.lax.all_gather(a, self.fsdp_axis, axis=3 + dim, tiled=True)
 
+        if params is None:
+            return None
         return jax.tree.map(gather, params, dims)
 
-    def _forward_loop(self, params, mask, xs, targets, head, *, dims):
+    def _forward_loop(self, params, mask, xs, targets, head, frozen=None, *, dims, frozen_dims):
         params = self._vary(jax.tree.map(lambda a: a[0], self._gather(params, dims)))
+        frozen = jax.tree.map(lambda a: a[0], self._gather(frozen, frozen_dims))
         mask, stages, micro, repeats = mask[0], self.num_stages, self.num_microbatches, self.repeats
         stage = jax.lax.axis_index(self.stage_axis)
         pattern = self.strategy.get_forward_communication_pattern()
@@ -470,7 +490,7 @@ class Pipeline:
             first = xs[index] if repeats == 1 else jnp.where(rnd == 0, xs[index], ring[index])
             x = jnp.where(stage == 0, first, received)
             layers = jax.tree.map(lambda a: a[rnd], params)
-            y = apply(layers, mask[rnd], x)
+            y = apply(layers, mask[rnd], x, jax.tree.map(lambda a: a[rnd], frozen))
             done = (stage == stages - 1) & (t - stage >= 0) & (rnd == repeats - 1)
             loss, extra = self._loss(y, targets[index], head)
             total = total + jnp.where(done, loss, 0.0)
@@ -498,6 +518,7 @@ class Pipeline:
         *,
         microbatched: bool = False,
         grad_dims: Any = None,
+        frozen: Any = None,
     ) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
         """The loss, and the gradients of the layers, the loss's parameters and the inputs.
 
@@ -515,6 +536,7 @@ class Pipeline:
           microbatched: Whether ``inputs`` and ``targets`` are already microbatched.
           grad_dims: None, or a pytree like ``padded`` of per-layer dimensions (an int, or
             None to all-reduce that leaf) to reduce-scatter each gradient along.
+          frozen: Layer parameters that are not trained (see :meth:`loss`).
 
         Returns:
           ``(loss, (grads, head_grads, input_grads))`` (with ``has_aux``, ``loss`` is
@@ -528,7 +550,7 @@ class Pipeline:
             ``grad_dims`` with an ``fsdp_axis``, or a dimension the data axes do not divide.
         """
         if self.schedule != "1f1b" and grad_dims is None:  # jax.grad reduces the gradients
-            loss = functools.partial(self.loss, microbatched=microbatched)
+            loss = functools.partial(self.loss, microbatched=microbatched, frozen=frozen)
             if head is None:
                 value, (grads, dx) = jax.value_and_grad(loss, argnums=(0, 2), has_aux=self.has_aux)(
                     padded, mask, inputs, targets
@@ -539,15 +561,15 @@ class Pipeline:
             return value, (grads, dhead, dx)
         scatter = self._scatter_dims(padded, grad_dims)
         xs, ts = self._split(inputs, microbatched), self._split(targets, microbatched)
-        self._check_layer(padded, xs)
+        self._check_layer(padded, xs, frozen)
         body = self._one_f_one_b if self.schedule == "1f1b" else self._grads_in_map
         specs = jax.tree.map(self._grad_spec, padded, scatter)
         run = self._shard_map(
             body, padded, head,
             lambda params, head_spec, batch: (PartitionSpec(), specs, head_spec, batch),
-            scatter=scatter,
+            frozen, scatter=scatter,
         )  # fmt: skip
-        value, grads, dhead, dxs = run(padded, mask, xs, ts, head)
+        value, grads, dhead, dxs = run(padded, mask, xs, ts, head, frozen)
         if not microbatched:  # [M, rows] back to the batch's row order
             dxs = jnp.swapaxes(dxs, 0, 1).reshape(inputs.shape)
         return self._out(*value), (grads, dhead, dxs)
@@ -576,7 +598,8 @@ class Pipeline:
         spec[3 + scatter] = self.data_axes if len(self.data_axes) != 1 else self.data_axes[0]
         return PartitionSpec(*spec)
 
-    def _grads_in_map(self, params, mask, xs, targets, head, *, dims, scatter):
+    def _grads_in_map(self, params, mask, xs, targets, head, frozen=None, *, dims, frozen_dims,
+                      scatter):  # fmt: skip
         """GPipe and circular differentiated inside the map, so the reduction is explicit.
 
         The parameters are marked as varying over the data axes first: their per-device
@@ -586,7 +609,8 @@ class Pipeline:
         varied = self._vary(params)
 
         def loss(p, x, h):
-            return self._forward_loop(p, mask, x, targets, h, dims=dims)
+            return self._forward_loop(p, mask, x, targets, h, frozen, dims=dims,
+                                      frozen_dims=frozen_dims)  # fmt: skip
 
         grad_fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
         value, (grads, dxs, dhead) = grad_fn(varied, xs, head)
@@ -624,8 +648,10 @@ class Pipeline:
         )
         return value, grads
 
-    def _one_f_one_b(self, params, mask, xs, targets, head, *, dims, scatter):
+    def _one_f_one_b(self, params, mask, xs, targets, head, frozen=None, *, dims, frozen_dims,
+                     scatter):  # fmt: skip
         params = self._vary(jax.tree.map(lambda a: a[0, 0], self._gather(params, dims)))
+        frozen = jax.tree.map(lambda a: a[0, 0], self._gather(frozen, frozen_dims))
         head = self._varying(head)
         mask, stages, micro = mask[0, 0], self.num_stages, self.num_microbatches
         stage = jax.lax.axis_index(self.stage_axis)
@@ -635,7 +661,7 @@ class Pipeline:
         last = stage == stages - 1
 
         def run_stage(p, x):
-            return self._stage(p, mask, x)
+            return self._stage(p, mask, x, frozen)
 
         def tick(carry, t):
             received, cotangent_in, stash, grads, dhead, dxs, total, aux = carry
