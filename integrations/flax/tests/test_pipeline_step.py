@@ -271,3 +271,29 @@ def test_aux_outputs_are_the_flat_steps(schedule):
                                        microbatches=4, has_aux=True)  # fmt: skip
     with pytest.raises(TypeError, match="has_aux=True, so head_fn must return"):
         step(model, optimizer, tokens())
+
+
+WRT = nnx.All(nnx.Param, nnx.Any(nnx.PathContains("up"), nnx.PathContains("head")))
+
+
+def test_wrt_trains_a_subset_like_the_flat_step_and_leaves_the_rest():
+    flat_mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    flat_rules = MeshRules(data="data").extend(layers=None, **NAMES)
+    model = sf.create_sharded_model(_factory(4), flat_mesh, flat_rules)
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), flat_mesh, flat_rules,
+                                            wrt=WRT)  # fmt: skip
+    flat = sf.make_train_step(token_loss, flat_mesh, flat_rules, wrt=WRT)
+    want = [float(flat(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
+    mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
+    rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
+    model = sf.create_sharded_model(_factory(4), mesh, rules)
+    before = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules, wrt=WRT)
+    step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
+                                       microbatches=4, wrt=WRT)  # fmt: skip
+    got = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    after = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    for path, value in before.items():
+        trained = any(part in ("up", "head") for part in path)
+        assert np.array_equal(value, np.asarray(after[path])) != trained, path

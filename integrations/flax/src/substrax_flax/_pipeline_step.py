@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,12 +26,23 @@ __all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
 
 
 def _only_params(state: Any, what: str) -> None:
-    kinds = {type(v).__name__ for v in jax.tree.leaves(state, is_leaf=_is_variable)}
-    if kinds - {"Param"}:
+    leaves = jax.tree.leaves(state, is_leaf=_is_variable)
+    kinds = {type(v).__name__ for v in leaves if not isinstance(v, nnx.Param)}
+    if kinds:
         raise ValueError(
-            f"The pipelined step trains models whose {what} holds only nnx.Param variables; "
-            f"found {sorted(kinds)}."
+            f"The pipelined step trains models whose {what} holds only nnx.Param variables "
+            f"(and their subclasses); found {sorted(kinds)}."
         )
+
+
+def _split(state: nnx.State, wrt: Any) -> tuple[nnx.State, nnx.State]:
+    """``(the variables wrt selects, the others)`` of ``state``."""
+    return nnx.filter_state(state, wrt, ...)
+
+
+def _join(trained: Any, frozen: Any) -> nnx.State:
+    """One state from the two parts :func:`_split` made."""
+    return nnx.merge_state(trained, frozen)
 
 
 def _is_variable(node: Any) -> bool:
@@ -64,6 +76,7 @@ class PipelineTrainStep(JittedStep):
         settings: tuple[tuple[str, str, str], ...] = (),
         stage_axis: str = "pipe",
         has_aux: bool = False,
+        wrt: Any = nnx.Param,
     ):
         """Stores the configuration; see :func:`make_pipeline_train_step`.
 
@@ -85,6 +98,7 @@ class PipelineTrainStep(JittedStep):
           settings: The pipeline's settings as ``(name, value, reason)`` lines of the plan.
           stage_axis: The mesh axis of the stages.
           has_aux: Whether ``head_fn`` returns ``(loss, aux)``.
+          wrt: The variables that are differentiated and updated.
         """
         super().__init__(on_nonfinite)
         self.precision = precision or MixedPrecision()
@@ -95,7 +109,7 @@ class PipelineTrainStep(JittedStep):
         self.batch_axes = tuple(batch_axes) if batch_axes is not None else None
         self.num_layers = num_layers
         self.donate, self.settings, self.stage_axis = donate, settings, stage_axis
-        self.has_aux = has_aux
+        self.has_aux, self.wrt = has_aux, wrt
 
     def num_slots(self, num_layers: int) -> int:
         """The layers a stack of ``num_layers`` is stored with on this step's stages.
@@ -146,6 +160,7 @@ class PipelineTrainStep(JittedStep):
         grad_dims = _grad_dims(plan, self.stack, stack, batch_axes)
         fsdp_axis, fsdp_dims = _fsdp(plan, self.stack, batch_axes)
         opt_def = nnx.graphdef(optimizer)
+        _trained = functools.partial(_trained_dims, stack, self.wrt)
         outer = plan.compute_rules  # the embedding runs on the global batch, with XLA
         # inside the pipeline's map the stage and data axes are manual: rules without them
         manual = (self.stage_axis, *batch_axes)
@@ -161,19 +176,27 @@ class PipelineTrainStep(JittedStep):
             return use_rules(plan.mesh, inner, manual_batch_axes=batch_axes)
 
         def layer_fn(layer_state, x):
+            # with frozen variables (wrt leaves some out) a layer's state comes in two parts
+            parts = layer_state if frozen_stack else (layer_state,)
             with in_stage():
-                y = self.user_layer_fn(nnx.merge(layer_def, compute(layer_state)), x)
+                layer = nnx.merge(layer_def, *(compute(part) for part in parts))
+                y = self.user_layer_fn(layer, x)
             return compute(y)  # a layer with its own dtype: back to the policy's at the boundary
 
-        def loss_fn(y, targets, rest_state):
+        def loss_fn(rest_frozen, y, targets, rest_state):
             with in_stage():
-                out = self.head_fn(merged(stack_template, compute(rest_state)), y, targets)
+                rest = compute(_join(rest_state, rest_frozen))
+                out = self.head_fn(merged(stack_template, rest), y, targets)
             return self.precision.cast_to_output(_loss_and_aux(out, self.has_aux))
 
-        pipeline = self.make_pipeline(
-            layer_fn, loss_fn, data_axes=batch_axes, fsdp_axis=fsdp_axis, fsdp_dims=fsdp_dims,
-            has_aux=self.has_aux,
-        )  # fmt: skip
+        def make(rest_frozen=None):
+            return self.make_pipeline(
+                layer_fn, functools.partial(loss_fn, rest_frozen), data_axes=batch_axes,
+                fsdp_axis=fsdp_axis, fsdp_dims=fsdp_dims, has_aux=self.has_aux,
+            )  # fmt: skip
+
+        frozen_stack = bool(jax.tree.leaves(_split(stack, self.wrt)[1]))
+        pipeline = make()
         _check_stack(pipeline, stored, num_layers, self.num_layers)
         # The head sees the model with placeholders for the stack: it must not read the stack.
         stack_template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack)
@@ -184,18 +207,22 @@ class PipelineTrainStep(JittedStep):
 
         def body(model_state, opt_state, batch):
             stack_state = model_state[self.stack]
-            rest_state = self._rest(model_state)
+            # only what wrt selects is differentiated; the rest is held, used and left alone
+            stack_trained, stack_frozen = _split(stack_state, self.wrt)
+            rest_trained, rest_frozen = _split(self._rest(model_state), self.wrt)
 
             def embed(rest_params):
-                model = merged(stack_state, compute(rest_params))
+                model = merged(stack_state, compute(_join(rest_params, rest_frozen)))
                 inputs, targets = self.embed_fn(model, compute(batch))
                 return compute(inputs), targets  # the stages' activations in the compute dtype
 
-            inputs, embed_vjp, targets = jax.vjp(embed, rest_state, has_aux=True)
-            padded, mask = pipeline.stack(stack_state, num_layers)
-            value, (dpadded, dhead, dinputs) = pipeline.value_and_grad(
-                padded, mask, inputs, targets, rest_state, grad_dims=grad_dims
-            )
+            inputs, embed_vjp, targets = jax.vjp(embed, rest_trained, has_aux=True)
+            padded, mask = pipeline.stack(stack_trained, num_layers)
+            still = pipeline.stack(stack_frozen, num_layers)[0] if frozen_stack else None
+            value, (dpadded, dhead, dinputs) = make(rest_frozen).value_and_grad(
+                padded, mask, inputs, targets, rest_trained, grad_dims=_trained(grad_dims),
+                frozen=still,
+            )  # fmt: skip
             loss, aux = value if self.has_aux else (value, None)
             (dembed,) = embed_vjp(dinputs)
             drest = jax.tree.map(lambda a, b: a + b, dhead, dembed)
@@ -217,6 +244,11 @@ class PipelineTrainStep(JittedStep):
             plan, self.stack, batch_axes, pipeline, self.precision, self.settings, grad_dims
         )
         return Built(jitted, plan.mesh, batch_axes, "pipeline", plan=step_plan)
+
+
+def _trained_dims(stack: nnx.State, wrt: Any, dims: Any) -> Any:
+    """ZeRO's per-leaf scatter dimensions for the trained part of the stack only (or None)."""
+    return None if dims is None else _split(dims, wrt)[0]
 
 
 def _grad_dims(plan: Any, name: str, stack: Any, batch_axes: Sequence[str]) -> Any:
@@ -329,6 +361,7 @@ def make_pipeline_train_step(
     precision: MixedPrecision | str | None = None,
     donate: bool = True,
     has_aux: bool = False,
+    wrt: Any = nnx.Param,
 ) -> PipelineTrainStep:
     """Builds a training step that runs a model's layer stack as a pipeline.
 
@@ -383,6 +416,9 @@ def make_pipeline_train_step(
       has_aux: Whether ``head_fn`` returns ``(loss, aux)``: ``aux`` a dict (or one value) of
         a microbatch's scalar means; the step's metrics hold their mean over every
         microbatch, as the loss is, as :func:`make_train_step` returns its aux.
+      wrt: The variables to differentiate and update, as for ``nnx.Optimizer`` (create the
+        optimizer with the same): the others (a frozen base under LoRA adapters) are held,
+        gathered and used by each stage, but never differentiated, reduced or updated.
 
     The rules are in force inside the stages, as in :func:`make_train_step`:
     :func:`substrax.spmd.constrain` in ``layer_fn`` or ``head_fn`` resolves through the
@@ -430,7 +466,7 @@ def make_pipeline_train_step(
                              num_layers=num_layers, on_nonfinite=on_nonfinite,
                              precision=as_precision(precision), donate=donate,
                              settings=settings, stage_axis=stage_axis,
-                             has_aux=has_aux)  # fmt: skip
+                             has_aux=has_aux, wrt=wrt)  # fmt: skip
 
 
 def _data_axes(mesh: Any, rules: Rules, layout: LayoutLike, stage_axis: str) -> tuple[str, ...]:
