@@ -291,6 +291,9 @@ def test_wrt_trains_a_subset_like_the_flat_step_and_leaves_the_rest():
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules, wrt=WRT)
     step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
                                        microbatches=4, wrt=WRT)  # fmt: skip
+    plan = step.plan_for(model, optimizer, tokens())
+    (wq,) = [p for p in plan.params if p.path == "blocks/wq"]
+    assert wq.gradient.startswith("none: not in wrt")
     got = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
     np.testing.assert_allclose(got, want, rtol=1e-5)
     after = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))

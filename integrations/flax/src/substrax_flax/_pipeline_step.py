@@ -19,7 +19,7 @@ from substrax_flax._manual import manual_rules
 from substrax_flax._nonfinite import NonFinite, check_policy
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
 from substrax_flax._resolve import Rules, as_rules, entry_axes
-from substrax_flax._state import map_variables
+from substrax_flax._state import map_variables, variables
 from substrax_flax._step_plan import pipeline_plan
 
 __all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
@@ -240,9 +240,11 @@ class PipelineTrainStep(JittedStep):
             out_shardings=(model_shardings, opt_shardings, replicated),
             donate_argnums=(0, 1) if self.donate else (),
         )
+        trained = {path for path, _ in variables(nnx.state(model, self.wrt))}
         step_plan = pipeline_plan(
-            plan, self.stack, batch_axes, pipeline, self.precision, self.settings, grad_dims
-        )
+            plan, self.stack, batch_axes, pipeline, self.precision, self.settings, grad_dims,
+            trained,
+        )  # fmt: skip
         return Built(jitted, plan.mesh, batch_axes, "pipeline", plan=step_plan)
 
 

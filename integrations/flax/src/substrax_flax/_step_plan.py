@@ -325,6 +325,7 @@ def pipeline_plan(
     precision: MixedPrecision,
     settings: tuple[tuple[str, str, str], ...],
     grad_dims: Any,
+    trained: set[str] | None = None,
 ) -> StepPlan:
     """The plan of a pipelined step: its stages, schedule and each parameter's reduction.
 
@@ -336,6 +337,7 @@ def pipeline_plan(
       precision: The step's policy.
       settings: ``(name, value, reason)`` of the pipeline's options.
       grad_dims: Under ZeRO, the stack leaves' scatter dimensions (None: none).
+      trained: The paths ``wrt`` selects (None: every parameter).
     """
     sizes = dict(plan.mesh.shape)
     split = tuple(a for a in batch_axes if sizes[a] > 1)
@@ -348,7 +350,9 @@ def pipeline_plan(
         if plan.layout is not None and plan.layout.zero:
             optimizer = plan.layout.optimizer_spec(row.spec, row.shape)[0]
         on = tuple(a for e in row.spec for a in entry_axes(e) if a == fsdp)
-        if not split:
+        if trained is not None and row.path not in trained:
+            gradient = "none: not in wrt (held, never differentiated)"
+        elif not split:
             gradient = "none"
         elif in_stack and on:
             rest = tuple(a for a in split if a != fsdp)
