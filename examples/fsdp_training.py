@@ -20,6 +20,7 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
+import jax.numpy as jnp
 
 import substrax.distributed
 
@@ -251,7 +252,14 @@ def train(args) -> dict:
     stored = config  # a pipeline stores an uneven stack padded to its slots (masked)
     if args.strategy == "pp":
         stored = dataclasses.replace(config, layers=step_fn.num_slots(config.layers))
-    factory = lambda: model_class(stored, nnx.Rngs(args.seed))  # noqa: E731
+
+    def factory():
+        model = model_class(stored, nnx.Rngs(args.seed))
+        if args.precision == "bf16":  # parameters stored in bfloat16 (and adam's moments)
+            params = nnx.state(model, nnx.Param)
+            nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
+        return model
+
     plan = sf.plan_model(factory, mesh, layout=layout)
     if primary and not args.quiet:
         print(f"mesh {dict(mesh.shape)}, strategy {args.strategy}")
