@@ -1,6 +1,7 @@
 """The docs cannot drift: every public name is in the API reference, notebooks are stripped."""
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -74,3 +75,22 @@ def test_every_tutorial_is_in_the_site_navigation():
     nav = (ROOT / "mkdocs.yml").read_text()
     for notebook in (ROOT / "docs" / "tutorials").glob("*.ipynb"):
         assert f"tutorials/{notebook.name}" in nav
+
+
+def test_the_readme_first_code_block_runs_as_written(tmp_path):
+    """A new user's first paste: the README's first Python block, in a fresh process."""
+    import re
+    import subprocess
+    import sys
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    assert 'jax.config.update("jax_num_cpu_devices", 8)' in block  # runs on a laptop's CPU
+    script = tmp_path / "first.py"
+    script.write_text(block)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env={**env, "JAX_PLATFORMS": "cpu"}, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "step 2: loss" in out.stdout and "(manual step)" in out.stdout
+    assert "Step plan:" in out.stdout and "reduce-scatter over ('data',)" in out.stdout
