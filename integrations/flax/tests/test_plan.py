@@ -1,3 +1,5 @@
+import warnings
+
 import jax
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import substrax_flax as sf
+from substrax import ShardingWarning
 from substrax.mesh import DeviceMeshManager, FSDPStrategy, MeshRules, fsdp_rules
 
 RULES = fsdp_rules().extend(vocab="model", kv=None, layers=None)
@@ -188,3 +191,24 @@ def test_a_pipeline_layout_on_an_unstacked_model_is_refused_with_the_page_named(
         sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, layout="pp")
     plan = sf.plan_model(lambda: StackedTransformer(nnx.Rngs(0)), mesh, layout="pp")
     assert plan.shardings["blocks"]["wq"].get_value().spec[0] == "pipe"
+
+
+class _WideTable(nnx.Module):
+    """A 2 MiB table whose names the fsdp layout maps to no axis, and a small sharded one."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.normal()
+        self.table = nnx.Param(init(rngs.params(), (1024, 512)), out_sharding=("vocab", "mlp"))
+        self.proj = nnx.Param(init(rngs.params(), (64, 64)), out_sharding=("embed", "mlp"))
+
+
+def test_a_large_variable_left_whole_by_a_sharding_layout_is_said_once():
+    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    with pytest.warns(ShardingWarning) as record:
+        sf.plan_model(lambda: _WideTable(nnx.Rngs(0)), mesh, layout="fsdp")
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "keeps 1 large one(s) whole" in message and "table (1024, 512) (2.00 MiB" in message
+    with warnings.catch_warnings():  # dp replicates everything by design: nothing to say
+        warnings.simplefilter("error")
+        sf.plan_model(lambda: _WideTable(nnx.Rngs(0)), mesh, layout="dp")

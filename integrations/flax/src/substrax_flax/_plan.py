@@ -24,7 +24,7 @@ from substrax_flax._resolve import (
     entry_axes,
     without_axes,
 )
-from substrax_flax._shortfall import warn_shortfall
+from substrax_flax._shortfall import TOLERANCE, warn_replicated, warn_shortfall
 from substrax_flax._state import (
     constrain_state,
     is_variable,
@@ -168,6 +168,8 @@ class ModelPlan:
         self.rows = resolver.rows(state, _layers(graphdef, state))
         _check_stages(self.rows, layout, self.mesh)
         self.shortfall = warn_shortfall(self.rows, self.mesh, "The model")
+        if self.shortfall.ratio <= TOLERANCE:  # one warning: the shortfall names its own
+            warn_replicated(self.rows, self.mesh, "The model")
         self.shardings = shardings_of(self.rows, state, self.mesh)
         self.specs = jax.tree.map(lambda sharding: sharding.spec, self.shardings)
         self.abstract_state = jax.tree.map(

@@ -17,13 +17,16 @@ from typing import Any
 from substrax import ShardingWarning, warn_user
 from substrax_flax._resolve import VariableSharding
 
-__all__ = ["TOLERANCE", "Shortfall", "shortfall", "warn_shortfall"]
+__all__ = ["LARGE", "TOLERANCE", "Shortfall", "shortfall", "warn_replicated", "warn_shortfall"]
 
 #: A plan whose bytes per device exceed this multiple of the asked bytes warns.
 TOLERANCE = 1.10
 
 #: Variables named in the warning, largest excess first.
 _NAMED = 5
+
+#: A fully replicated variable larger than this, in a plan that shards others, warns.
+LARGE = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,3 +121,43 @@ def warn_shortfall(rows: tuple[VariableSharding, ...], mesh: Any, what: str) -> 
         ShardingWarning,
     )
     return found
+
+
+def warn_replicated(rows: tuple[VariableSharding, ...], mesh: Any, what: str) -> None:
+    """Warns once when a plan that shards some variables leaves a large one whole.
+
+    A layout that replicates every parameter by design (``dp``, ZeRO, pipeline stages aside)
+    says nothing; one that shards parameters and leaves a variable over :data:`LARGE` bytes
+    whole everywhere (its names map to no mesh axis, or no rule matched) says which, once,
+    at creation, with the reasons the report gives.
+
+    Args:
+      rows: The plan's rows.
+      mesh: Its mesh.
+      what: What was planned, for the message.
+    """
+    sizes = dict(mesh.shape)
+    if math.prod(sizes.values()) < 2:
+        return
+    sharded = [row for row in rows if any(entry is not None for entry in row.spec)]
+    whole = [
+        row
+        for row in rows
+        if row.shape and not any(e is not None for e in row.spec) and row.bytes_total > LARGE
+    ]
+    if not sharded or not whole:
+        return
+    whole.sort(key=lambda row: -row.bytes_total)
+    named = "; ".join(
+        f"{row.path} {row.shape} ({_mib(row.bytes_total)}"
+        + (f": {', '.join(map(str, row.reasons))})" if row.reasons else ", no rule shards it)")
+        for row in whole[:_NAMED]
+    )
+    more = len(whole) - _NAMED
+    warn_user(
+        f"{what} shards some variables but keeps {len(whole)} large one(s) whole on every "
+        f"device: {named}" + (f"; and {more} more" if more > 0 else "") + ". Map their "
+        "logical names to mesh axes in the rules (or name them as the layout does: embed, "
+        "mlp, heads, vocab, ...); sharding_report(model) shows every row.",
+        ShardingWarning,
+    )
