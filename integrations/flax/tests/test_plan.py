@@ -153,7 +153,8 @@ def test_report_totals_and_warnings(mesh):
             self.big = nnx.Param(np.zeros((512, 1024), np.float32))
             self.sharded = nnx.Param(np.zeros((8, 4), np.float32), out_sharding=("embed", None))
 
-    report = sf.plan_model(Big, mesh, RULES).report()
+    with pytest.warns(ShardingWarning, match=r"keeps 1 large one\(s\) whole .*big \(512, 1024\)"):
+        report = sf.plan_model(Big, mesh, RULES).report()  # said at creation, and in the report
     assert report.bytes_total == (512 * 1024 + 32) * 4
     assert report.bytes_per_device == 512 * 1024 * 4 + 32
     assert report.devices_sharded_over == 4 and report.devices == 8
