@@ -63,20 +63,23 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # --help shows every default
+    )
     parser.add_argument("--mesh", default="data=2,model=4", help="axis sizes, e.g. data=2,model=4")
     parser.add_argument("--strategy", default="fsdp", help=f"one of {', '.join(LAYOUTS)}")
     parser.add_argument("--steps", type=int, default=150, help="total training steps")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch (rows)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
+    parser.add_argument("--learning-rate", type=float, default=3e-3, help="adamw's peak rate")
     defaults = gpt.Config()
-    parser.add_argument("--vocab", type=int, default=defaults.vocab)
-    parser.add_argument("--d-model", type=int, default=defaults.d_model)
-    parser.add_argument("--heads", type=int, default=defaults.heads)
-    parser.add_argument("--mlp", type=int, default=defaults.mlp)
-    parser.add_argument("--layers", type=int, default=defaults.layers)
-    parser.add_argument("--seq", type=int, default=defaults.seq)
+    parser.add_argument("--vocab", type=int, default=defaults.vocab, help="vocabulary size")
+    parser.add_argument("--d-model", type=int, default=defaults.d_model, help="model width")
+    parser.add_argument("--heads", type=int, default=defaults.heads, help="attention heads")
+    parser.add_argument("--mlp", type=int, default=defaults.mlp, help="MLP hidden width")
+    parser.add_argument("--layers", type=int, default=defaults.layers, help="decoder blocks")
+    parser.add_argument("--seq", type=int, default=defaults.seq, help="tokens per row")
     parser.add_argument(
         "--moe-experts", type=int, default=0,
         help="experts per mixture-of-experts MLP, 2 per token (0: dense MLPs); shard them with "
@@ -86,7 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--capacity-factor", type=float, default=defaults.capacity_factor,
         help="expert slots relative to an even load; 0 drops no token",
     )  # fmt: skip
-    parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("runs/fsdp"))
+    parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("runs/fsdp"),
+                        help="where metrics.json is written")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no sharding report")
     parser.add_argument("--stacked", action="store_true", help="layers stacked with nnx.vmap")
     parser.add_argument(
@@ -103,7 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--schedule", default="1f1b", help="pipeline: gpipe, 1f1b or circular")
     parser.add_argument("--repeats", type=int, default=1, help="circular pipeline rounds")
-    parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None)
+    parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
+                        help="save sharded checkpoints here (none: no checkpoints)")  # fmt: skip
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     resume = parser.add_mutually_exclusive_group()

@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -118,3 +119,18 @@ def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(tmp_path)
     again = _run(*TINY, "--steps", "2", "--checkpoint-dir", ckpt, tmp_path=tmp_path)
     assert again.returncode == 2
     assert "already holds checkpoints (steps [1]): pass --resume" in again.stderr
+
+
+def test_every_flag_has_help_and_help_shows_the_defaults(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    import fsdp_training
+
+    with pytest.raises(SystemExit):
+        fsdp_training.parse_args(["--help"])
+    text = capsys.readouterr().out
+    flags = re.findall(r"^  (--[a-z-]+)", text, re.M)
+    assert len(flags) >= 25, flags
+    for block in re.split(r"\n(?=  --)", text.split("options:", 1)[1])[1:]:
+        assert len(block.split()) > 2, f"{block.split()[0]} has no help text"
+    flat = " ".join(text.split())  # help lines wrap at the terminal's width
+    assert "(default: fsdp)" in flat and "(default: 150)" in flat
