@@ -134,3 +134,12 @@ def test_every_flag_has_help_and_help_shows_the_defaults(capsys, monkeypatch):
         assert len(block.split()) > 2, f"{block.split()[0]} has no help text"
     flat = " ".join(text.split())  # help lines wrap at the terminal's width
     assert "(default: fsdp)" in flat and "(default: 150)" in flat
+
+
+def test_the_readme_names_every_flag():
+    text = (ROOT / "README.md").read_text()
+    listed = set(re.findall(r"--[a-z-]+", text.split("Its flags:", 1)[1].split("## ", 1)[0]))
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / "fsdp_training.py"), "--help"],
+                         capture_output=True, text=True, timeout=120).stdout  # fmt: skip
+    flags = set(re.findall(r"^  (--[a-z-]+)", out, re.M)) - {"--help"}
+    assert flags and flags <= listed, sorted(flags - listed)
