@@ -5,7 +5,8 @@ The data is generated: sentences of a small grammar, as bytes, so the loss falls
 
     python examples/fsdp_training.py --mesh data=2,model=4 --strategy fsdp --steps 150
 
-Writes ``metrics.json`` (losses, mesh, strategy, throughput, memory) into ``--output-dir``.
+Writes ``metrics.json`` (losses, mesh, strategy, throughput without the compile, memory) and
+``metrics.jsonl`` (a line per step; a resumed run continues it) into ``--output-dir``.
 With ``--checkpoint-dir`` it saves sharded checkpoints (model, optimizer, step, data position);
 ``--resume`` continues from the latest one, under any ``--mesh`` / ``--strategy``. It runs
 unchanged on several processes: ``python -m substrax.launch --num-processes 2
@@ -89,8 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--capacity-factor", type=float, default=defaults.capacity_factor,
         help="expert slots relative to an even load; 0 drops no token",
     )  # fmt: skip
-    parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("runs/fsdp"),
-                        help="where metrics.json is written")  # fmt: skip
+    parser.add_argument("--output-dir", type=pathlib.Path, default=None,
+                        help="where metrics.json and metrics.jsonl are written (default: "
+                        "runs/<strategy>-<mesh>, one directory per layout)")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no sharding report")
     parser.add_argument("--stacked", action="store_true", help="layers stacked with nnx.vmap")
     parser.add_argument(
@@ -119,6 +121,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def default_output_dir(args) -> pathlib.Path:
+    """``runs/<strategy>-<mesh>``: each layout's run in its own directory."""
+    mesh = args.mesh.replace(",", "-").replace("=", "")
+    return pathlib.Path("runs") / f"{args.strategy}-{mesh}"
+
+
 def build(args):
     """Mesh, layout and config from the arguments, with one-line errors."""
     if args.vocab < 128:
@@ -130,12 +138,12 @@ def build(args):
     check_numbers(args)
     if (args.resume or args.resume_if_present) and args.checkpoint_dir is None:
         raise UsageError("--resume needs --checkpoint-dir")
+    if args.output_dir is None:
+        args.output_dir = default_output_dir(args)
     check_writable(args.output_dir, "--output-dir")
     if args.checkpoint_dir is not None:
         check_writable(args.checkpoint_dir, "--checkpoint-dir")
     shape = parse_mesh(args.mesh)
-    if args.strategy == "pp" and args.remat == "selective":
-        raise UsageError("--strategy pp recomputes whole stages: use --remat none or full")
     if args.moe_experts and (args.stacked or args.strategy == "pp"):
         raise UsageError("--moe-experts runs the blocks in a loop: drop --stacked and pp")
     if args.moe_experts < 0 or args.capacity_factor < 0:
@@ -228,20 +236,46 @@ def local_rows(batch):
     return batch[start : start + per_process]
 
 
+class StepLog:
+    """Each step's metrics as one JSON line; a resumed run continues the file.
+
+    Lines of steps after the resumed checkpoint (a run killed between two saves) are dropped
+    first, so the file holds every step of the run once.
+    """
+
+    def __init__(self, path: pathlib.Path, start_step: int):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if start_step and path.exists():
+            kept = [line for line in path.read_text().splitlines()
+                    if line and json.loads(line)["step"] <= start_step]  # fmt: skip
+        path.write_text("".join(f"{line}\n" for line in kept))
+        self.path = path
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as file:
+            file.write(json.dumps(record) + "\n")
+
+
 class Progress:
     """A one-line progress bar on a terminal; a line every tenth of the run elsewhere."""
 
     def __init__(self, total: int, start: int):
         self.total, self.start = total, start
         self.tty = sys.stdout.isatty()
+        self.began = time.perf_counter()
 
-    def update(self, step: int, loss: float, tokens_per_second: float) -> None:
+    def update(self, step: int, loss: float, seconds: float, tokens: int) -> None:
+        """Shows the step's loss, time and tokens/s, the elapsed time and the ETA."""
         done = step - self.start
         width = 30
         filled = int(width * done / max(self.total - self.start, 1))
+        elapsed = time.perf_counter() - self.began
+        eta = seconds * (self.total - step)
         line = (
             f"[{'#' * filled}{'.' * (width - filled)}] step {step}/{self.total} "
-            f"loss {loss:.3f} {tokens_per_second:,.0f} tok/s"
+            f"loss {loss:.3f} {seconds * 1000:.0f} ms {tokens / seconds:,.0f} tok/s "
+            f"elapsed {elapsed:.0f} s eta {eta:.0f} s"
         )
         if self.tty:
             print("\r" + line, end="\n" if step == self.total else "", flush=True)
@@ -275,22 +309,34 @@ def train(args) -> dict:
     start_step = int(optimizer.step[...])
     losses, skipped, progress = [], [], Progress(args.steps, start_step)
     tokens = args.batch_size * config.seq
-    started = time.perf_counter()
+    log = StepLog(args.output_dir / "metrics.jsonl", start_step) if primary else None
+    started, compile_seconds = time.perf_counter(), 0.0
     for step in range(start_step, args.steps):
         batch = gpt.batch_at(step, args.batch_size, config.seq, args.seed)
+        if primary and step == start_step:
+            print("compiling the train step ...", flush=True)
         tick = time.perf_counter()
         rows = local_rows(batch)  # next-token targets shifted before the sequence is split
         metrics = step_fn(
             model, optimizer, rows if args.strategy == "pp" else gpt.next_tokens(rows)
         )
         loss = float(metrics["loss"])
+        seconds = time.perf_counter() - tick
         losses.append(loss)
+        if step == start_step:  # the first call compiles: kept out of the throughput
+            compile_seconds = seconds
+            if primary:
+                print(f"compiled and ran the first step in {seconds:.1f} s ({metrics['path']} "
+                      "step)", flush=True)  # fmt: skip
         if not bool(metrics["finite"]):  # the step skipped its update (and warned)
             skipped.append(step + 1)
         if primary:
-            progress.update(step + 1, loss, tokens / (time.perf_counter() - tick))
+            progress.update(step + 1, loss, seconds, tokens)
+            log.write({"step": step + 1, "loss": loss, "seconds": seconds})
         if checkpointer and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             checkpointer.save(model, optimizer, step + 1, {"step": step + 1, "seed": args.seed})
+            if primary:
+                print(f"saved a checkpoint of step {step + 1} in {args.checkpoint_dir}")
     elapsed = time.perf_counter() - started
     if not losses:
         raise UsageError(f"nothing to do: the checkpoint is at step {start_step} >= --steps")
@@ -304,7 +350,10 @@ def train(args) -> dict:
         "config": dataclasses.asdict(config),
         "batch_size": args.batch_size,
         "seed": args.seed,
-        "tokens_per_second": tokens * len(losses) / elapsed,
+        "tokens_per_second": tokens
+        * max(len(losses) - 1, 1)
+        / max(elapsed - compile_seconds if len(losses) > 1 else elapsed, 1e-9),
+        "compile_seconds": compile_seconds,
         "state_bytes_per_device": state,
         "skipped_steps": skipped,
         "remat": args.remat,
@@ -338,7 +387,7 @@ def make_step(args, mesh):
         return sf.make_pipeline_train_step(
             gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh,
             layout=Layout.named("pp", mesh), stack="blocks", microbatches=args.microbatches,
-            schedule=args.schedule, repeats=args.repeats, remat=args.remat == "full",
+            schedule=args.schedule, repeats=args.repeats, remat=args.remat,
             precision=args.precision, num_layers=args.layers,
         )  # fmt: skip
     except ValueError as error:

@@ -119,10 +119,32 @@ def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(tmp_path)
     again = _run(*TINY, "--steps", "2", "--checkpoint-dir", ckpt, tmp_path=tmp_path)
     assert again.returncode == 2
     assert "already holds checkpoints (steps [1]): pass --resume" in again.stderr
+    # a run killed after logging step 2 but before saving it: the resumed run logs each step once
+    log = tmp_path / "metrics.jsonl"
+    log.write_text(log.read_text() + json.dumps({"step": 2, "loss": 0.0, "seconds": 0.0}) + "\n")
+    resumed = _run(*TINY, "--steps", "3", "--checkpoint-dir", ckpt, "--resume",
+                   tmp_path=tmp_path)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert "compiling the train step ..." in resumed.stdout
+    assert "saved a checkpoint of step 3" in resumed.stdout and "eta" in resumed.stdout
+
+
+def test_runs_of_different_layouts_write_different_directories(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import fsdp_training
+
+    dirs = {
+        fsdp_training.default_output_dir(fsdp_training.parse_args(args))
+        for args in (["--strategy", "fsdp"], ["--strategy", "fsdp+tp"],
+                     ["--strategy", "fsdp", "--mesh", "data=8"])
+    }  # fmt: skip
+    assert len(dirs) == 3 and pathlib.Path("runs/fsdp-data2-model4") in dirs
 
 
 def test_every_flag_has_help_and_help_shows_the_defaults(capsys, monkeypatch):
-    monkeypatch.syspath_prepend(str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
     import fsdp_training
 
     with pytest.raises(SystemExit):
