@@ -158,6 +158,11 @@ def build(args):
         layout = Layout.named(args.strategy, mesh)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    if not layout.batch_axes:
+        raise UsageError(
+            f"--strategy {args.strategy} on --mesh {args.mesh} uses every axis for its own role "
+            "and leaves none to split the batch; add a data axis, e.g. --mesh data=2,model=4"
+        )
     data_devices = math.prod(dict(mesh.shape)[a] for a in layout.batch_axes)
     if args.batch_size % data_devices:
         raise UsageError(
@@ -205,6 +210,13 @@ def check_numbers(args) -> None:
 
 def check_writable(directory: pathlib.Path, flag: str) -> None:
     """Creates ``directory`` and writes a probe file there, so a bad path fails before training."""
+    files = (p for p in (directory, *directory.parents) if p.exists() and not p.is_dir())
+    taken = next(files, None)
+    if taken is not None:
+        raise UsageError(
+            f"{flag} {directory}: {taken} is a file, not a directory; pass a directory path "
+            "(it is created if missing)"
+        )
     try:
         directory.mkdir(parents=True, exist_ok=True)
         probe = directory / f".write-test-{os.getpid()}"

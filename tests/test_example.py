@@ -82,6 +82,7 @@ def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelin
         (["--mesh", "data"], "expected name=size pairs"),
         (["--strategy", "pp", "--mesh", "data=8"], "--strategy pp needs a pipe= axis in --mesh"),
         (["--microbatches", "0"], "--microbatches must be a positive integer, got 0"),
+        (["--strategy", "tp", "--mesh", "data=8"], "leaves none to split the batch; add a data"),
         (
             ["--strategy", "fsdp+cp", "--mesh", "data=2,context=4", "--seq", "12"],
             "--seq 12 does not split into 2 x 4 chunks",
@@ -91,8 +92,8 @@ def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelin
             "--moe-experts 6 does not divide over the 4 devices",
         ),
         (["--microbatches", "3"], "does not split into --microbatches 3 x 2 data devices"),
-        (["--output-dir", "/dev/null/out"], "--output-dir /dev/null/out is not writable"),
-        (["--checkpoint-dir", "/dev/null/ckpt"], "--checkpoint-dir /dev/null/ckpt is not writable"),
+        (["--output-dir", "/dev/null/out"], "--output-dir /dev/null/out: /dev/null is a file, not"),
+        (["--checkpoint-dir", "/dev/null/ckpt"], "/dev/null/ckpt: /dev/null is a file, not a dir"),
         (
             ["--strategy", "pp", "--mesh", "pipe=4,data=2", "--microbatches", "3", "--layers", "4"],
             "does not split into --microbatches 3 x 2 data devices",
