@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-__all__ = ["ProgramKey", "StepCache"]
+__all__ = ["ProgramKey", "StepCache", "equal"]
 
 
 def _signature(tree: Any) -> tuple:
@@ -33,7 +33,7 @@ def _dtype(x: Any) -> Any:
     return x.dtype if hasattr(x, "dtype") else type(x)
 
 
-def _equal(a: Any, b: Any) -> bool:
+def equal(a: Any, b: Any) -> bool:
     """``a == b`` as a bool; False where the comparison cannot say (arrays as attributes).
 
     A static attribute whose ``==`` is not a truth value (a numpy array) or raises cannot be
@@ -76,8 +76,8 @@ class ProgramKey:
 
     def matches(self, other: ProgramKey) -> bool:
         """Whether ``other`` names the same program."""
-        return _equal(self.arrays, other.arrays) and all(
-            _equal(a, b) for a, b in zip(self.graphdefs, other.graphdefs, strict=True)
+        return equal(self.arrays, other.arrays) and all(
+            equal(a, b) for a, b in zip(self.graphdefs, other.graphdefs, strict=True)
         )
 
 

@@ -45,7 +45,7 @@ class Built:
     path: str = "xla"
     #: Mesh axes the batch's sequences are split over (context parallelism), in zigzag order.
     seq_axes: tuple[str, ...] = ()
-    #: The step plan it executes (the flat step's), or None.
+    #: The step plan it executes.
     plan: StepPlan | None = None
     #: The model's mesh when the step runs on its Auto twin (arrays move without a copy).
     home: jax.sharding.Mesh | None = None

@@ -40,11 +40,6 @@ def _split(state: nnx.State, wrt: Any) -> tuple[nnx.State, nnx.State]:
     return nnx.filter_state(state, wrt, ...)
 
 
-def _join(trained: Any, frozen: Any) -> nnx.State:
-    """One state from the two parts :func:`_split` made."""
-    return nnx.merge_state(trained, frozen)
-
-
 def _is_variable(node: Any) -> bool:
     return isinstance(node, nnx.Variable)
 
@@ -160,7 +155,8 @@ class PipelineTrainStep(JittedStep):
         grad_dims = _grad_dims(plan, self.stack, stack, batch_axes)
         fsdp_axis, fsdp_dims = _fsdp(plan, self.stack, batch_axes)
         opt_def = nnx.graphdef(optimizer)
-        _trained = functools.partial(_trained_dims, stack, self.wrt)
+        # ZeRO's scatter dimensions of the trained leaves: the pipeline differentiates those
+        trained_dims = None if grad_dims is None else _split(grad_dims, self.wrt)[0]
         outer = plan.compute_rules  # the embedding runs on the global batch, with XLA
         # inside the pipeline's map the stage and data axes are manual: rules without them
         manual = (self.stage_axis, *batch_axes)
@@ -185,7 +181,7 @@ class PipelineTrainStep(JittedStep):
 
         def loss_fn(rest_frozen, y, targets, rest_state):
             with in_stage():
-                rest = compute(_join(rest_state, rest_frozen))
+                rest = compute(nnx.merge_state(rest_state, rest_frozen))
                 out = self.head_fn(merged(stack_template, rest), y, targets)
             return self.precision.cast_to_output(_loss_and_aux(out, self.has_aux))
 
@@ -212,7 +208,7 @@ class PipelineTrainStep(JittedStep):
             rest_trained, rest_frozen = _split(self._rest(model_state), self.wrt)
 
             def embed(rest_params):
-                model = merged(stack_state, compute(_join(rest_params, rest_frozen)))
+                model = merged(stack_state, compute(nnx.merge_state(rest_params, rest_frozen)))
                 inputs, targets = self.embed_fn(model, compute(batch))
                 return compute(inputs), targets  # the stages' activations in the compute dtype
 
@@ -220,7 +216,7 @@ class PipelineTrainStep(JittedStep):
             padded, mask = pipeline.stack(stack_trained, num_layers)
             still = pipeline.stack(stack_frozen, num_layers)[0] if frozen_stack else None
             value, (dpadded, dhead, dinputs) = make(rest_frozen).value_and_grad(
-                padded, mask, inputs, targets, rest_trained, grad_dims=_trained(grad_dims),
+                padded, mask, inputs, targets, rest_trained, grad_dims=trained_dims,
                 frozen=still,
             )  # fmt: skip
             loss, aux = value if self.has_aux else (value, None)
@@ -246,11 +242,6 @@ class PipelineTrainStep(JittedStep):
             trained,
         )  # fmt: skip
         return Built(jitted, plan.mesh, batch_axes, "pipeline", plan=step_plan)
-
-
-def _trained_dims(stack: nnx.State, wrt: Any, dims: Any) -> Any:
-    """ZeRO's per-leaf scatter dimensions for the trained part of the stack only (or None)."""
-    return None if dims is None else _split(dims, wrt)[0]
 
 
 def _grad_dims(plan: Any, name: str, stack: Any, batch_axes: Sequence[str]) -> Any:

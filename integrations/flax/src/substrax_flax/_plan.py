@@ -9,10 +9,11 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax.layout import Layout
 from substrax.mesh import MeshRules, check_mesh
+from substrax_flax._cache import equal
 from substrax_flax._resolve import (
     Indivisible,
     Resolver,
@@ -226,6 +227,19 @@ class ModelPlan:
         """Rules where parameters are used: the parameter rules gathered over the gather axes."""
         return self.rules.gathered_over(self.gather_axes)
 
+    def optimizer_spec(self, row: VariableSharding) -> PartitionSpec:
+        """The spec of ``row``'s optimizer state: its own, or under ZeRO sharded further.
+
+        Args:
+          row: One of :attr:`rows`.
+
+        Returns:
+          :meth:`substrax.layout.Layout.optimizer_spec`'s spec, or the row's without a layout.
+        """
+        return (
+            row.spec if self.layout is None else self.layout.optimizer_spec(row.spec, row.shape)[0]
+        )
+
     def compute_shardings(self, state: Any) -> Any:
         """Each parameter of ``state`` where it is used: its planned spec without gather axes.
 
@@ -342,7 +356,7 @@ class ModelPlan:
             )
         graphdef, state = nnx.split(model)
         wrong = _misplaced(self, state)
-        if self.graphdef is not None and not _same_graph(self.graphdef, graphdef):
+        if self.graphdef is not None and not equal(self.graphdef, graphdef):
             wrong = ["its graph (modules and attributes) is not the plan's", *wrong]
         if wrong:
             raise ValueError(
@@ -480,7 +494,7 @@ def _plan_of_copy(model: nnx.Module, what: str) -> ModelPlan | None:
     """
     graphdef, state = nnx.split(model)
     for plan in {id(p): p for p in _PLANS.values() if isinstance(p, ModelPlan)}.values():
-        if plan.graphdef is None or not _same_graph(plan.graphdef, graphdef):
+        if plan.graphdef is None or not equal(plan.graphdef, graphdef):
             continue
         if not _misplaced(plan, state):
             remember(model, plan)
@@ -528,18 +542,10 @@ def _misplaced(plan: ModelPlan, state: Any) -> list[str]:
     """Where ``state``'s arrays are not in ``plan``'s shardings (path and both shardings)."""
     planned = values_by_path(plan.shardings)
     wrong = []
-    for path, variable in variables(state):
-        sharding = getattr(variable.get_value() if is_variable(variable) else variable,
-                           "sharding", None)  # fmt: skip
+    for path, value in values_by_path(state).items():
+        sharding = getattr(value, "sharding", None)
         if path not in planned:
             wrong.append(f"{path} is not in the plan")
         elif sharding != planned[path]:
             wrong.append(f"{path} is laid out as {sharding}, the plan has {planned[path]}")
     return wrong
-
-
-def _same_graph(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except (TypeError, ValueError):
-        return False

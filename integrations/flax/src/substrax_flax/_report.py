@@ -12,12 +12,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax.mesh import Reason
 from substrax_flax._plan import ModelPlan, plan_of
 from substrax_flax._resolve import VariableSharding
+from substrax_flax._shortfall import large_replicated, replicated
 from substrax_flax._state import is_variable, logical_names, shape_and_dtype, variables
 
 __all__ = ["ShardingReport", "sharding_report"]
-
-#: A fully replicated variable larger than this gets a warning in the report.
-LARGE_REPLICATED_BYTES = 1 << 20
 
 #: A report warns when fully replicated variables hold more than this share of all bytes.
 REPLICATED_SHARE = 0.05
@@ -82,20 +80,19 @@ class ShardingReport:
         total = self.bytes_total or 1
         self.ratio_to_ideal = self.bytes_per_device / (total / self.devices)
         self.ratio_over_used_axes = self.bytes_per_device / (total / self.devices_sharded_over)
-        replicated = [row for row in self.rows if row.shape and not _mesh_axes(row.spec)]
-        self.replicated_bytes = sum(row.bytes_total for row in replicated)
-        self.warnings = self._warnings(replicated) if self.devices > 1 else ()
+        whole = [row for row in self.rows if replicated(row)]
+        self.replicated_bytes = sum(row.bytes_total for row in whole)
+        self.warnings = self._warnings(whole) if self.devices > 1 else ()
 
-    def _warnings(self, replicated: list[VariableSharding]) -> tuple[str, ...]:
+    def _warnings(self, whole: list[VariableSharding]) -> tuple[str, ...]:
         found = [
             f"{row.path} ({_format_bytes(row.bytes_total)}) is fully replicated"
             + (f": {'; '.join(map(str, row.reasons))}" if row.reasons else "")
-            for row in replicated
-            if row.bytes_total > LARGE_REPLICATED_BYTES
+            for row in large_replicated(whole)
         ]
         share = self.replicated_bytes / self.bytes_total if self.bytes_total else 0.0
         if share > REPLICATED_SHARE:
-            largest = sorted(replicated, key=lambda row: -row.bytes_total)[:3]
+            largest = sorted(whole, key=lambda row: -row.bytes_total)[:3]
             found.append(
                 f"fully replicated variables hold {share:.0%} of the bytes "
                 f"({_format_bytes(self.replicated_bytes)} on each of {self.devices} devices; "

@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from substrax import ShardingWarning, warn_user
-from substrax_flax._resolve import VariableSharding
+from substrax_flax._resolve import VariableSharding, entry_axes
 
-__all__ = ["LARGE", "TOLERANCE", "Shortfall", "shortfall", "warn_replicated", "warn_shortfall"]
+__all__ = [
+    "LARGE_REPLICATED_BYTES",
+    "TOLERANCE",
+    "Shortfall",
+    "large_replicated",
+    "replicated",
+    "shortfall",
+    "warn_replicated",
+    "warn_shortfall",
+]
 
 #: A plan whose bytes per device exceed this multiple of the asked bytes warns.
 TOLERANCE = 1.10
@@ -25,8 +35,19 @@ TOLERANCE = 1.10
 #: Variables named in the warning, largest excess first.
 _NAMED = 5
 
-#: A fully replicated variable larger than this, in a plan that shards others, warns.
-LARGE = 1 << 20
+#: A fully replicated variable larger than this is named: in the report's warnings, and once
+#: at creation when the plan shards other variables.
+LARGE_REPLICATED_BYTES = 1 << 20
+
+
+def replicated(row: VariableSharding) -> bool:
+    """Whether ``row`` is a variable (not a scalar) whole on every device."""
+    return bool(row.shape) and not any(entry_axes(entry) for entry in row.spec)
+
+
+def large_replicated(rows: Sequence[VariableSharding]) -> list[VariableSharding]:
+    """The fully replicated ``rows`` over :data:`LARGE_REPLICATED_BYTES`, as given."""
+    return [row for row in rows if replicated(row) and row.bytes_total > LARGE_REPLICATED_BYTES]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,9 +148,9 @@ def warn_replicated(rows: tuple[VariableSharding, ...], mesh: Any, what: str) ->
     """Warns once when a plan that shards some variables leaves a large one whole.
 
     A layout that replicates every parameter by design (``dp``, ZeRO, pipeline stages aside)
-    says nothing; one that shards parameters and leaves a variable over :data:`LARGE` bytes
-    whole everywhere (its names map to no mesh axis, or no rule matched) says which, once,
-    at creation, with the reasons the report gives.
+    says nothing; one that shards parameters and leaves a variable over
+    :data:`LARGE_REPLICATED_BYTES` whole everywhere (its names map to no mesh axis, or no rule
+    matched) says which, once, at creation, with the reasons the report gives.
 
     Args:
       rows: The plan's rows.
@@ -139,15 +160,9 @@ def warn_replicated(rows: tuple[VariableSharding, ...], mesh: Any, what: str) ->
     sizes = dict(mesh.shape)
     if math.prod(sizes.values()) < 2:
         return
-    sharded = [row for row in rows if any(entry is not None for entry in row.spec)]
-    whole = [
-        row
-        for row in rows
-        if row.shape and not any(e is not None for e in row.spec) and row.bytes_total > LARGE
-    ]
-    if not sharded or not whole:
+    whole = sorted(large_replicated(rows), key=lambda row: -row.bytes_total)
+    if not whole or all(replicated(row) for row in rows if row.shape):
         return
-    whole.sort(key=lambda row: -row.bytes_total)
     named = "; ".join(
         f"{row.path} {row.shape} ({_mib(row.bytes_total)}"
         + (f": {', '.join(map(str, row.reasons))})" if row.reasons else ", no rule shards it)")

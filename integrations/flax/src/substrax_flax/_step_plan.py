@@ -36,9 +36,6 @@ from substrax_flax._traced import Traced
 
 __all__ = ["Decision", "ParamStep", "StepPlan", "choose_path", "pipeline_plan", "step_mesh"]
 
-#: The gradient paths a step plan may name.
-PATHS = ("manual", "xla", "pipeline")
-
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
@@ -293,13 +290,10 @@ def param_steps(
     """
     rows = {row.path: row for row in plan.rows}
     used_by_path = values_by_path(used)
-    layout = plan.layout
     steps = []
     for name, _ in variables(params):
         row = rows[name]
-        optimizer = row.spec
-        if layout is not None and layout.zero:
-            optimizer = layout.optimizer_spec(row.spec, row.shape)[0]
+        optimizer = plan.optimizer_spec(row)
         on = tuple(a for e in optimizer for a in entry_axes(e) if a in split)
         rest = tuple(a for a in split if a not in on)
         if not split:
@@ -346,9 +340,7 @@ def pipeline_plan(
     steps = []
     for row in plan.rows:
         in_stack = row.path.startswith(f"{stack}/")
-        optimizer = row.spec
-        if plan.layout is not None and plan.layout.zero:
-            optimizer = plan.layout.optimizer_spec(row.spec, row.shape)[0]
+        optimizer = plan.optimizer_spec(row)
         on = tuple(a for e in row.spec for a in entry_axes(e) if a == fsdp)
         if trained is not None and row.path not in trained:
             gradient = "none: not in wrt (held, never differentiated)"

@@ -202,25 +202,26 @@ class TrainStep(JittedStep):
             plan = model_plan(
                 model, self.mesh, self.rules, self.strategy, self.layout, what="make_train_step"
             )
-        step_plan, traced = self._step_plan(model, optimizer, batch, plan)
+        compute_sh, rules = self._compute(plan, nnx.state(model, self.wrt))
+        step_plan, traced = self._step_plan(model, optimizer, batch, plan, compute_sh, rules)
         self._warn_path(step_plan)
         _check_experts(plan, traced)
         mesh = step_plan.mesh
         model_sh = _on(mesh, shardings_of(plan.rows, nnx.state(model), plan.mesh))
         opt_sh = _on(mesh, optimizer_shardings(optimizer, plan))
-        compute_sh, rules = self._compute(plan, nnx.state(model, self.wrt))
+        used = _on(mesh, compute_sh)
         manual = None
         if step_plan.path == "manual":
             split = step_plan.region_axes
             _check_microbatches(batch, mesh, split, self.microbatches)
             rows = {row.path: row for row in plan.rows}
-            movers = manual_movers(nnx.state(model, self.wrt), rows, split, _on(mesh, compute_sh),
+            movers = manual_movers(nnx.state(model, self.wrt), rows, split, used,
                                    self.precision, plan.layout)  # fmt: skip
             zero = plan.layout.zero if plan.layout is not None else 0
             manual = (split, movers, zero == 2)
         fn = self._step_fn(
-            nnx.graphdef(model), nnx.graphdef(optimizer), _on(mesh, compute_sh), rules,
-            model_sh, opt_sh, mesh, manual,
+            nnx.graphdef(model), nnx.graphdef(optimizer), used, rules, model_sh, opt_sh, mesh,
+            manual,
         )  # fmt: skip
         jitted = jax.jit(
             fn,
@@ -233,9 +234,19 @@ class TrainStep(JittedStep):
                      step_plan, home)  # fmt: skip
 
     def _step_plan(
-        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, plan: ModelPlan
+        self,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer,
+        batch: Any,
+        plan: ModelPlan,
+        compute_sh: Any,
+        rules: MeshRules,
     ) -> tuple[StepPlan, Callable[[], Traced]]:
-        """Every decision of the step, before it is traced; and the loss's trace, on demand."""
+        """Every decision of the step, before it is traced; and the loss's trace, on demand.
+
+        ``compute_sh`` and ``rules`` are the parameters' shardings where used and the rules
+        for activations (:meth:`_compute`).
+        """
         check_owner(optimizer, model, "The train step")
         _check_differentiable(model, self.wrt)
         _check_param_dtype(model, self.wrt, self.precision)
@@ -246,7 +257,6 @@ class TrainStep(JittedStep):
                 f"rules whose 'data' maps to mesh axes (mesh axes: {tuple(plan.mesh.axis_names)})."
             )
         mesh, mesh_decision = step_mesh(plan)
-        compute_sh, rules = self._compute(plan, nnx.state(model, self.wrt))
         # The manual region spans the batch axes parameters are whole on where used; expert
         # axes also split the batch, but stay with XLA (the expert layer enters its own region).
         experts = plan.layout.expert_axes if plan.layout is not None else ()
