@@ -268,3 +268,16 @@ def test_a_strategy_that_differs_only_in_a_setting_is_not_the_models():
     step = sf.make_train_step(_loss, strategy=other, batch_axes="data")
     with pytest.raises(ValueError, match="strategy FSDPStrategy"):
         step.plan_for(model, optimizer, _batch())
+
+
+def test_moving_arrays_to_the_auto_twin_copies_nothing():
+    from substrax_flax._jitted import rehome
+
+    explicit = jax.make_mesh((8,), ("data",))
+    twin = explicit.update(axis_types=(AxisType.Auto,))
+    x = jax.device_put(np.ones((16, 4), np.float32),
+                       jax.sharding.NamedSharding(explicit, P("data")))  # fmt: skip
+    (y,) = rehome((x,), twin)
+    assert y.sharding.mesh == twin and y.sharding.spec == P("data")
+    for a, b in zip(x.addressable_shards, y.addressable_shards, strict=True):
+        assert a.data.unsafe_buffer_pointer() == b.data.unsafe_buffer_pointer()
