@@ -3,7 +3,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from substrax.hlo import KINDS, Collective, collectives, traffic_by_kind
+from substrax.hlo import KINDS, Collective, collectives, loop_runs, traffic_by_kind
 
 
 def _hlo(f, *args):
@@ -47,6 +47,28 @@ def test_collective_permute_and_loop_bodies(mesh_2x4):
     assert [op.kind for op in ops] == ["collective-permute"]
     assert ops[0].traffic_bytes == ops[0].result_bytes == 4 * 4
     assert ops[0].computation != "main"  # inside the loop body, named as such
+    assert ops[0].runs == 3  # the fori_loop's trip count
+    once, runs = (traffic_by_kind(_hlo(f, jnp.ones((2, 16))), trips=t) for t in (False, True))
+    assert runs["collective-permute"] == {
+        "count": 3,
+        "bytes": 3 * once["collective-permute"]["bytes"],
+    }
+
+
+def test_nested_loops_multiply_their_trip_counts(mesh_2x4):
+    def rings(x):
+        def inner(_, x):
+            return jax.lax.ppermute(x, "model", [(i, (i + 1) % 4) for i in range(4)])
+
+        return jax.lax.fori_loop(0, 2, lambda _, x: jax.lax.fori_loop(0, 5, inner, x), x)
+
+    f = jax.shard_map(
+        rings, mesh=mesh_2x4, in_specs=P("data", "model"), out_specs=P("data", "model")
+    )
+    text = _hlo(f, jnp.ones((2, 16), jnp.float32))
+    (op,) = collectives(text)
+    assert op.runs == 10
+    assert sorted(loop_runs(text).values()) == [2, 10]
 
 
 def test_text_formats_of_replica_groups():
@@ -56,6 +78,8 @@ def test_text_formats_of_replica_groups():
         "  %b = bf16[8]{0} all-reduce(bf16[8]{0} %p), replica_groups={{0,1},{2,3}}, to_apply=%s",
         "  %c = f32[2]{0} reduce-scatter(f32[8]{0} %p), replica_groups=mesh['x'=2,'y'=4] {'y'}",
         "  %d = (f32[4]{0}, f32[16]{0}) all-gather-start(f32[4]{0} %p), replica_groups=[2,4]<=[8]",
+        "  %f = f32[8]{0} all-reduce(f32[8]{0} %p), replica_groups=mesh['x'=4,'y'=2], "
+        "device_ids=([2,4]T(1,0)) {'x'}, to_apply=%s",
         "  %e = f32[16]{0} all-gather-done(%d)",
         "}",
     ]
@@ -65,8 +89,9 @@ def test_text_formats_of_replica_groups():
         ("all-reduce", 16, 2),
         ("reduce-scatter", 8, 4),
         ("all-gather", 64, 4),
+        ("all-reduce", 32, 4),  # the axes after a device order
     ]
-    assert [op.traffic_bytes for op in ops] == [48.0, 16.0, 24.0, 48.0]
+    assert [op.traffic_bytes for op in ops] == [48.0, 16.0, 24.0, 48.0, 48.0]
     assert {op.computation for op in ops} == {"main"}
 
 

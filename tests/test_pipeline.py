@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from substrax.hlo import collectives, while_bodies
 from substrax.mesh import DeviceMeshManager, PipelineParallelStrategy
-from substrax.pipeline import Pipeline
+from substrax.pipeline import Pipeline, microbatch_index
 
 D = 16
 
@@ -247,6 +247,35 @@ def test_head_and_input_gradients_match_no_pipeline(mesh, schedule):
     got = jax.tree.leaves(pipe.unstack(grads, 8))
     for a, b in zip(got, jax.tree.leaves(ref_g), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+    # the head's and the inputs' gradients are summed once, after the loop, not per tick
+    text = jax.jit(pipe.value_and_grad).lower(padded, mask, x, t, head).compile().as_text()
+    bodies = while_bodies(text)
+    in_loops = [op.kind for op in collectives(text) if op.computation in bodies]
+    assert "all-reduce" not in in_loops and "reduce-scatter" not in in_loops
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_layer_and_loss_functions_see_their_microbatch(mesh, schedule):
+    """``microbatch_index()`` is the index of the microbatch being computed, in both passes."""
+
+    def shifted(p, x):  # adds the microbatch's index: the loss says which index each saw
+        index = microbatch_index()
+        return x * p["w"][0, 0] + (0.0 if index is None else index)
+
+    def loss(y, t):  # and 10 m for microbatch m (None: a shape check)
+        index = microbatch_index()
+        return jnp.mean(y) + (0.0 if index is None else 10.0 * index)
+
+    pipe = Pipeline(shifted, loss, mesh, PipelineParallelStrategy("pipe", 0, 4),
+                    num_microbatches=4, schedule=schedule, data_axes=("data",))  # fmt: skip
+    params = {"w": jnp.ones((4, D, D))}
+    x, t = _batch(16)
+    padded, mask = pipe.stack(params)
+    value = jax.jit(pipe.loss_and_grads)(padded, mask, x, t)[0]
+    # four layers each add m to microbatch m, the loss 10 m: the mean over m = 0..3 adds
+    # 4 x 1.5 + 10 x 1.5
+    assert float(value) == pytest.approx(float(jnp.mean(x)) + 21.0, abs=1e-4)
+    assert microbatch_index() is None  # outside a pipeline's calls
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

@@ -12,7 +12,9 @@ group and ``B`` the bytes of the full (gathered or reduced) array,
 * collective-permute: ``B`` (each device sends its buffer once).
 
 Counts are static: an op inside a loop body is counted once, and :attr:`Collective.computation`
-names the computation it sits in, so loop bodies can be told apart.
+names the computation it sits in, so loop bodies can be told apart; :attr:`Collective.runs`
+is how often it runs per execution (the product of the known trip counts of the ``while``
+loops around it), and ``traffic_by_kind(..., trips=True)`` weights each op by it.
 
 The text of a lowered program (``jitted.lower(...).as_text()``, StableHLO) is read too: there
 only the collectives the program spells out appear (those of ``shard_map`` regions; XLA adds
@@ -26,7 +28,9 @@ from __future__ import annotations
 import dataclasses
 import re
 
-__all__ = ["KINDS", "Collective", "collectives", "traffic_by_kind", "while_bodies"]
+__all__ = [
+    "KINDS", "Collective", "collectives", "loop_runs", "traffic_by_kind", "while_bodies",
+]  # fmt: skip
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
 """The collective kinds, as XLA names them."""
@@ -52,6 +56,8 @@ class Collective:
       result_bytes: Bytes of its result per device.
       group_size: Devices in each of its replica groups.
       traffic_bytes: Bytes it moves per device, by the ring volumes in the module docstring.
+      runs: How often it runs per execution: the known trip counts of the loops around it
+        multiplied (1 outside loops, and for a loop whose count XLA does not state).
     """
 
     kind: str
@@ -59,6 +65,7 @@ class Collective:
     result_bytes: int
     group_size: int
     traffic_bytes: float
+    runs: int = 1
 
 
 def _shape_bytes(text: str) -> list[int]:
@@ -74,7 +81,9 @@ def _shape_bytes(text: str) -> list[int]:
 
 
 def _group_size(line: str, num_devices: int) -> int:
-    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    # the axes in braces, after the mesh and an optional device order: "mesh['a'=4,'b'=2],
+    # device_ids=([2,4]T(1,0)) {'a'}"
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line)
     if named:
         sizes = dict(re.findall(r"'([^']+)'=(\d+)", named.group(1)))
         size = 1
@@ -117,6 +126,7 @@ def collectives(hlo_text: str, num_devices: int = 1) -> list[Collective]:
     """
     if "stablehlo." in hlo_text:
         return _stablehlo_collectives(hlo_text, num_devices)
+    runs = loop_runs(hlo_text)
     found, computation = [], ""
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
@@ -131,10 +141,47 @@ def collectives(hlo_text: str, num_devices: int = 1) -> list[Collective]:
         if match.group("async"):  # (operand, result) tuples: the result is the last shape
             results = results[-1:]
         n = _group_size(line, num_devices)
+        size = sum(results)
         found.append(
-            Collective(kind, computation, sum(results), n, _traffic(kind, sum(results), n))
-        )
+            Collective(kind, computation, size, n, _traffic(kind, size, n),
+                       runs.get(computation, 1))
+        )  # fmt: skip
     return found
+
+
+_WHILE = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
+def loop_runs(hlo_text: str) -> dict[str, int]:
+    """How often each ``while`` body of a compiled program runs per execution.
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of a program.
+
+    Returns:
+      ``{body computation: runs}``: the loop's known trip count (XLA's
+      ``known_trip_count``; 1 where it states none) times the runs of the computation
+      holding the loop, so nested loops multiply.
+    """
+    parent, trips, computation = {}, {}, ""
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            computation = header.group(1)
+            continue
+        loop = _WHILE.search(line)
+        if loop:
+            count = _TRIPS.search(line)
+            parent[loop.group(1)] = computation
+            trips[loop.group(1)] = int(count.group(1)) if count else 1
+
+    def runs(body: str, seen: frozenset = frozenset()) -> int:
+        if body not in trips or body in seen:
+            return 1
+        return trips[body] * runs(parent[body], seen | {body})
+
+    return {body: runs(body) for body in trips}
 
 
 _STABLEHLO_OP = re.compile(
@@ -174,20 +221,25 @@ def _stablehlo_collectives(text: str, num_devices: int) -> list[Collective]:
     return found
 
 
-def traffic_by_kind(hlo_text: str, num_devices: int = 1) -> dict[str, dict[str, float]]:
+def traffic_by_kind(
+    hlo_text: str, num_devices: int = 1, *, trips: bool = False
+) -> dict[str, dict[str, float]]:
     """Count and traffic per device of each collective kind.
 
     Args:
       hlo_text: ``compiled.as_text()`` of a partitioned program, or ``lowered.as_text()``.
       num_devices: Group size to assume where an op lists no replica groups.
+      trips: Count each op as often as it runs (:attr:`Collective.runs`: a pipeline's
+        permutes once per tick), not once per appearance in the text.
 
     Returns:
       ``{kind: {"count": int, "bytes": float}}`` for every kind in :data:`KINDS`.
     """
     table = {kind: {"count": 0, "bytes": 0.0} for kind in KINDS}
     for op in collectives(hlo_text, num_devices):
-        table[op.kind]["count"] += 1
-        table[op.kind]["bytes"] += op.traffic_bytes
+        times = op.runs if trips else 1
+        table[op.kind]["count"] += times
+        table[op.kind]["bytes"] += op.traffic_bytes * times
     return table
 
 

@@ -8,6 +8,8 @@ import optax
 import pytest
 from flax import nnx
 from flax_test_models import (
+    EMBED,
+    Block,
     StackedTransformer,
     assert_laid_out_as,
     relative_error,
@@ -300,3 +302,88 @@ def test_wrt_trains_a_subset_like_the_flat_step_and_leaves_the_rest():
     for path, value in before.items():
         trained = any(part in ("up", "head") for part in path)
         assert np.array_equal(value, np.asarray(after[path])) != trained, path
+
+
+class _DropoutBlock(Block):
+    """The test block with dropout on its output, as most published transformers have."""
+
+    def __init__(self, rngs, rate):
+        super().__init__(rngs)
+        self.drop = nnx.Dropout(rate, rngs=rngs)
+
+    def __call__(self, x):
+        return self.drop(super().__call__(x))
+
+
+class _DropoutStack(StackedTransformer):
+    """StackedTransformer with dropout on each block's output (or another block kind)."""
+
+    def __init__(self, rngs, layers=4, rate=0.5, kind=_DropoutBlock):
+        super().__init__(rngs, layers=layers)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make(rngs):
+            return kind(rngs, rate)
+
+        self.blocks = make(rngs)
+
+
+def _spread(model, y, targets):
+    """The loss, and its square: the mean of squares exceeds the squared mean exactly when
+    the microbatches' (and devices') losses differ."""
+    loss = head(model, y, targets)
+    return loss, {"square": loss**2}
+
+
+def _dropout_run(layout, microbatches, rate=0.5, steps=2, batch=None):
+    model = sf.create_sharded_model(lambda: _DropoutStack(nnx.Rngs(0), rate=rate), layout=layout)
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2))
+    step = sf.make_pipeline_train_step(embed, block, _spread, layout.make_mesh(), layout=layout,
+                                       stack="blocks", microbatches=microbatches,
+                                       has_aux=True)  # fmt: skip
+    batches = [tokens(seed=i) if batch is None else batch for i in range(steps)]
+    return [{k: float(v) for k, v in step(model, optimizer, b).items() if k != "path"}
+            for b in batches]  # fmt: skip
+
+
+def test_dropout_in_stages_differs_by_microbatch_and_device_and_repeats():
+    same = np.repeat(tokens(seed=0)[:1], 8, axis=0)  # identical rows everywhere
+    for layout, micro in ((Layout.from_degrees(pp=2, dp=4), 1), (Layout.from_degrees(pp=2), 4)):
+        first = _dropout_run(layout, micro, batch=same)[0]
+        # equal masks would give equal losses on identical rows: devices (dp 4, one
+        # microbatch) and microbatches (no data axis) draw their own
+        assert first["square"] > first["loss"] ** 2 * (1 + 1e-4), layout.label
+    runs = [_dropout_run(Layout.from_degrees(pp=2, dp=4), 2) for _ in range(2)]
+    assert runs[0] == runs[1]  # the same seed and layout: the same masks
+
+
+def test_dropout_rate_zero_equals_the_flat_step():
+    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    rules = MeshRules(data="data").extend(layers=None, **NAMES)
+    model = sf.create_sharded_model(lambda: _DropoutStack(nnx.Rngs(0), rate=0.0), mesh, rules)
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
+    step = sf.make_train_step(token_loss, mesh, rules)
+    want = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
+    got = [m["loss"] for m in _dropout_run(Layout.from_degrees(pp=2, dp=4), 2, rate=0.0, steps=3)]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+class _NormedBlock(Block):
+    def __init__(self, rngs, rate):
+        super().__init__(rngs)
+        self.bn = nnx.BatchNorm(EMBED, rngs=rngs)
+
+    def __call__(self, x):
+        return self.bn(super().__call__(x))
+
+
+def test_batch_statistics_in_a_stage_are_refused_with_the_reason():
+    layout = Layout.from_degrees(pp=2, dp=4)
+    factory = lambda: _DropoutStack(nnx.Rngs(0), kind=_NormedBlock)  # noqa: E731
+    model = sf.create_sharded_model(factory, layout=layout)
+    optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.1))
+    step = sf.make_pipeline_train_step(embed, block, head, layout.make_mesh(), layout=layout,
+                                       stack="blocks", microbatches=2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"found \['BatchStat'\].*batch statistics.*make_train_st"):
+        step(model, optimizer, tokens())

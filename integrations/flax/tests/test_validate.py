@@ -85,8 +85,35 @@ def test_twins_keep_the_kinds_of_parallelism():
     assert _twin_layout(Layout.from_degrees(fsdp=512, tp=8), 8) == Layout.from_degrees(fsdp=4, tp=2)
     twin = _twin_layout(Layout.from_degrees(dp=8, fsdp=64), 8)
     assert twin == Layout.from_degrees(dp=2, fsdp=4)
-    with pytest.raises(ValueError, match="does not twin pipeline layouts"):
-        _twin_layout(Layout.from_degrees(pp=4, fsdp=128), 8)
+    assert _twin_layout(Layout.from_degrees(pp=4, fsdp=128), 8).label == "pp 2 x fsdp 4"
+    twin = _twin_layout(Layout.from_degrees(pp=16, dp=128, zero=1), 8)
+    assert twin.label == "pp 2 x zero1 dp 4"
+    with pytest.raises(ValueError, match="twins pipeline layouts over dp, fsdp or ZeRO, not pp 4"):
+        _twin_layout(Layout.from_degrees(pp=4, dp=16, tp=8), 8)
+
+
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [
+        ("llama3-8b", Layout.from_degrees(pp=4, fsdp=64)),
+        ("gpt2-small", Layout.from_degrees(pp=16, dp=128, zero=1)),  # a tied head
+    ],
+    ids=lambda v: getattr(v, "label", v),
+)
+def test_pipeline_state_is_exact_and_traffic_close_on_twins(name, layout):
+    """A pipelined twin trains through make_pipeline_train_step with the layout's data axes.
+
+    Traffic counts every tick of the pipeline's loops (``trips=True``). Measured: pp x fsdp
+    -2.6% (XLA moves a sharded lookup's gradient as activations), pp x zero1 +0.1%.
+    """
+    result = _validate_layout(architecture(name), layout)
+    assert result["twin"]["data_parallel"] == "pipeline"
+    estimate, compiled = result["state_bytes"]
+    assert estimate == compiled
+    estimate, compiled = result["arguments_bytes"]
+    assert estimate == compiled
+    estimate, compiled = result["traffic_bytes"]
+    assert abs(compiled / estimate - 1) < 0.05
 
 
 def test_validate_twins_the_candidate_at_the_rank_asked_for(rank=3):

@@ -147,8 +147,10 @@ def test_a_pipeline_with_zero_shards_the_optimizer_and_trains_alike():
         runs[zero] = losses, sf.sharding_report(optimizer).bytes_per_device, after
     np.testing.assert_allclose(runs[1][0], runs[0][0], rtol=1e-5)
     assert runs[1][1] < 0.3 * runs[0][1]  # adam's moments over the 4 replicas
-    # the loop reduce-scatters the layers' gradients to the optimizer's slices: ZeRO moves no
-    # more than plain data parallelism (0.92x here; an all-reduce in the loop moved 1.19x)
+    # the loop reduce-scatters the layers' gradients to the optimizer's slices, and the new
+    # slices are gathered: the volume of data parallelism's all-reduce. ZeRO adds at most the
+    # gather of the updated shards of the parameters outside the stack (1.05x here)
     traffic = [sum(op.traffic_bytes for op in runs[z][2]) for z in (0, 1)]
-    assert traffic[1] <= traffic[0]
+    outside = sum(v.nbytes for k, v in nnx.to_flat_state(nnx.state(model)) if k[0] != "blocks")
+    assert traffic[0] < traffic[1] <= traffic[0] + outside * 3 / 4
     assert sum(op.kind == "reduce-scatter" and op.group_size == 4 for op in runs[1][2]) >= 6

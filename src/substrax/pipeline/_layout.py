@@ -95,10 +95,11 @@ class StageLayout:
         stored = counts.pop()
         real = stored if num_layers is None else num_layers
         index, mask = self.slots(real)
-        if stored == real:
-            take = lambda a: jnp.asarray(a)[index]  # noqa: E731
-        elif stored == index.size:  # already in slot order: the stages' own rows
+        in_order = np.array_equal(index.reshape(-1), np.arange(index.size))
+        if stored == index.size and (stored != real or in_order):  # the slots, in order
             take = lambda a: jnp.reshape(a, (*index.shape, *a.shape[1:]))  # noqa: E731
+        elif stored == real:  # padding, or a circular order: a gather
+            take = lambda a: jnp.asarray(a)[index]  # noqa: E731
         else:
             raise ValueError(
                 f"A stack of {stored} layers is neither the {real} layers of num_layers nor "
@@ -122,6 +123,8 @@ class StageLayout:
         index, mask = self.slots(num_layers)
         order = np.argsort(np.where(mask, index, num_layers).reshape(-1), kind="stable")
         keep = order[:num_layers]
+        if np.array_equal(keep, np.arange(num_layers)):  # a slice, not a gather XLA may move
+            return jax.tree.map(lambda a: a[:num_layers], flat)
         return jax.tree.map(lambda a: a[keep], flat)
 
     def fsdp_dim(self, layer_shape: Sequence[int]) -> int | None:

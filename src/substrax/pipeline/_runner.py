@@ -37,6 +37,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from substrax.mesh import PipelineParallelStrategy
 from substrax.pipeline._layout import StageLayout
+from substrax.pipeline._microbatch import computing
 from substrax.pipeline._schedule import Schedule, ScheduleSlot
 from substrax.spmd import checkpoint_policy
 
@@ -324,15 +325,21 @@ class Pipeline:
                 f"became {out.shape} {out.dtype}."
             )
 
-    def _stage(self, params: Any, mask: jax.Array, x: jax.Array, frozen: Any = None) -> jax.Array:
-        """The stage's layers in order; ``layer_fn`` gets ``(params, frozen)`` with frozen."""
+    def _stage(
+        self, params: Any, mask: jax.Array, x: jax.Array, frozen: Any = None, index: Any = None
+    ) -> jax.Array:
+        """The stage's layers in order; ``layer_fn`` gets ``(params, frozen)`` with frozen.
+
+        ``index`` is the microbatch's, for :func:`~substrax.pipeline.microbatch_index`.
+        """
 
         def body(x, layer):
             layer_params, keep, layer_frozen = layer
             args = layer_params if frozen is None else (layer_params, layer_frozen)
             return jnp.where(keep, self.layer_fn(args, x), x), None
 
-        return jax.lax.scan(body, x, (params, mask, frozen))[0]
+        with computing(index):
+            return jax.lax.scan(body, x, (params, mask, frozen))[0]
 
     def _specs(self, padded: Any) -> tuple[Any, PartitionSpec, PartitionSpec]:
         data = self.data_axes if len(self.data_axes) != 1 else self.data_axes[0]
@@ -383,9 +390,12 @@ class Pipeline:
         value = jax.lax.psum(value, self.stage_axis) / self.num_microbatches
         return jax.lax.pmean(value, self.data_axes) if self.data_axes else value
 
-    def _loss(self, y: jax.Array, target: jax.Array, head: Any) -> tuple[jax.Array, Any]:
-        """``(loss, aux)`` of one microbatch (``aux`` is ``()`` without ``has_aux``)."""
-        out = self.loss_fn(y, target) if head is None else self.loss_fn(y, target, head)
+    def _loss(
+        self, y: jax.Array, target: jax.Array, head: Any, index: Any = None
+    ) -> tuple[jax.Array, Any]:
+        """``(loss, aux)`` of microbatch ``index`` (``aux`` is ``()`` without ``has_aux``)."""
+        with computing(index):
+            out = self.loss_fn(y, target) if head is None else self.loss_fn(y, target, head)
         return out if self.has_aux else (out, ())
 
     def _aux_zeros(self, x: jax.Array, target: jax.Array, head: Any) -> Any:
@@ -474,6 +484,8 @@ class Pipeline:
 
     def _forward_loop(self, params, mask, xs, targets, head, frozen=None, *, dims, frozen_dims):
         params = self._vary(jax.tree.map(lambda a: a[0], self._gather(params, dims)))
+        # varying before the loop, so their gradients are summed once after it, not per tick
+        xs, head = self._varying(xs), self._varying(head)
         frozen = jax.tree.map(lambda a: a[0], self._gather(frozen, frozen_dims))
         mask, stages, micro, repeats = mask[0], self.num_stages, self.num_microbatches, self.repeats
         stage = jax.lax.axis_index(self.stage_axis)
@@ -490,9 +502,9 @@ class Pipeline:
             first = xs[index] if repeats == 1 else jnp.where(rnd == 0, xs[index], ring[index])
             x = jnp.where(stage == 0, first, received)
             layers = jax.tree.map(lambda a: a[rnd], params)
-            y = apply(layers, mask[rnd], x, jax.tree.map(lambda a: a[rnd], frozen))
+            y = apply(layers, mask[rnd], x, jax.tree.map(lambda a: a[rnd], frozen), index)
             done = (stage == stages - 1) & (t - stage >= 0) & (rnd == repeats - 1)
-            loss, extra = self._loss(y, targets[index], head)
+            loss, extra = self._loss(y, targets[index], head, index)
             total = total + jnp.where(done, loss, 0.0)
             aux = jax.tree.map(lambda a, e: a + jnp.where(done, e, 0.0), aux, extra)
             sent = jax.lax.ppermute(y, self.stage_axis, pattern)
@@ -660,18 +672,18 @@ class Pipeline:
         depth = 2 * stages  # microbatches in flight on a stage: at most 2 (S - 1) + 1
         last = stage == stages - 1
 
-        def run_stage(p, x):
-            return self._stage(p, mask, x, frozen)
+        def run_stage(p, x, index):
+            return self._stage(p, mask, x, frozen, index)
 
         def tick(carry, t):
             received, cotangent_in, stash, grads, dhead, dxs, total, aux = carry
             i = jnp.clip(t - stage, 0, micro - 1)
             forward_ok = (t - stage >= 0) & (t - stage < micro)
             x = jnp.where(stage == 0, xs[i], received)
-            y = run_stage(params, x)
+            y = run_stage(params, x, i)
             stash = jnp.where(forward_ok, stash.at[i % depth].set(x), stash)
             grad_fn = jax.value_and_grad(self._loss, argnums=(0, 2), has_aux=True)
-            (loss, extra), (dy, dh) = grad_fn(y, targets[i], head)
+            (loss, extra), (dy, dh) = grad_fn(y, targets[i], head, i)
             total = total + jnp.where(last & forward_ok, loss, 0.0)
             aux = jax.tree.map(lambda a, e: a + jnp.where(last & forward_ok, e, 0.0), aux, extra)
             dhead = jax.tree.map(
@@ -680,7 +692,7 @@ class Pipeline:
             back = t - 2 * (stages - 1) + stage
             j, backward_ok = jnp.clip(back, 0, micro - 1), (back >= 0) & (back < micro)
             cotangent = jnp.where(last, dy / micro, cotangent_in)
-            _, vjp = jax.vjp(run_stage, params, stash[j % depth])
+            _, vjp = jax.vjp(functools.partial(run_stage, index=j), params, stash[j % depth])
             dparams, dx = vjp(cotangent)
             grads = jax.tree.map(lambda g, d: g + jnp.where(backward_ok, d, 0), grads, dparams)
             dxs = jnp.where((stage == 0) & backward_ok, dxs.at[j].set(dx), dxs)

@@ -313,7 +313,9 @@ def evaluate(
     }
     memory["peak"] = sum(memory.values())
     dense = sum(p.params_per_device for p in plans if "expert" not in p.names)
-    traffic = _traffic(config, workload, layout, (per_device * width, dense * width), width)
+    head, shared = _head(config, plans)
+    state = (per_device * width, dense * width, head * width, shared * width)
+    traffic = _traffic(config, workload, layout, state, width)
     tokens = workload.batch * workload.seq
     flops = _flops_per_token(config, leaves, workload.seq) * tokens
     flops *= 8 / 6 if workload.remat == "full" else 1
@@ -362,28 +364,55 @@ def _flops_per_token(c: TransformerConfig, leaves: Sequence[Leaf], seq: int) -> 
     return 6 * matmul + attention + elementwise
 
 
+def _head(c: TransformerConfig, plans: Sequence[LeafPlan]) -> tuple[float, float]:
+    """Elements of this device's share of the loss's own parameters, and of those also looked up.
+
+    The loss's parameters are everything outside the layer stack but the lookups
+    (``embedding``, ``positions``), and the embedding too when the head is tied to it: under
+    a pipeline the last stage's loss uses them, so their gradients are summed over the
+    stages as well. A tied embedding's lookup gradient is reduced apart, over the replicas.
+    """
+    head = [
+        p.params_per_device
+        for p in plans
+        if p.names[:1] != ("layers",) and p.path not in ("embedding", "positions")
+    ]
+    shared = [p.params_per_device for p in plans if c.tied and p.path == "embedding"]
+    return sum(head) + sum(shared), sum(shared)
+
+
 def _traffic(c, w, layout, state, width) -> dict[str, float]:
     """Ring volumes of one step, per device, keyed ``"axis/kind"``.
 
-    ``state`` is ``(bytes of this device's parameters, of those that are not experts')`` in
-    the wire width.
+    ``state`` is ``(bytes of this device's parameters, of those that are not experts', of
+    the loss's own, of those also looked up)`` in the wire width. Under a pipeline the loss's
+    parameters are whole on
+    every device and their gradients are all-reduced over every stage and replica at once
+    (``pipe/all-reduce``, with the stack inputs' gradients summed over the stages); the
+    stage boundary moves each microbatch's activations forward and its cotangents back on
+    every tick, idle ticks included (``M + S - 1`` of them, GPipe).
     """
-    state_bytes, dense_bytes = state
+    state_bytes, dense_bytes, head_bytes, shared = state
     rows = w.batch / layout.batch_degree
     tokens = rows * w.seq / layout.cp
     activation = tokens * c.d_model * width
     layers = math.ceil(c.layers / layout.pp)
     traffic = {}
+    if layout.pp > 1:  # the loss's gradients are reduced with the stages' (below)
+        own = head_bytes - shared  # a tied embedding's lookup gradient stays here
+        state_bytes, dense_bytes = state_bytes - own, dense_bytes - own
     if layout.fsdp > 1:  # parameter all-gathers (one, or two when re-gathered), one reduce-scatter
         f, gathers = layout.fsdp, 1 if w.gather == "keep" else 2
-        traffic["fsdp/all-gather"] = gathers * state_bytes * f * (f - 1) / f
+        gathered = state_bytes + (head_bytes - shared if layout.pp > 1 else 0)
+        traffic["fsdp/all-gather"] = gathers * gathered * f * (f - 1) / f
         if _xla_step(layout):  # XLA's partitioning all-reduces the gathered gradients
             traffic["fsdp/all-reduce"] = 2 * state_bytes * f * (f - 1) / f
         else:
             traffic["fsdp/reduce-scatter"] = state_bytes * f * (f - 1) / f
     if layout.dp > 1 and layout.zero:  # gradients reduce-scattered, new parameters gathered
         traffic["data/reduce-scatter"] = state_bytes * (layout.dp - 1) / layout.dp
-        traffic["data/all-gather"] = state_bytes * (layout.dp - 1) / layout.dp
+        updated = state_bytes + (head_bytes - shared if layout.pp > 1 else 0)
+        traffic["data/all-gather"] = updated * (layout.dp - 1) / layout.dp
     elif layout.dp > 1:  # gradient all-reduce of this device's shard
         traffic["data/all-reduce"] = 2 * state_bytes * (layout.dp - 1) / layout.dp
     if layout.cp > 1:  # the ring: forward, its recomputation, and a backward ring that
@@ -397,8 +426,14 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
         traffic["expert/all-reduce"] = 2 * dense_bytes * (layout.ep - 1) / layout.ep
     if layout.tp > 1:  # two activation all-reduces per layer forward, two backward
         traffic["model/all-reduce"] = 4 * layers * 2 * activation * (layout.tp - 1) / layout.tp
-    if layout.pp > 1:  # activations forward and cotangents back across each stage boundary
-        traffic["pipe/collective-permute"] = 2 * activation
+    if layout.pp > 1:
+        micro, n = w.microbatches or layout.pp, layout.pp * layout.dp * layout.fsdp
+        whole = head_bytes * layout.fsdp  # gathered before the head runs
+        traffic["pipe/all-reduce"] = (
+            2 * whole * (n - 1) / n + 2 * activation * (layout.pp - 1) / layout.pp
+        )
+        ticks = micro + layout.pp - 1  # forward; the backward loop has as many
+        traffic["pipe/collective-permute"] = 2 * activation * ticks / micro
     return traffic
 
 

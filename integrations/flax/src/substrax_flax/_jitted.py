@@ -13,7 +13,7 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax.spmd import check_batch, shard_batch
 from substrax_flax._cache import ProgramKey, StepCache
@@ -197,6 +197,9 @@ class JittedStep:
         check_batch(batch)
         if all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(batch)):
             return built.enter(batch)
+        if not built.batch_axes:  # a pipeline alone: every stage sees the whole batch
+            whole = NamedSharding(built.mesh, PartitionSpec())
+            return jax.tree.map(lambda x: jax.device_put(x, whole), batch)
         return shard_batch(batch, built.mesh, built.batch_axes, seq_axes=built.seq_axes)
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> dict:

@@ -11,6 +11,7 @@ own cannot be made the whole batch's (:func:`batch_stat_obstacle`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 from flax import nnx
@@ -18,7 +19,9 @@ from flax import nnx
 from substrax_flax._state import variables
 from substrax_flax._traced import is_key
 
-__all__ = ["batch_stat_obstacle", "per_device_streams", "sync_batch_norms", "synced_stats"]
+__all__ = [
+    "batch_stat_obstacle", "fold_key", "per_device_streams", "sync_batch_norms", "synced_stats",
+]  # fmt: skip
 
 
 def batch_stat_obstacle(model: nnx.Module) -> str | None:
@@ -65,6 +68,17 @@ def sync_batch_norms(model: nnx.Module, batch_axes: tuple[str, ...]) -> None:
             module.axis_name = batch_axes
 
 
+def fold_key(key: jax.Array, data: Any) -> jax.Array:
+    """``jax.random.fold_in`` of every key in a typed key array of any shape.
+
+    A stream of layers stacked with ``nnx.vmap`` holds one key per layer.
+    """
+    if not key.ndim:
+        return jax.random.fold_in(key, data)
+    folded = jax.vmap(jax.random.fold_in, in_axes=(0, None))(key.reshape(-1), data)
+    return folded.reshape(key.shape)
+
+
 def per_device_streams(loss_of: Callable, batch_axes: tuple[str, ...]) -> Callable:
     """``loss_of`` drawing each device's random numbers from its own streams.
 
@@ -88,7 +102,7 @@ def per_device_streams(loss_of: Callable, batch_axes: tuple[str, ...]) -> Callab
             return loss_of(params, rest_leaves, batch)
         index = jax.lax.axis_index(batch_axes)
         pairs = zip(rest_leaves, keys, strict=True)
-        leaves = [jax.random.fold_in(x, index) if k else x for x, k in pairs]
+        leaves = [fold_key(x, index) if k else x for x, k in pairs]
         loss, (aux, new_rest) = loss_of(params, leaves, batch)
         new_leaves, new_def = jax.tree.flatten(new_rest)
         if len(new_leaves) == len(keys):  # the state kept its structure: restore the keys

@@ -12,27 +12,51 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax import ShardingWarning, warn_user
 from substrax.mesh import PipelineParallelStrategy
-from substrax.pipeline import Pipeline
+from substrax.pipeline import Pipeline, microbatch_index
 from substrax.spmd import MixedPrecision, as_precision, use_rules
 from substrax_flax._jitted import Built, JittedStep, Update, apply_update, optimizer_shardings
 from substrax_flax._manual import manual_rules
 from substrax_flax._nonfinite import NonFinite, check_policy
+from substrax_flax._per_device import fold_key
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
 from substrax_flax._resolve import Rules, as_rules, entry_axes
 from substrax_flax._state import map_variables, variables
 from substrax_flax._step_plan import pipeline_plan
+from substrax_flax._traced import is_key
 
 __all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
 
 
-def _only_params(state: Any, what: str) -> None:
+def _check_state(state: Any, what: str) -> None:
+    """Parameters and random streams run through stages; other state is refused.
+
+    Raises:
+      ValueError: Naming the other variables' types (batch statistics, caches).
+    """
     leaves = jax.tree.leaves(state, is_leaf=_is_variable)
-    kinds = {type(v).__name__ for v in leaves if not isinstance(v, nnx.Param)}
+    kinds = {type(v).__name__ for v in leaves if not isinstance(v, (nnx.Param, nnx.RngState))}
     if kinds:
         raise ValueError(
-            f"The pipelined step trains models whose {what} holds only nnx.Param variables "
-            f"(and their subclasses); found {sorted(kinds)}."
+            f"The pipelined step runs models whose {what} holds nnx.Param variables and "
+            f"random streams (nnx.Rngs, nnx.Dropout); found {sorted(kinds)}, state that a "
+            "stage would have to update per microbatch (batch statistics: use a LayerNorm "
+            "or RMSNorm in the stack, or train with make_train_step, which reduces them "
+            "over the batch)."
         )
+
+
+def _fold(state: Any, data: Any) -> Any:
+    """``state`` with every random key (of any shape) folded with the scalar ``data``."""
+    return jax.tree.map(lambda x: fold_key(x, data) if is_key(x) else x, state)
+
+
+def _per_microbatch(state: Any, batch_axes: Sequence[str]) -> Any:
+    """Inside a stage: keys folded with the microbatch and the device's batch position."""
+    index = microbatch_index()
+    if index is None or not any(is_key(x) for x in jax.tree.leaves(state)):
+        return state  # a shape check, or no streams
+    state = _fold(state, index)
+    return _fold(state, jax.lax.axis_index(tuple(batch_axes))) if batch_axes else state
 
 
 def _split(state: nnx.State, wrt: Any) -> tuple[nnx.State, nnx.State]:
@@ -140,8 +164,8 @@ class PipelineTrainStep(JittedStep):
         stack, rest = self._parts(model)
         model_def = nnx.graphdef(model)
         layer_def = nnx.graphdef(getattr(model, self.stack))
-        _only_params(stack, f"stack {self.stack!r}")
-        _only_params(rest, "other attributes")
+        _check_state(stack, f"stack {self.stack!r}")
+        _check_state(rest, "other attributes")
         stored = jax.tree.leaves(stack)[0].shape[0]
         num_layers = self.num_layers or stored
         plan = model_plan(
@@ -174,6 +198,7 @@ class PipelineTrainStep(JittedStep):
         def layer_fn(layer_state, x):
             # with frozen variables (wrt leaves some out) a layer's state comes in two parts
             parts = layer_state if frozen_stack else (layer_state,)
+            parts = (*parts[:1], *(_per_microbatch(part, batch_axes) for part in parts[1:]))
             with in_stage():
                 layer = nnx.merge(layer_def, *(compute(part) for part in parts))
                 y = self.user_layer_fn(layer, x)
@@ -181,7 +206,8 @@ class PipelineTrainStep(JittedStep):
 
         def loss_fn(rest_frozen, y, targets, rest_state):
             with in_stage():
-                rest = compute(nnx.merge_state(rest_state, rest_frozen))
+                held = _per_microbatch(rest_frozen, batch_axes)
+                rest = compute(nnx.merge_state(rest_state, held))
                 out = self.head_fn(merged(stack_template, rest), y, targets)
             return self.precision.cast_to_output(_loss_and_aux(out, self.has_aux))
 
@@ -201,11 +227,26 @@ class PipelineTrainStep(JittedStep):
             with use_rules(plan.mesh, outer), nnx.use_eager_sharding(False):
                 return body(model_state, opt_state, batch)
 
+        rest_stored = self._rest(model_shardings)
+
         def body(model_state, opt_state, batch):
             stack_state = model_state[self.stack]
+            # the embedding and head: whole over the batch axes, gathered once (an FSDP axis)
+            rest = _gathered(self._rest(model_state), rest_stored, batch_axes)
             # only what wrt selects is differentiated; the rest is held, used and left alone
             stack_trained, stack_frozen = _split(stack_state, self.wrt)
-            rest_trained, rest_frozen = _split(self._rest(model_state), self.wrt)
+            rest_trained, rest_frozen = _split(rest, self.wrt)
+            # random streams: this step's keys, then (in the stages) each microbatch's
+            held = _fold((stack_frozen, rest_frozen), opt_state["step"][...])
+            loss, aux, grads = one_pass((stack_state, stack_trained, rest_trained, held), batch)
+            return apply_update(
+                Update(loss, aux, None, grads), model_def, opt_def, model_state, opt_state,
+                (model_shardings, opt_shardings), self._guard.on_nonfinite,
+            )  # fmt: skip
+
+        def one_pass(parts, batch):
+            """The loss, aux and gradients of ``batch``, summed over its microbatches."""
+            stack_state, stack_trained, rest_trained, (stack_frozen, rest_frozen) = parts
 
             def embed(rest_params):
                 model = merged(stack_state, compute(nnx.merge_state(rest_params, rest_frozen)))
@@ -223,11 +264,7 @@ class PipelineTrainStep(JittedStep):
             (dembed,) = embed_vjp(dinputs)
             drest = jax.tree.map(lambda a, b: a + b, dhead, dembed)
             dstack = pipeline.unstack(dpadded, num_layers, keep_padding=stored != num_layers)
-            grads = nnx.State({**dict(drest), self.stack: dstack})
-            return apply_update(
-                Update(loss, aux, None, grads), model_def, opt_def, model_state, opt_state,
-                (model_shardings, opt_shardings), self._guard.on_nonfinite,
-            )  # fmt: skip
+            return loss, aux, nnx.State({**dict(drest), self.stack: dstack})
 
         replicated = NamedSharding(plan.mesh, PartitionSpec())
         jitted = jax.jit(
@@ -242,6 +279,41 @@ class PipelineTrainStep(JittedStep):
             trained,
         )  # fmt: skip
         return Built(jitted, plan.mesh, batch_axes, "pipeline", plan=step_plan)
+
+
+def _gathered(state: nnx.State, stored: nnx.State, batch_axes: Sequence[str]) -> nnx.State:
+    """``state`` with each leaf whole over ``batch_axes``; its gradient goes back as stored.
+
+    The gradient's sharding is the stored one, so XLA reduce-scatters it over an FSDP axis
+    (a plain constraint's transpose would all-reduce it whole).
+    """
+
+    def gather(x, sharding):
+        used = NamedSharding(sharding.mesh, _without(sharding.spec, batch_axes))
+        if used.spec == sharding.spec:
+            return x
+
+        @jax.custom_vjp
+        def whole(x):
+            return jax.lax.with_sharding_constraint(x, used)
+
+        def backward(_, g):
+            return (jax.lax.with_sharding_constraint(g, sharding),)
+
+        whole.defvjp(lambda x: (whole(x), None), backward)
+        return whole(x)
+
+    return jax.tree.map(gather, state, stored)
+
+
+def _without(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
+    """``spec`` with ``axes`` taken out of every entry."""
+
+    def entry(e):
+        kept = tuple(a for a in entry_axes(e) if a not in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return PartitionSpec(*(entry(e) for e in spec))
 
 
 def _grad_dims(plan: Any, name: str, stack: Any, batch_axes: Sequence[str]) -> Any:
@@ -379,7 +451,11 @@ def make_pipeline_train_step(
       stack: The model attribute holding the stacked layers.
       stage_axis: The mesh axis of the pipeline stages.
       microbatches: Microbatches per batch (as ``make_train_step`` and the planner's
-        ``Workload`` name them).
+        ``Workload`` name them): the step's gradient accumulation, as ``make_train_step``'s
+        ``microbatches`` are. Their gradients are summed in one pass, reduced once; with
+        ``"1f1b"`` activation memory is bounded by the stages, not by ``microbatches``, and
+        more of them shrink the bubble, so a larger batch takes more microbatches rather
+        than several passes (each would pay the bubble and the reduction again).
       schedule: ``"gpipe"``, ``"1f1b"`` or ``"circular"``.
       repeats: Rounds of the ring for ``"circular"``.
       remat: ``"none"``, ``"selective"`` or ``"full"``, as :func:`make_train_step` takes
@@ -420,12 +496,18 @@ def make_pipeline_train_step(
     stores it; each stage gathers its layers once per step and reduce-scatters their
     gradients once. ``step.plan_for(model, optimizer, batch)`` shows the step's plan.
 
+    Random streams (``nnx.Dropout``, ``nnx.Rngs`` in the model) draw per step, microbatch and
+    device: each key is folded with the optimizer's step count, then inside a stage or the
+    head with :func:`substrax.pipeline.microbatch_index` and the device's position over the
+    batch axes; the stored keys and counts are not changed.
+
     Returns:
       A :class:`PipelineTrainStep`.
 
     Raises:
       ValueError: As :class:`substrax.pipeline.Pipeline`, for an unknown ``on_nonfinite``,
-        when the model holds variables other than ``nnx.Param``, or when its stack has
+        when the model holds variables other than parameters and random streams (batch
+        statistics), or when its stack has
         neither ``num_layers`` layers nor their padded slots (both checked on the first
         call).
     """

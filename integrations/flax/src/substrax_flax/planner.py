@@ -45,6 +45,7 @@ from substrax.planner import transformer_leaves as leaves_of
 from substrax.spmd import attention, context_axes, experts
 from substrax_flax._create import create_sharded_model
 from substrax_flax._optimizer import create_sharded_optimizer
+from substrax_flax._pipeline_step import make_pipeline_train_step
 from substrax_flax._report import sharding_report
 from substrax_flax._state import logical_names, shape_and_dtype, variables
 from substrax_flax._train import make_train_step
@@ -106,11 +107,21 @@ def _twin_layout(layout: Layout, devices: int) -> Layout:
     tp, cp, ep, fsdp and dp become at most 2, 2, 2, 4 and 2 (while they fit), each above 1
     where the original's is; a ZeRO layout stays one.
 
+    A pipeline layout becomes ``pp 2`` and its data axes (``dp``, ``fsdp``, ZeRO) on the
+    other devices.
+
     Raises:
-      ValueError: For a pipeline layout (``benchmarks/pipeline.py`` measures those).
+      ValueError: For a pipeline layout with tensor, context or expert parallelism.
     """
     if layout.pp > 1:
-        raise ValueError(f"validate does not twin pipeline layouts ({layout.label}).")
+        if max(layout.tp, layout.cp, layout.ep) > 1:
+            raise ValueError(
+                f"validate twins pipeline layouts over dp, fsdp or ZeRO, not {layout.label}."
+            )
+        rest = devices // 2
+        fsdp = min(layout.fsdp, rest)
+        dp = min(layout.dp, max(rest // fsdp, 1))
+        return Layout.from_degrees(pp=2, dp=dp, fsdp=fsdp, zero=layout.zero if dp > 1 else 0)
     tp, cp, ep = min(layout.tp, 2), min(layout.cp, 2), min(layout.ep, 2)
     inner = tp * cp * ep
     fsdp = min(layout.fsdp, max(devices // (inner * 2 if layout.dp > 1 else inner), 1), 4)
@@ -157,30 +168,79 @@ class _Twin(nnx.Module):
         return logits_in @ head
 
     def _layer(self, p: dict, x: jax.Array) -> jax.Array:
-        c = self.config
-        h = _norm(x, p["attn_norm"])
-        q = jnp.einsum("bte,ehk->bthk", h, p["wq"])
-        k = jnp.einsum("bte,ehk->bthk", h, p["wk"])
-        v = jnp.einsum("bte,ehk->bthk", h, p["wv"])
-        if c.biases:
-            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-        if context_axes():  # the sequence is split: ring attention
-            x = x + jnp.einsum("bthk,hke->bte", attention(q, k, v, causal=True), p["wo"])
-        else:
-            k, v = (jnp.repeat(a, c.heads // c.kv_heads, axis=2) for a in (k, v))
-            scores = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(c.head_dim)
-            causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-            weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
-            x = x + jnp.einsum("bhts,bshk,hke->bte", weights, v, p["wo"])
-        if c.experts:
-            out, _ = experts(
+        return _layer_of(self.config, p, x)
+
+
+def _layer_of(c: TransformerConfig, p: dict, x: jax.Array) -> jax.Array:
+    """One decoder layer of ``c`` with parameters ``p`` (one slice of the stack)."""
+    h = _norm(x, p["attn_norm"])
+    q = jnp.einsum("bte,ehk->bthk", h, p["wq"])
+    k = jnp.einsum("bte,ehk->bthk", h, p["wk"])
+    v = jnp.einsum("bte,ehk->bthk", h, p["wv"])
+    if c.biases:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if context_axes():  # the sequence is split: ring attention
+        x = x + jnp.einsum("bthk,hke->bte", attention(q, k, v, causal=True), p["wo"])
+    else:
+        k, v = (jnp.repeat(a, c.heads // c.kv_heads, axis=2) for a in (k, v))
+        scores = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(c.head_dim)
+        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
+        x = x + jnp.einsum("bhts,bshk,hke->bte", weights, v, p["wo"])
+    if c.experts:
+        out, _ = experts(
                 _norm(x, p["mlp_norm"]), p["router"], p["w_in"], p["w_out"],
                 w_gate=p.get("w_gate"), top_k=c.top_k, activation=jax.nn.silu,
             )  # fmt: skip
-            return x + out
-        h = _norm(x, p["mlp_norm"]) @ p["w_in"]
-        h = jax.nn.silu(_norm(x, p["mlp_norm"]) @ p["w_gate"]) * h if c.gated else jax.nn.gelu(h)
-        return x + h @ p["w_out"]
+        return x + out
+    h = _norm(x, p["mlp_norm"]) @ p["w_in"]
+    h = jax.nn.silu(_norm(x, p["mlp_norm"]) @ p["w_gate"]) * h if c.gated else jax.nn.gelu(h)
+    return x + h @ p["w_out"]
+
+
+class _StackedTwin(nnx.Module):
+    """The twin with its layers stacked under ``layers``, for the pipelined step."""
+
+    def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+        def param(leaf):
+            return nnx.Param(
+                jax.random.normal(rngs.params(), leaf.shape) * 0.05, out_sharding=leaf.names
+            )
+
+        leaves = leaves_of(config)
+        self.config = config
+        self.params = nnx.Dict({
+            leaf.path: param(leaf) for leaf in leaves if not leaf.path.startswith("layers/")
+        })  # fmt: skip
+        self.layers = nnx.Dict({
+            leaf.path.removeprefix("layers/"): param(leaf)
+            for leaf in leaves
+            if leaf.path.startswith("layers/")
+        })  # fmt: skip
+
+
+def _pipeline_step(config: TransformerConfig, layout: Layout, microbatches: int) -> Any:
+    """The pipelined twin's step: embedding, one stacked layer, and the head's loss."""
+
+    def embed(model: _StackedTwin, batch: dict) -> tuple[jax.Array, jax.Array]:
+        x = jnp.take(model.params["embedding"][...], batch["inputs"], axis=0)
+        if config.positions:
+            x = x + model.params["positions"][...][: x.shape[1]]
+        return x, batch["targets"]
+
+    def layer(one: nnx.Dict, x: jax.Array) -> jax.Array:
+        return _layer_of(config, {name: v[...] for name, v in one.items()}, x)
+
+    def head(model: _StackedTwin, y: jax.Array, targets: jax.Array) -> jax.Array:
+        p = model.params
+        weights = p["embedding"][...].T if config.tied else p["head"][...]
+        logits = _norm(y, p["norm"][...]) @ weights
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+    return make_pipeline_train_step(
+        embed, layer, head, layout.make_mesh(), layout=layout, stack="layers",
+        microbatches=microbatches,
+    )  # fmt: skip
 
 
 def _norm(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -242,19 +302,25 @@ def _validate_layout(
     """
     devices = devices or jax.device_count()
     twin, small = _twin_layout(layout, devices), _twin_config(config)
+    micro = 4 if twin.pp > 1 else 0  # a pipeline: 4 microbatches of 2 layers per stage
+    small = dataclasses.replace(small, layers=2 * twin.pp) if twin.pp > 1 else small
     leaves = leaves_of(small)
-    batch_rows = 2 * twin.batch_degree
+    batch_rows = 2 * twin.batch_degree * max(micro // 2, 1)
     workload = Workload(batch_tokens=batch_rows * 16, seq=16, precision=precision,
-                        optimizer="adamw", remat="none")  # fmt: skip
+                        optimizer="adamw", remat="none", microbatches=micro)  # fmt: skip
     estimate = evaluate(small, leaves, twin, workload, Hardware(memory_bytes=2**40))
-    model = create_sharded_model(lambda: _Twin(small, nnx.Rngs(0)), layout=twin)
+    kind = _StackedTwin if twin.pp > 1 else _Twin
+    model = create_sharded_model(lambda: kind(small, nnx.Rngs(0)), layout=twin)
     optimizer = create_sharded_optimizer(model, optax.adamw(1e-3))
-    step = make_train_step(_loss, precision=precision)
+    if twin.pp > 1:
+        step = _pipeline_step(small, twin, micro)
+    else:
+        step = make_train_step(_loss, precision=precision)
     rows = np.zeros((batch_rows, 16), np.int32)  # shifted targets: the sequence may be split
     batch = {"inputs": rows, "targets": rows}
     with warnings.catch_warnings():  # the twin's path is returned below, not warned about
         warnings.simplefilter("ignore", ShardingWarning)
-        path = step.data_parallel_for(model, optimizer, batch)
+        path = step.plan_for(model, optimizer, batch).path
     lowered = step.lower(model, optimizer, batch)
     compiled = lowered.compile()
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
@@ -262,7 +328,8 @@ def _validate_layout(
     state = sharding_report(model).bytes_per_device + sharding_report(optimizer).bytes_per_device
     planned = estimate.bytes_per_device
     scalars = 8  # adam's count and the optimizer's step: two 4-byte scalars
-    traffic = traffic_by_kind((lowered if precision == "mixed" else compiled).as_text(), devices)
+    text = (lowered if precision == "mixed" else compiled).as_text()
+    traffic = traffic_by_kind(text, devices, trips=True)  # a pipeline's ticks each count
     batch_per_device = 2 * rows.nbytes // (twin.batch_degree * twin.cp)
     return {
         "twin": {
