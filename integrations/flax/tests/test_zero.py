@@ -124,6 +124,8 @@ def test_a_state_no_dimension_of_divides_is_reported():
         warnings.simplefilter("error")
         step = sf.make_train_step(lambda m, b: (m(b) ** 2).mean())
         step(model, optimizer, np.ones((8, 3), np.float32))
+    (row,) = step.plan.params  # the step plan says why this gradient is all-reduced
+    assert row.gradient.startswith("all-reduce over ('data',) (no unsharded dimension of (3, 5)")
 
 
 def test_a_pipeline_with_zero_shards_the_optimizer_and_trains_alike():

@@ -306,6 +306,9 @@ def param_steps(
             gradient = f"reduce-scatter over {on}"
         else:
             gradient = f"all-reduce over {split}"
+        kept = plan.layout.optimizer_spec(row.spec, row.shape)[1] if plan.layout else None
+        if kept and split and path != "xla":  # ZeRO asked for a slice it could not take
+            gradient += f" ({kept})"
         used_spec = used_by_path[name].spec
         steps.append(ParamStep(name, row.spec, used_spec, gradient, optimizer))
     return tuple(steps)
