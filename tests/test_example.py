@@ -166,3 +166,29 @@ def test_the_readme_names_every_flag():
                          capture_output=True, text=True, timeout=120).stdout  # fmt: skip
     flags = set(re.findall(r"^  (--[a-z-]+)", out, re.M)) - {"--help"}
     assert flags and flags <= listed, sorted(flags - listed)
+
+
+def test_the_default_report_of_the_example_decoder_fits_a_terminal(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import gpt
+    from flax import nnx
+
+    import substrax_flax as sf
+    from substrax.layout import Layout
+    from substrax.mesh import DeviceMeshManager
+
+    mesh = DeviceMeshManager.create_device_mesh({"data": 2, "model": 4})
+    layout = Layout.named("fsdp+tp", mesh)
+    report = sf.plan_model(lambda: gpt.GPT(gpt.Config(), nnx.Rngs(0)), mesh, layout=layout).report()
+    text = str(report)
+    assert max(map(len, text.splitlines())) <= 120
+    full = report.table(full=True)
+    assert max(map(len, full.splitlines())) > 120 and len(full.splitlines()) > len(
+        text.splitlines()
+    )
+    # the four blocks share rows, and each reason is written once, as a numbered note
+    assert re.search(r"^blocks/0-3/wq\s+4\s", text, re.M) and "blocks/1/" not in text
+    notes = re.findall(r"^\d+\. (.*)$", text, re.M)
+    assert notes and len(notes) == len(set(notes))
+    assert "MultiDimensionalStrategy" not in text
+    assert report.summary().startswith("fsdp 2 x tp 4, mesh {'data': 2, 'model': 4}, 35 variables")

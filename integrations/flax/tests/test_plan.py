@@ -167,7 +167,8 @@ def test_report_totals_and_warnings(mesh):
     assert report.warnings[1].startswith("fully replicated variables hold 100% of the bytes")
     text = str(report)
     assert "warning: big (2.00 MiB) is fully replicated" in text
-    assert "ratio" in text.splitlines()[-3]
+    assert "2 variables: total 2.00 MiB" in report.summary() and "ratio" in text
+    assert report.summary() in report.table(full=True).splitlines()
     assert "<table>" in report._repr_html_() and "big" in report._repr_html_()
 
 

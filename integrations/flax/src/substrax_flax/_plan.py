@@ -414,7 +414,8 @@ class ModelPlan:
         """
         from substrax_flax._report import ShardingReport
 
-        return ShardingReport(self.rows, self.mesh)
+        label = self.layout.label if self.layout is not None else None
+        return ShardingReport(self.rows, self.mesh, label)
 
     def __repr__(self) -> str:
         layout = f", layout={self.layout.name}" if self.layout is not None else ""

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax.mesh import Reason
 from substrax_flax._plan import ModelPlan, plan_of
+from substrax_flax._report_table import WIDTH, compact_table, format_bytes, wrap
 from substrax_flax._resolve import VariableSharding
 from substrax_flax._shortfall import large_replicated, replicated
 from substrax_flax._state import is_variable, logical_names, shape_and_dtype, variables
@@ -21,14 +22,6 @@ __all__ = ["ShardingReport", "sharding_report"]
 REPLICATED_SHARE = 0.05
 
 _COLUMNS = ("path", "shape", "dtype", "logical names", "rule", "spec", "total", "per device", "why")
-
-
-def _format_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(count) < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.2f} {unit}"
-        count /= 1024
-    raise AssertionError("unreachable")
 
 
 def _mesh_axes(spec: PartitionSpec) -> set[str]:
@@ -42,7 +35,11 @@ def _mesh_axes(spec: PartitionSpec) -> set[str]:
 class ShardingReport:
     """How every variable of a model (or optimizer) is laid out, with totals and warnings.
 
-    ``str(report)`` is a plain-text table; in a notebook the report renders as an HTML table.
+    ``str(report)`` is a plain-text table of at most 120 columns: variables that differ only
+    in a layer number share a row (``blocks/0-3/wq``, with their count), and each reason is
+    written once, as a numbered note. ``report.table(full=True)`` has every variable and
+    column (dtype, rule, total bytes); in a notebook the report renders as an HTML table.
+    ``report.summary()`` is one line to paste into an issue.
 
     Attributes:
       rows: One :class:`VariableSharding` per variable.
@@ -61,15 +58,19 @@ class ShardingReport:
         replicated variables together over 5% of all bytes.
     """
 
-    def __init__(self, rows: tuple[VariableSharding, ...], mesh: Any = None):
+    def __init__(
+        self, rows: tuple[VariableSharding, ...], mesh: Any = None, layout: str | None = None
+    ):
         """Builds the report and its totals.
 
         Args:
           rows: One :class:`VariableSharding` per variable.
           mesh: The mesh, for the totals; None when unknown (everything on one device).
+          layout: The layout's label (``"fsdp 8"``), for the summary; None when there is none.
         """
         self.rows = tuple(rows)
         self.mesh = mesh
+        self.layout = layout
         sizes = dict(mesh.shape) if mesh is not None else {}
         used = set().union(*(_mesh_axes(row.spec) for row in self.rows)) if self.rows else set()
         self.bytes_total = sum(row.bytes_total for row in self.rows)
@@ -86,7 +87,7 @@ class ShardingReport:
 
     def _warnings(self, whole: list[VariableSharding]) -> tuple[str, ...]:
         found = [
-            f"{row.path} ({_format_bytes(row.bytes_total)}) is fully replicated"
+            f"{row.path} ({format_bytes(row.bytes_total)}) is fully replicated"
             + (f": {'; '.join(map(str, row.reasons))}" if row.reasons else "")
             for row in large_replicated(whole)
         ]
@@ -95,7 +96,7 @@ class ShardingReport:
             largest = sorted(whole, key=lambda row: -row.bytes_total)[:3]
             found.append(
                 f"fully replicated variables hold {share:.0%} of the bytes "
-                f"({_format_bytes(self.replicated_bytes)} on each of {self.devices} devices; "
+                f"({format_bytes(self.replicated_bytes)} on each of {self.devices} devices; "
                 f"largest: {', '.join(row.path for row in largest)})"
             )
         return tuple(found)
@@ -126,8 +127,8 @@ class ShardingReport:
                 str(row.logical_names) if row.logical_names else "-",
                 row.rule,
                 str(tuple(row.spec)) if len(row.spec) else "()",
-                _format_bytes(row.bytes_total),
-                _format_bytes(row.bytes_per_device),
+                format_bytes(row.bytes_total),
+                format_bytes(row.bytes_per_device),
                 "; ".join(map(str, row.reasons)),
             )
             for row in self.rows
@@ -139,22 +140,46 @@ class ShardingReport:
         Returns:
           Total bytes, bytes per device, the ideal and their ratio.
         """
+        where = f"{self.layout}, " if self.layout else ""
+        mesh = f"mesh {dict(self.mesh.shape)}, " if self.mesh is not None else ""
         return (
-            f"total {_format_bytes(self.bytes_total)}, per device "
-            f"{_format_bytes(self.bytes_per_device)}, ideal "
-            f"{_format_bytes(self.ideal_bytes_per_device)} (over the mesh's {self.devices} "
+            f"{where}{mesh}{len(self.rows)} variables: total {format_bytes(self.bytes_total)}, "
+            "per device "
+            f"{format_bytes(self.bytes_per_device)}, ideal "
+            f"{format_bytes(self.ideal_bytes_per_device)} (over the mesh's {self.devices} "
             f"devices), ratio {self.ratio_to_ideal:.3f} ({self.ratio_over_used_axes:.3f} over the "
             f"{self.devices_sharded_over} devices of the axes used)"
         )
 
-    def __str__(self) -> str:
-        cells = [_COLUMNS, *self._cells()]
-        widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.append(self.summary())
-        lines.extend(f"warning: {w}" for w in self.warnings)
+    def table(self, full: bool = False) -> str:
+        """The report as text.
+
+        Args:
+          full: Every variable on its own line with every column (dtype, rule, total bytes,
+            reasons in full), however wide; False: at most 120 columns, layers grouped and
+            each reason once.
+
+        Returns:
+          The table, the summary line and the warnings.
+        """
+        if full:
+            cells = [_COLUMNS, *self._cells()]
+            widths = [max(len(row[i]) for row in cells) for i in range(len(_COLUMNS))]
+            lines = [
+                "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells
+            ]
+            lines.insert(1, "  ".join("-" * w for w in widths))
+            lines.append(self.summary())
+            lines.extend(f"warning: {w}" for w in self.warnings)
+        else:
+            lines = compact_table(self.rows, WIDTH)
+            lines.extend(wrap(self.summary()))
+            for warning in self.warnings:
+                lines.extend(wrap(f"warning: {warning}"))
         return "\n".join(line.rstrip() for line in lines)
+
+    def __str__(self) -> str:
+        return self.table()
 
     def __repr__(self) -> str:
         return f"ShardingReport({len(self.rows)} variables; {self.summary()})"
@@ -229,7 +254,10 @@ def sharding_report(model_or_state: Any) -> ShardingReport:
             f"{type(model_or_state).__name__}."
         )
     recorded = plan_of(model_or_state)
-    recorded = recorded.rows if isinstance(recorded, ModelPlan) else recorded
+    layout = None
+    if isinstance(recorded, ModelPlan):
+        layout = recorded.layout.label if recorded.layout is not None else None
+        recorded = recorded.rows
     planned = {row.path: row for row in recorded or ()}
     rows, mesh = [], None
     for path, variable in variables(state):
@@ -238,4 +266,4 @@ def sharding_report(model_or_state: Any) -> ShardingReport:
         sharding = getattr(value, "sharding", None)
         if mesh is None and isinstance(sharding, NamedSharding):
             mesh = sharding.mesh
-    return ShardingReport(tuple(rows), mesh)
+    return ShardingReport(tuple(rows), mesh, layout)
