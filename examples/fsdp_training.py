@@ -45,6 +45,7 @@ import gpt
 import substrax_flax as sf
 from substrax.layout import LAYOUTS, Layout
 from substrax.mesh import DeviceMeshManager
+from substrax.planner import HARDWARE, profile_of
 from substrax.spmd import PRECISIONS, REMAT
 
 
@@ -94,6 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="where metrics.json and metrics.jsonl are written (default: "
                         "runs/<strategy>-<mesh>, one directory per layout)")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no sharding report")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=None,
+        help="the device's peak TFLOP/s, for MFU (default: known for H100, H200 and TPU v5p; "
+        "none on CPU)",
+    )  # fmt: skip
     parser.add_argument("--stacked", action="store_true", help="layers stacked with nnx.vmap")
     parser.add_argument(
         "--microbatches", type=int, default=None,
@@ -276,9 +282,10 @@ class Progress:
         self.total, self.start = total, start
         self.tty = sys.stdout.isatty()
         self.began = time.perf_counter()
+        self.flops = None  # (the step's FLOPs per device, the device's peak FLOP/s)
 
     def update(self, step: int, loss: float, seconds: float, tokens: int) -> None:
-        """Shows the step's loss, time and tokens/s, the elapsed time and the ETA."""
+        """Shows the step's loss, time, tokens/s and MFU, the elapsed time and the ETA."""
         done = step - self.start
         width = 30
         filled = int(width * done / max(self.total - self.start, 1))
@@ -289,10 +296,69 @@ class Progress:
             f"loss {loss:.3f} {seconds * 1000:.0f} ms {tokens / seconds:,.0f} tok/s "
             f"elapsed {elapsed:.0f} s eta {eta:.0f} s"
         )
+        if self.flops is not None:
+            line += f" mfu {mfu(*self.flops, seconds):.1%}"
         if self.tty:
             print("\r" + line, end="\n" if step == self.total else "", flush=True)
         elif done % max((self.total - self.start) // 10, 1) == 0 or step == self.total:
             print(line, flush=True)
+
+
+def mfu(flops: float, peak: float, seconds: float) -> float:
+    """Model FLOPs utilisation: the step's FLOPs per device over what the device could do."""
+    return flops / seconds / peak
+
+
+def peak_flops(args) -> tuple[float | None, str]:
+    """The device's peak FLOP/s and where the figure comes from (None: unknown)."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12, "--peak-tflops"
+    kind = jax.devices()[0].device_kind
+    profile = profile_of(kind)
+    if profile is None:
+        return None, f"no peak FLOP/s known for {kind!r}; pass --peak-tflops for MFU"
+    return HARDWARE[profile].flops, f"the {profile} profile of substrax.planner"
+
+
+def compiled_figures(step_fn, model, optimizer, batch) -> tuple[float, float, str]:
+    """The step's peak bytes and FLOPs per device, and where the peak comes from.
+
+    After the first call the step's program is cached, so lowering it again compiles
+    nothing. On CPU the peak is XLA's compiled estimate (arguments + outputs - donated +
+    temporaries); an accelerator reports its own peak.
+    """
+    compiled = step_fn.lower(model, optimizer, batch).compile()
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    flops = float((cost or {}).get("flops", 0.0))
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        return float(stats["peak_bytes_in_use"]), flops, "the device's own peak"
+    peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+            - memory.alias_size_in_bytes + memory.temp_size_in_bytes)  # fmt: skip
+    return float(peak), flops, "XLA's compiled estimate"
+
+
+def write_loss_plot(path: pathlib.Path, steps: list[int], losses: list[float]) -> None:
+    """The loss against the step as an SVG line (no plotting library needed)."""
+    width, height, pad = 640, 360, 48
+    low, high = min(losses), max(losses)
+    span, first, last = (high - low) or 1.0, steps[0], steps[-1]
+
+    def xy(step, loss):
+        x = pad + (width - 2 * pad) * (step - first) / max(last - first, 1)
+        return x, height - pad - (height - 2 * pad) * (loss - low) / span
+
+    points = " ".join(f"{x:.1f},{y:.1f}" for x, y in map(xy, steps, losses))
+    path.write_text(
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}">'
+        f'<rect width="100%" height="100%" fill="white"/>'
+        f'<polyline points="{points}" fill="none" stroke="#1f77b4" stroke-width="2"/>'
+        f'<text x="{pad}" y="{pad - 16}" font-family="sans-serif" font-size="14">loss: '
+        f"{losses[0]:.3f} at step {first} to {losses[-1]:.3f} at step {last}</text>"
+        f'<text x="{pad}" y="{height - 16}" font-family="sans-serif" font-size="12">step</text>'
+        "</svg>\n"
+    )
 
 
 def train(args) -> dict:
@@ -337,9 +403,15 @@ def train(args) -> dict:
         losses.append(loss)
         if step == start_step:  # the first call compiles: kept out of the throughput
             compile_seconds = seconds
+            used = rows if args.strategy == "pp" else gpt.next_tokens(rows)
+            peak_bytes, flops, source = compiled_figures(step_fn, model, optimizer, used)
+            peak, said = peak_flops(args)
+            progress.flops = (flops, peak) if peak and flops else None
             if primary:
                 print(f"compiled and ran the first step in {seconds:.1f} s ({metrics['path']} "
-                      "step)", flush=True)  # fmt: skip
+                      f"step); peak memory per device {peak_bytes / 2**20:.1f} MiB ({source}); "
+                      f"{flops / 1e9:.2f} GFLOP per device per step"
+                      + (f"; MFU against {said}" if peak else f"; {said}"), flush=True)  # fmt: skip
         if not bool(metrics["finite"]):  # the step skipped its update (and warned)
             skipped.append(step + 1)
         if primary:
@@ -367,6 +439,8 @@ def train(args) -> dict:
         / max(elapsed - compile_seconds if len(losses) > 1 else elapsed, 1e-9),
         "compile_seconds": compile_seconds,
         "state_bytes_per_device": state,
+        "peak_bytes_per_device": peak_bytes,
+        "flops_per_device_per_step": flops,
         "skipped_steps": skipped,
         "remat": args.remat,
         "precision": args.precision,
@@ -377,10 +451,14 @@ def train(args) -> dict:
     if primary:
         args.output_dir.mkdir(parents=True, exist_ok=True)
         (args.output_dir / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        logged = [json.loads(line) for line in log.path.read_text().splitlines() if line]
+        write_loss_plot(args.output_dir / "loss.svg", [r["step"] for r in logged],
+                        [r["loss"] for r in logged])  # fmt: skip
         print(
             f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} steps; params + "
             f"optimizer state {state / 2**20:.2f} MiB per device; "
-            f"{metrics['tokens_per_second']:,.0f} tok/s; wrote {args.output_dir / 'metrics.json'}"
+            f"{metrics['tokens_per_second']:,.0f} tok/s; wrote metrics.json, metrics.jsonl and "
+            f"loss.svg in {args.output_dir}"
         )
     return metrics
 

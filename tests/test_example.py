@@ -25,9 +25,18 @@ def _run(*args, tmp_path):
 def test_example_trains_and_writes_metrics(tmp_path, strategy, precision, microbatches):
     result = _run(*TINY, "--steps", "12", "--strategy", strategy, "--precision", precision,
                   "--microbatches", str(microbatches), "--batch-size", "16",
-                  tmp_path=tmp_path)  # fmt: skip
+                  "--peak-tflops", "0.5", tmp_path=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
+    # once the step is compiled: its peak memory and FLOPs; then MFU on every progress line
+    peak = re.search(r"peak memory per device ([\d.]+) MiB \(XLA's compiled estimate\)",
+                     result.stdout)  # fmt: skip
+    assert peak and float(peak.group(1)) == round(metrics["peak_bytes_per_device"] / 2**20, 1)
+    assert metrics["peak_bytes_per_device"] > metrics["state_bytes_per_device"]
+    assert metrics["flops_per_device_per_step"] > 0 and "MFU against --peak-tflops" in result.stdout
+    assert re.search(r"step 12/12 .* mfu \d+\.\d%", result.stdout)
+    svg = (tmp_path / "loss.svg").read_text()
+    assert svg.startswith("<svg") and svg.count(",") >= 12  # a point per step
     assert metrics["start_step"] == 0 and len(metrics["losses"]) == 12
     assert metrics["mesh"] == {"data": 2, "model": 4} and metrics["strategy"] == strategy
     assert (metrics["precision"], metrics["microbatches"]) == (precision, microbatches)

@@ -19,6 +19,7 @@ from substrax.planner._estimate import LeafPlan as LeafPlan
 from substrax.planner._estimate import Workload as Workload
 from substrax.planner._estimate import evaluate as evaluate
 from substrax.planner._hardware import HARDWARE as HARDWARE
+from substrax.planner._hardware import profile_of as profile_of
 from substrax.planner._layouts import layouts as layouts
 from substrax.planner._rank import MICROBATCH_CHOICES as MICROBATCH_CHOICES
 from substrax.planner._rank import Plan as Plan
@@ -41,5 +42,6 @@ __all__ = [
     "layouts",
     "main",
     "plan",
+    "profile_of",
     "transformer_leaves",
 ]

@@ -19,7 +19,7 @@ import dataclasses
 
 from substrax.planner._estimate import Hardware
 
-__all__ = ["HARDWARE"]
+__all__ = ["HARDWARE", "profile_of"]
 
 _H100 = Hardware(
     memory_bytes=80 * 10**9,
@@ -41,3 +41,19 @@ HARDWARE: dict[str, Hardware] = {
     ),
 }
 """Named hardware profiles: ``--hardware h100`` on the command line."""
+
+
+_KINDS = (("h200", "h200"), ("h100", "h100"), ("tpu v5p", "tpu-v5p"), ("tpu v5", "tpu-v5p"))
+
+
+def profile_of(device_kind: str) -> str | None:
+    """The :data:`HARDWARE` profile of a device, from its ``device_kind``.
+
+    Args:
+      device_kind: ``jax.devices()[0].device_kind``, such as ``"NVIDIA H100 80GB HBM3"``.
+
+    Returns:
+      The profile's name (``"h100"``), or None for a device without one (CPUs included).
+    """
+    kind = device_kind.lower()
+    return next((name for key, name in _KINDS if key in kind), None)
