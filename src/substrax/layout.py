@@ -99,8 +99,10 @@ class Layout:
         replica axes); tokens reach their experts with ``all_to_all``
         (:func:`substrax.spmd.experts`).
       context_axes: Context-parallel axes: the sequence (``seq``) of the batch and of
-        activations is split, in :func:`~substrax.spmd.zigzag` order; parameters are whole on
-        them. Attention runs through :func:`substrax.spmd.attention`.
+        activations is split, in :func:`~substrax.spmd.zigzag` order. Parameters and their
+        optimizer state are sharded on ``embed`` over them too, as over FSDP axes (gathered
+        where used, gradients reduced back to shards), as torchtitan's FSDP spans its
+        context axis. Attention runs through :func:`substrax.spmd.attention`.
       tensor_axes: Tensor-parallel axes: ``heads``, ``kv_heads``, ``mlp`` and ``vocab`` are split.
       fsdp_min_weight_size: The smallest first dimension of an unannotated variable that the
         FSDP axes shard, as ``ShardingConfig.fsdp_min_weight_size`` and
@@ -454,38 +456,48 @@ class Layout:
 
     @property
     def gather_axes(self) -> tuple[str, ...]:
-        """The batch axes every parameter is whole on where it is used: replica and FSDP axes.
+        """The axes every parameter is whole on where it is used: replica, FSDP and context.
 
-        A step gathers the parameters sharded over them (FSDP) and reduces every gradient over
-        them; substrax's manual data-parallel step makes them manual. Expert axes split the
-        batch too, but an expert's weights stay on their devices and the tokens travel.
+        A step gathers the parameters sharded over them and reduces every gradient over them;
+        substrax's manual data-parallel step makes the batch's among them manual. Expert axes
+        split the batch too, but an expert's weights stay on their devices and the tokens
+        travel.
         """
-        split = self.data_axes + self.fsdp_axes
+        split = self.data_axes + self.fsdp_axes + self.context_axes
+        return tuple(a for a in self.axis_names if a in split)
+
+    @property
+    def shard_axes(self) -> tuple[str, ...]:
+        """The axes that shard every parameter on ``embed``: FSDP and context axes."""
+        split = self.fsdp_axes + self.context_axes
         return tuple(a for a in self.axis_names if a in split)
 
     @property
     def param_rules(self) -> MeshRules:
         """How parameters are stored, as rules.
 
-        ``embed`` over the FSDP axes, ``heads``, ``kv_heads``, ``mlp`` and ``vocab`` over the
-        tensor axes, ``layers`` over the stage axes, ``expert`` over the expert axes, ``seq``
-        over the context axes, ``data`` and ``batch`` over the batch axes; ``kv`` (head width)
-        replicated.
+        ``embed`` over the FSDP and context axes, ``heads``, ``kv_heads``, ``mlp`` and
+        ``vocab`` over the tensor axes, ``layers`` over the stage axes, ``expert`` over the
+        expert axes, ``seq`` over the context axes, ``data`` and ``batch`` over the batch
+        axes; ``kv`` (head width) replicated.
         """
         table: dict[str, tuple[str, ...]] = {name: () for name in _NAMES}
         for role, names in _ROLE_NAMES.items():
             table.update((name, self.axes_of(role)) for name in names)
         table["data"] = table["batch"] = self.batch_axes
+        table["embed"] = self.shard_axes
         return MeshRules().extend(**{k: spec_entry(v) for k, v in table.items()})
 
     @property
     def compute_rules(self) -> MeshRules:
         """How parameters and activations look where they are used, as rules.
 
-        The parameter rules gathered over the FSDP axes
-        (:meth:`~substrax.mesh.MeshRules.gathered_over`), so a step gathers each parameter once.
+        The parameter rules gathered over :attr:`gather_axes`
+        (:meth:`~substrax.mesh.MeshRules.gathered_over`), so a step gathers each parameter once;
+        the sequence (``seq``) stays split over the context axes, as the batch over its axes.
         """
-        return self.param_rules.gathered_over(self.fsdp_axes)
+        gathered = self.param_rules.gathered_over(self.gather_axes)
+        return gathered.extend(seq=spec_entry(self.context_axes))
 
     def strategy(self) -> FSDPStrategy | TensorParallelStrategy | MultiDimensionalStrategy | None:
         """The strategy for variables without logical names.
@@ -495,15 +507,15 @@ class Layout:
         least ``fsdp_min_elements`` elements and a first dimension of at least
         ``fsdp_min_weight_size``), tensor axes split layers as
         :class:`~substrax.mesh.TensorParallelStrategy` does; both merge into a
-        :class:`~substrax.mesh.MultiDimensionalStrategy`. Replica, stage, expert and context
-        axes shard no unannotated variable.
+        :class:`~substrax.mesh.MultiDimensionalStrategy`. Context axes shard as FSDP axes do;
+        replica, stage and expert axes shard no unannotated variable.
 
         Returns:
           The strategy, or None when no axis shards parameters.
         """
         index = {a: i for i, a in enumerate(self.axis_names)}
         parts: dict[str, Any] = {}
-        for axis in self.fsdp_axes:
+        for axis in self.shard_axes:
             parts[f"fsdp/{axis}"] = FSDPStrategy(
                 axis,
                 index[axis],

@@ -92,6 +92,21 @@ def test_losses_and_parameters_equal_one_device(one_device, name, mesh, variant,
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize(("name", "mesh"), [("cp", {"data": 1, "context": 8}),
+                                           ("fsdp+cp", {"data": 2, "context": 4})])  # fmt: skip
+def test_context_axes_shard_parameters_and_optimizer_state(one_device, name, mesh):
+    """As torchtitan's FSDP spans its context axis: nothing is held whole on the context axes."""
+    layout = Layout.named(name, mesh)
+    model = sf.create_sharded_model(lambda: Decoder(nnx.Rngs(0)), layout=layout)
+    optimizer = sf.create_sharded_optimizer(model, optax.adam(1e-2))
+    assert model.wqkv[...].sharding.spec[1] == layout.param_rules.as_dict()["embed"]
+    for report in (sf.sharding_report(model), sf.sharding_report(optimizer)):
+        assert report.ratio_to_ideal <= 1.05
+    if name == "cp":  # (fsdp+cp trains in the test above)
+        losses, _, _ = _train(layout)
+        np.testing.assert_allclose(losses, one_device[0], rtol=1e-5)
+
+
 def test_context_composes_with_fsdp_and_tensor_parallelism(one_device):
     layout = Layout.from_degrees(fsdp=2, cp=2, tp=2)
     # two free axes in a manual region abort XLA: the step says so (once), not XLA

@@ -401,14 +401,16 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
     if layout.pp > 1:  # the loss's gradients are reduced with the stages' (below)
         own = head_bytes - shared  # a tied embedding's lookup gradient stays here
         state_bytes, dense_bytes = state_bytes - own, dense_bytes - own
-    if layout.fsdp > 1:  # parameter all-gathers (one, or two when re-gathered), one reduce-scatter
-        f, gathers = layout.fsdp, 1 if w.gather == "keep" else 2
+    f = layout.fsdp * layout.cp  # parameters are sharded over the FSDP and context axes
+    if f > 1:  # parameter all-gathers (one, or two when re-gathered), one reduce-scatter
+        axes = "+".join(n for n, d in (("fsdp", layout.fsdp), ("context", layout.cp)) if d > 1)
+        gathers = 1 if w.gather == "keep" else 2
         gathered = state_bytes + (head_bytes - shared if layout.pp > 1 else 0)
-        traffic["fsdp/all-gather"] = gathers * gathered * f * (f - 1) / f
+        traffic[f"{axes}/all-gather"] = gathers * gathered * f * (f - 1) / f
         if _xla_step(layout):  # XLA's partitioning all-reduces the gathered gradients
-            traffic["fsdp/all-reduce"] = 2 * state_bytes * f * (f - 1) / f
+            traffic[f"{axes}/all-reduce"] = 2 * state_bytes * f * (f - 1) / f
         else:
-            traffic["fsdp/reduce-scatter"] = state_bytes * f * (f - 1) / f
+            traffic[f"{axes}/reduce-scatter"] = state_bytes * f * (f - 1) / f
     if layout.dp > 1 and layout.zero:  # gradients reduce-scattered, new parameters gathered
         traffic["data/reduce-scatter"] = state_bytes * (layout.dp - 1) / layout.dp
         updated = state_bytes + (head_bytes - shared if layout.pp > 1 else 0)
@@ -419,7 +421,6 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
         # carries each block with its gradients (twice the bytes) and brings those home
         kv = tokens * c.kv_heads * c.head_dim * 2 * width / min(layout.tp, c.kv_heads)
         traffic["context/collective-permute"] = layers * (4 * (layout.cp - 1) + 1) * kv
-        traffic["context/all-reduce"] = 2 * state_bytes * (layout.cp - 1) / layout.cp
     if layout.ep > 1 and c.experts:  # dispatch and combine: forward, recomputed, backward
         slots = CAPACITY_FACTOR * tokens * c.top_k * c.d_model * width
         traffic["expert/all-to-all"] = 6 * layers * slots * (layout.ep - 1) / layout.ep

@@ -224,7 +224,13 @@ class ModelPlan:
 
     @property
     def compute_rules(self) -> MeshRules:
-        """Rules where parameters are used: the parameter rules gathered over the gather axes."""
+        """Rules where parameters are used: the parameter rules gathered over the gather axes.
+
+        A layout's :attr:`~substrax.layout.Layout.compute_rules` (its sequence stays split
+        over the context axes).
+        """
+        if self.layout is not None:
+            return self.layout.compute_rules
         return self.rules.gathered_over(self.gather_axes)
 
     def optimizer_spec(self, row: VariableSharding) -> PartitionSpec:
