@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import jax
 import numpy as np
@@ -12,7 +13,9 @@ from jax.sharding import PartitionSpec as P
 from substrax import planner as plan_cli
 from substrax.layout import Layout
 from substrax.planner import (
+    CLOSE_TIMES,
     HARDWARE,
+    HEADROOM,
     Hardware,
     TransformerConfig,
     Workload,
@@ -326,15 +329,25 @@ def test_layouts_with_more_data_replicas_than_sequences_are_left_out():
     assert result.candidates and all(c.layout.dp * c.layout.fsdp <= 8 for c in result.candidates)
 
 
+def _first_row(out: str) -> str:
+    """The table's first candidate (the line after the rule under its header)."""
+    lines = out.splitlines()
+    return lines[next(i for i, line in enumerate(lines) if set(line) == {"-"}) + 1]
+
+
 def test_named_hardware_fills_the_time_column_and_flags_override_it(capsys):
     base = ["--model", "llama3-70b", "--devices", "512", "--batch-tokens", "4M", "--seq", "8192"]
-    assert main([*base, "--memory", "80GB"]) == 0
+    assert main([*base, "--memory", "80GB", "--flops", "0"]) == 0  # no speeds: no times
     out = capsys.readouterr().out
     assert "remat and microbatches chosen by the planner" in out
-    first = out.splitlines()[3]
+    assert "speeds: none given, so layouts are ranked by FLOPs, not time" in out
+    first = _first_row(out)
     assert first.split()[-2] == "yes" and first.split()[-1] == "-"  # fits; no speed, no time
+    assert main([*base, "--memory", "80GB"]) == 0  # the default profile's speeds, said
+    out = capsys.readouterr().out
+    assert "the h100 profile (no --hardware given" in out and float(_first_row(out).split()[-1])
     assert main([*base, "--hardware", "h100"]) == 0
-    first = capsys.readouterr().out.splitlines()[3]
+    first = _first_row(capsys.readouterr().out)
     assert float(first.split()[-1]) > 0
     assert main([*base, "--hardware", "h100", "--memory", "1GB"]) == 0
     assert "warning: No layout of llama3-70b fits" in capsys.readouterr().out
@@ -347,3 +360,55 @@ def test_memory_or_hardware_is_required(capsys):
     assert "give the memory per device: --memory (e.g. 80GB) or --hardware" in (
         capsys.readouterr().err
     )
+
+
+@pytest.fixture(scope="module")
+def h100_plans():
+    work = Workload(batch_tokens=16 * 2**20, seq=8192, remat=None, microbatches=None)
+    return [plan(model, devices, HARDWARE["h100"], work)
+            for model, devices in (("llama3-8b", 64), ("llama3-405b", 4096))]  # fmt: skip
+
+
+def test_layouts_that_move_different_bytes_get_different_times(h100_plans):
+    """Exposed communication (tensor, expert and pipeline traffic, one layer's gathers and
+    reductions, whatever the compute cannot hide) separates layouts that compute alike."""
+    for result in h100_plans:
+        best = result.candidates[:10]
+        for i, a in enumerate(best):
+            for b in best[i + 1 :]:
+                same = (a.flops_per_device == b.flops_per_device
+                        and a.traffic_bytes_per_step == b.traffic_bytes_per_step)  # fmt: skip
+                assert same or a.time_s != b.time_s, (a.layout.label, b.layout.label)
+
+
+def test_the_choice_keeps_headroom_when_a_close_layout_does(h100_plans):
+    for result in h100_plans:
+        best, memory = result.best, HARDWARE["h100"].memory_bytes
+        fastest = min((c for c in result.candidates if c.fits), key=lambda c: c.time_s)
+        if best.headroom_bytes < HEADROOM * memory:  # then none within 3% keeps 10% free
+            assert not [c for c in result.candidates if c.fits
+                        and c.time_s <= fastest.time_s * (1 + CLOSE_TIMES)
+                        and c.headroom_bytes >= HEADROOM * memory]  # fmt: skip
+        assert best.time_s <= fastest.time_s * (1 + CLOSE_TIMES)
+        assert best.layout.label in result.why
+
+
+def test_remat_policies_have_their_own_flops():
+    config = architecture("llama3-8b")
+    layout = Layout.from_degrees(fsdp=64)
+    flops = {
+        remat: evaluate(config, transformer_leaves(config), layout,
+                        Workload(batch_tokens=2**20, seq=8192, remat=remat), H100).flops_per_device
+        for remat in ("none", "selective", "full")
+    }  # fmt: skip
+    assert flops["none"] < flops["selective"] < flops["full"]
+
+
+def test_the_command_line_echoes_its_inputs_and_says_why(capsys):
+    argv = ["--model", "llama3-8b", "--devices", "64", "--memory", "80GB", "--batch-tokens",
+            "16000001", "--seq", "8192"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "memory per device: 80GB = 80,000,000,000 bytes = 74.51 GiB" in out
+    assert "1,953 sequences of 8,192 tokens (16,000,001 / 8,192 rounded" in out
+    assert re.search(r"^why: \S.* (faster than|within|keeps)", out, re.M)

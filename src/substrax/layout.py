@@ -20,6 +20,7 @@ stay whole on them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -338,8 +339,16 @@ class Layout:
             raise ValueError(f"Unknown role {role!r}; choose one of {ROLES}.")
         return getattr(self, f"{role}_axes")
 
+    @functools.cached_property
+    def _degrees(self) -> dict[str, int]:
+        """Each role's degree, computed once (the planner asks for them many times)."""
+        sizes = self.shape
+        degrees = {role: math.prod(sizes[a] for a in self.axes_of(role)) for role in ROLES}
+        degrees["batch"] = math.prod(sizes[a] for a in self.batch_axes)
+        return degrees
+
     def _degree(self, role: str) -> int:
-        return math.prod(self.shape[a] for a in self.axes_of(role))
+        return self._degrees[role]
 
     @property
     def pp(self) -> int:
@@ -452,7 +461,7 @@ class Layout:
     @property
     def batch_degree(self) -> int:
         """The devices the batch's rows are split over (the product of :attr:`batch_axes`)."""
-        return math.prod(self.shape[a] for a in self.batch_axes)
+        return self._degrees["batch"]
 
     @property
     def gather_axes(self) -> tuple[str, ...]:

@@ -21,13 +21,17 @@ from substrax.planner._estimate import evaluate as evaluate
 from substrax.planner._hardware import HARDWARE as HARDWARE
 from substrax.planner._hardware import profile_of as profile_of
 from substrax.planner._layouts import layouts as layouts
+from substrax.planner._rank import CLOSE_TIMES as CLOSE_TIMES
+from substrax.planner._rank import HEADROOM as HEADROOM
 from substrax.planner._rank import MICROBATCH_CHOICES as MICROBATCH_CHOICES
 from substrax.planner._rank import Plan as Plan
 from substrax.planner._rank import plan as plan
 
 __all__ = [
     "ARCHITECTURES",
+    "CLOSE_TIMES",
     "HARDWARE",
+    "HEADROOM",
     "MICROBATCH_CHOICES",
     "Candidate",
     "Hardware",

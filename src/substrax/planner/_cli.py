@@ -119,6 +119,32 @@ def _breakdown(candidate, searched: list[str], what: str = "chosen") -> str:
     )
 
 
+def _inputs(args, result, hardware, workload, speeds: str, searched: list[str]) -> list[str]:
+    """What the planner was asked, with every conversion it made, as lines to print."""
+    tokens, seq = workload.batch_tokens, workload.seq
+    rows = f"{workload.batch:,} sequences of {seq:,} tokens"
+    if workload.batch * seq != tokens:
+        rows += f" ({tokens:,} / {seq:,} rounded to the nearest sequence)"
+    memory = hardware.memory_bytes
+    lines = [
+        f"inputs: {result.model} on {result.devices:,} devices",
+        f"  memory per device: {args.memory or args.hardware} = {memory:,.0f} bytes = "
+        f"{memory / 2**30:.2f} GiB",
+        f"  batch: {args.batch_tokens} tokens = {tokens:,} = {rows}",
+        f"  precision {workload.precision}, optimizer {workload.optimizer}, remat "
+        f"{workload.remat or 'searched'}, microbatches {workload.microbatches or 'searched'}",
+    ]
+    if hardware.flops:
+        intra, inter = hardware.intra_host_bandwidth / 1e9, hardware.inter_host_bandwidth / 1e9
+        lines.append(
+            f"  speeds: {hardware.flops / 1e12:,.0f} TFLOP/s, {intra:,.0f} GB/s within a host "
+            f"of {hardware.devices_per_host}, {inter:,.0f} GB/s across hosts: {speeds}"
+        )
+    else:
+        lines.append("  speeds: none given, so layouts are ranked by FLOPs, not time")
+    return lines
+
+
 def _shown(result, label: str):
     """The candidate whose label is ``label`` (spaces aside), and its rank."""
     wanted = " ".join(label.split())
@@ -180,13 +206,31 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
     return parser
 
 
-def _hardware(args) -> Hardware:
+#: The speeds the planner times layouts with when the command line names no hardware.
+DEFAULT_PROFILE = "h100"
+
+
+def _hardware(args) -> tuple[Hardware, str]:
     """The device: a named profile, with any figure given on the command line instead.
+
+    Without ``--hardware`` and without ``--flops``, the speeds are :data:`DEFAULT_PROFILE`'s
+    (the memory is ``--memory``), so that layouts are ranked by an estimated time.
+
+    Returns:
+      ``(hardware, where its speeds come from)``.
 
     Raises:
       ValueError: Without ``--memory`` or ``--hardware``, or for a figure that is not valid.
     """
-    base = HARDWARE.get(args.hardware, Hardware(memory_bytes=0))
+    speeds = "as given"
+    if args.hardware is not None:
+        base, speeds = HARDWARE[args.hardware], f"the {args.hardware} profile"
+    elif args.flops is None:
+        base = HARDWARE[DEFAULT_PROFILE]
+        speeds = (f"the {DEFAULT_PROFILE} profile (no --hardware given: pass --hardware, or "
+                  "--flops and the bandwidths, for your devices)")  # fmt: skip
+    else:
+        base = Hardware(memory_bytes=0)
     if args.memory is None and args.hardware is None:
         raise ValueError(
             f"give the memory per device: --memory (e.g. 80GB) or --hardware (one of "
@@ -206,7 +250,7 @@ def _hardware(args) -> Hardware:
         inter_host_bandwidth=given(
             args.inter_host_bandwidth, base.inter_host_bandwidth, lambda t: _optional(t, True)
         ),
-    )
+    ), speeds
 
 
 def _model(args, load_factory) -> tuple:
@@ -244,7 +288,7 @@ def main(
     """
     args = _parser(prog, load_factory is not None).parse_args(argv)
     try:
-        hardware = _hardware(args)
+        hardware, speeds = _hardware(args)
         workload = Workload(
             batch_tokens=parse_count(args.batch_tokens),
             seq=parse_count(args.seq),
@@ -261,13 +305,16 @@ def main(
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    searched = [name for name in ("remat", "microbatches") if getattr(args, name) is None]
+    for line in _inputs(args, result, hardware, workload, speeds, searched):
+        print(line)
     print(
         f"{result.model}: {result.total_params:,} parameters on {result.devices} devices, "
         f"{len(result.candidates)} candidates"
     )
     print(_table(result, args.top, timed=hardware.flops > 0))
-    searched = [name for name in ("remat", "microbatches") if getattr(args, name) is None]
     print(_breakdown(result.best, searched))
+    print(f"why: {result.why}")
     message = result.no_fit_message()
     if message:
         print(f"warning: {message}")

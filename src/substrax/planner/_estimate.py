@@ -195,6 +195,7 @@ class Candidate:
         }
 
 
+@functools.lru_cache(maxsize=1024)
 def _stage_slots(layers: int, pp: int) -> int:
     """Slots of a layer stack padded for ``pp`` stages: ``pp x`` the busiest stage's layers.
 
@@ -210,8 +211,8 @@ def _stored_shape(leaf: Leaf, layout: Layout) -> tuple[int, ...]:
     return leaf.shape
 
 
-def _leaf_plan(leaf: Leaf, layout: Layout) -> LeafPlan:
-    sizes, rules = layout.shape, layout.param_rules.as_dict()
+def _leaf_plan(leaf: Leaf, layout: Layout, rules: dict) -> LeafPlan:
+    sizes = layout.shape
     shape = _stored_shape(leaf, layout)
     resolution = resolve_names(
         rules, leaf.names, shape, sizes, unknown_names="replicate", where=leaf.path
@@ -226,6 +227,20 @@ def _leaf_plan(leaf: Leaf, layout: Layout) -> LeafPlan:
         _, whole = layout.optimizer_spec(resolution.spec, shape)
         sharded = count if whole else count // layout.dp
     return LeafPlan(leaf.path, leaf.names, spec, count, why, sharded)
+
+
+def _sums(config: TransformerConfig, leaves: tuple, layout: Layout, plans: tuple) -> tuple:
+    """Per-layout element counts (see :attr:`Prepared.sums`)."""
+    per_device = sum(p.params_per_device for p in plans)
+    sharded = sum(p.sharded_per_device for p in plans)  # over the replicas under ZeRO
+    dense = sum(p.params_per_device for p in plans if "expert" not in p.names)
+    head, shared = _head(config, plans)
+    layer_params = sum(
+        math.prod(leaf.shape[1:]) / (layout.ep if "expert" in leaf.names else 1)
+        for leaf in leaves
+        if leaf.names[:1] == ("layers",)
+    )
+    return per_device, sharded, dense, head, shared, layer_params
 
 
 def _activations(c: TransformerConfig, w: Workload, layout: Layout, act: int) -> float:
@@ -255,7 +270,8 @@ def leaf_plans(leaves: Sequence[Leaf], layout: Layout) -> tuple[LeafPlan, ...]:
 
 @functools.lru_cache(maxsize=4096)
 def _leaf_plans(leaves: tuple[Leaf, ...], layout: Layout) -> tuple[LeafPlan, ...]:
-    return tuple(_leaf_plan(leaf, layout) for leaf in leaves)
+    rules = layout.param_rules.as_dict()
+    return tuple(_leaf_plan(leaf, layout, rules) for leaf in leaves)
 
 
 def evaluate(
@@ -285,17 +301,58 @@ def evaluate(
         raise ValueError(
             "evaluate() needs a workload with remat and microbatches set; plan() searches them."
         )
+    return evaluate_prepared(prepare(config, leaves, layout), workload, hardware)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What :func:`evaluate` needs of a layout whatever the workload, computed once.
+
+    Attributes:
+      config: The architecture.
+      leaves: Its parameters.
+      layout: The layout.
+      plans: Each parameter's plan.
+      sums: ``(params per device, of which sharded over the replicas under ZeRO, not
+        experts', the loss's own, those also looked up, elements of one stacked layer per
+        expert shard)``.
+      warnings: The layout's warnings.
+      links: Bandwidth per traffic axis on one hardware, filled as :func:`_time` asks.
+    """
+
+    config: TransformerConfig
+    leaves: tuple[Leaf, ...]
+    layout: Layout
+    plans: tuple[LeafPlan, ...]
+    sums: tuple
+    warnings: tuple[str, ...]
+    links: dict = dataclasses.field(default_factory=dict, compare=False)
+
+
+def prepare(config: TransformerConfig, leaves: Sequence[Leaf], layout: Layout) -> Prepared:
+    """The workload-independent part of :func:`evaluate` for ``layout``.
+
+    Args:
+      config: The architecture.
+      leaves: Its parameters.
+      layout: The layout.
+
+    Returns:
+      The :class:`Prepared` values, for :func:`evaluate_prepared` with each workload.
+    """
+    leaves = tuple(leaves)
     plans = leaf_plans(leaves, layout)
-    per_device = sum(p.params_per_device for p in plans)
+    sums = _sums(config, leaves, layout, plans)
+    return Prepared(config, leaves, layout, plans, sums, _warnings(config, plans, layout, sums[0]))
+
+
+def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> Candidate:
+    """:func:`evaluate` of a :func:`prepare`d layout (the search runs it per workload)."""
+    config, leaves, layout, plans = pre.config, pre.leaves, pre.layout, pre.plans
+    per_device, sharded, dense, head, shared, layer_params = pre.sums
     stored, width = PRECISION_BYTES[workload.precision]
     rows = workload.batch / layout.batch_degree
-    layer_params = sum(
-        math.prod(leaf.shape[1:]) / (layout.ep if "expert" in leaf.names else 1)
-        for leaf in leaves
-        if leaf.names[:1] == ("layers",)
-    )
     layer_shard = layer_params / (layout.tp * layout.fsdp) * width
-    sharded = sum(p.sharded_per_device for p in plans)  # over the replicas under ZeRO
     memory = {
         "params": per_device * stored,
         "grads": (sharded if layout.zero == 2 else per_device) * stored,
@@ -312,13 +369,14 @@ def evaluate(
         * 4,
     }
     memory["peak"] = sum(memory.values())
-    dense = sum(p.params_per_device for p in plans if "expert" not in p.names)
-    head, shared = _head(config, plans)
     state = (per_device * width, dense * width, head * width, shared * width)
     traffic = _traffic(config, workload, layout, state, width)
     tokens = workload.batch * workload.seq
     flops = _flops_per_token(config, leaves, workload.seq) * tokens
-    flops *= 8 / 6 if workload.remat == "full" else 1
+    if workload.remat == "full":  # the forward pass again: 8 of 6
+        flops *= 8 / 6
+    elif workload.remat == "selective":  # attention's forward again (scores, softmax, values)
+        flops += _attention_flops_per_token(config, workload.seq) / 3 * tokens
     flops /= layout.devices
     flops += per_device * _UPDATE_FLOPS[workload.optimizer]
     micro = workload.microbatches or layout.pp
@@ -330,16 +388,17 @@ def evaluate(
         bytes_per_device=memory,
         traffic_bytes_per_step=traffic,
         flops_per_device=flops,
-        time_s=_time(flops, traffic, bubble, layout, hardware),
+        time_s=_time(flops, traffic, bubble, pre, hardware),
         bubble=bubble,
         headroom_bytes=hardware.memory_bytes - memory["peak"],
         fits=memory["peak"] <= hardware.memory_bytes,
-        warnings=_warnings(config, plans, layout, per_device),
+        warnings=pre.warnings,
         workload=workload,
     )
 
 
-def _flops_per_token(c: TransformerConfig, leaves: Sequence[Leaf], seq: int) -> float:
+@functools.lru_cache(maxsize=256)
+def _flops_per_token(c: TransformerConfig, leaves: tuple[Leaf, ...], seq: int) -> float:
     """Training FLOPs per token, forward and backward.
 
     Matmuls: 6 per weight (forward 2, backward 4), the output head included even when tied,
@@ -358,7 +417,7 @@ def _flops_per_token(c: TransformerConfig, leaves: Sequence[Leaf], seq: int) -> 
     matmul -= lookups
     if c.tied:
         matmul += c.vocab * c.d_model
-    attention = 12 * c.layers * c.heads * c.head_dim * seq
+    attention = _attention_flops_per_token(c, seq)
     per_layer = c.heads * seq + 2 * c.d_model + c.ffn * (2 if c.gated else 1)
     elementwise = _ELEMENTWISE * (c.layers * per_layer + c.d_model + c.vocab)
     return 6 * matmul + attention + elementwise
@@ -379,6 +438,14 @@ def _head(c: TransformerConfig, plans: Sequence[LeafPlan]) -> tuple[float, float
     ]
     shared = [p.params_per_device for p in plans if c.tied and p.path == "embedding"]
     return sum(head) + sum(shared), sum(shared)
+
+
+def _attention_flops_per_token(c: TransformerConfig, seq: int) -> float:
+    """Attention's score and value products per token, forward and backward (12 x L H d s).
+
+    The softmax's elementwise work (``heads x seq`` per layer) is counted with the rest.
+    """
+    return 12 * c.layers * c.heads * c.head_dim * seq
 
 
 def _traffic(c, w, layout, state, width) -> dict[str, float]:
@@ -448,23 +515,48 @@ def _xla_step(layout: Layout) -> bool:
     return region_obstacle(sizes, ()) is not None
 
 
-def _time(flops, traffic, bubble, layout, hw) -> float:
+#: Traffic on the critical path: a layer waits for its tensor-parallel reductions, its
+#: experts' tokens and its stage's activations.
+CRITICAL_AXES = ("model", "expert", "pipe")
+
+
+def _time(flops, traffic, bubble, pre: Prepared, hw: Hardware) -> float:
+    """The step's seconds: compute over the busy fraction, plus the exposed communication.
+
+    Tensor, expert and pipeline traffic is exposed whole (:data:`CRITICAL_AXES`). The rest
+    (FSDP and context gathers and reductions, data-parallel reductions, the ring) overlaps
+    the other layers' compute, except one layer's share (the first gather, the last
+    reduction) and whatever exceeds the compute.
+    """
     if not hw.flops:
         return 0.0
     compute = flops / hw.flops / (1 - bubble)
-    per_axis: dict[str, float] = {}
+    critical = hidden = 0.0
     for key, volume in traffic.items():
         axis = key.split("/")[0]
-        per_axis[axis] = per_axis.get(axis, 0.0) + volume
-    comm = 0.0
+        link = (axis, hw)
+        if link not in pre.links:
+            pre.links[link] = _bandwidth(axis, pre.layout, hw)
+        bandwidth = pre.links[link]
+        if not bandwidth:
+            continue
+        if axis in CRITICAL_AXES:
+            critical += volume / bandwidth
+        else:
+            hidden += volume / bandwidth
+    edge = hidden / math.ceil(pre.config.layers / pre.layout.pp)
+    return compute + critical + edge + max(0.0, hidden - edge - compute)
+
+
+def _bandwidth(axis: str, layout: Layout, hw: Hardware) -> float:
+    """Bytes/s of the links an axis's collectives run on: within a host or across hosts."""
     degrees = {"fsdp": layout.fsdp, "context": layout.cp, "expert": layout.ep}
-    for axis, volume in per_axis.items():
-        fast = axis == "model" or (
-            axis in degrees and layout.tp * degrees[axis] <= hw.devices_per_host
-        )
-        bandwidth = hw.intra_host_bandwidth if fast else hw.inter_host_bandwidth
-        comm = max(comm, volume / bandwidth) if bandwidth else comm
-    return max(compute, comm)
+    parts = axis.split("+")
+    fast = axis == "model" or (
+        all(p in degrees for p in parts)
+        and layout.tp * math.prod(degrees[p] for p in parts) <= hw.devices_per_host
+    )
+    return hw.intra_host_bandwidth if fast else hw.inter_host_bandwidth
 
 
 def _warnings(c, plans, layout, per_device) -> tuple[str, ...]:

@@ -12,14 +12,26 @@ from substrax.planner._architectures import (
     architecture,
     transformer_leaves,
 )
-from substrax.planner._estimate import Candidate, Hardware, Workload, evaluate
+from substrax.planner._estimate import (
+    Candidate,
+    Hardware,
+    Workload,
+    evaluate_prepared,
+    prepare,
+)
 from substrax.planner._layouts import STRATEGIES, layouts
 from substrax.spmd import REMAT
 
-__all__ = ["MICROBATCH_CHOICES", "Plan", "plan"]
+__all__ = ["CLOSE_TIMES", "HEADROOM", "MICROBATCH_CHOICES", "Plan", "plan"]
 
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
 """Microbatch counts :func:`plan` tries when the workload leaves them open."""
+
+HEADROOM = 0.10
+"""The share of device memory :func:`plan` keeps free when a layout almost as fast allows."""
+
+CLOSE_TIMES = 0.03
+"""Estimated times within this share of the fastest count as a tie for headroom."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +44,14 @@ class Plan:
       total_params: Parameters of the model.
       candidates: The candidates, those that fit first, then by estimated time (when hardware
         speeds are known) or peak memory.
+      why: Why the first candidate is first, against the next one, in a sentence.
     """
 
     model: str
     devices: int
     total_params: int
     candidates: tuple[Candidate, ...]
+    why: str = ""
 
     @property
     def best(self) -> Candidate:
@@ -45,7 +59,7 @@ class Plan:
         return self.candidates[0]
 
     def as_dict(self) -> dict:
-        """JSON-ready: ``model``, ``devices``, ``total_params`` and ``candidates``.
+        """JSON-ready: ``model``, ``devices``, ``total_params``, ``candidates`` and ``why``.
 
         Returns:
           The dict.
@@ -55,6 +69,7 @@ class Plan:
             "devices": self.devices,
             "total_params": self.total_params,
             "candidates": [c.as_dict() for c in self.candidates],
+            "why": self.why,
         }
 
     def no_fit_message(self) -> str | None:
@@ -83,6 +98,7 @@ def plan(
     *,
     strategies: Sequence[str] = STRATEGIES,
     leaves: Sequence[Leaf] | None = None,
+    headroom: float = HEADROOM,
 ) -> Plan:
     """Ranks every layout of ``model`` on ``devices`` devices. No device, no compile.
 
@@ -95,6 +111,9 @@ def plan(
         ``ep`` only where the sequence and the experts allow them).
       leaves: The parameters, for a model that is not a built-in transformer (its closed
         forms still use ``model``'s configuration).
+      headroom: The share of device memory to keep free: the fastest layout that fits is
+        passed over for one within :data:`CLOSE_TIMES` of its time that keeps this much
+        (estimates are estimates; fragmentation and buffers are not modelled).
 
     Layouts with more data-parallel devices than the batch has sequences are left out.
     Candidates that fit come first, then by estimated time when the hardware's speeds are
@@ -135,8 +154,54 @@ def plan(
         _cheapest(config, leaves, layout, workload, hardware, timed) for layout in feasible
     ]
     candidates.sort(key=lambda c: (not c.fits, *_cost(c, timed), c.bytes_per_device["peak"]))
+    margin = headroom * hardware.memory_bytes
+    why = _prefer_headroom(candidates, margin) if timed else ""
     total = sum(math.prod(leaf.shape) for leaf in leaves)
-    return Plan(name, devices, total, tuple(candidates))
+    return Plan(name, devices, total, tuple(candidates), why or _why(candidates, timed))
+
+
+def _prefer_headroom(candidates: list[Candidate], margin: float) -> str:
+    """Moves a close second with ``margin`` bytes free ahead of a tight first; says so."""
+    fitting = [c for c in candidates if c.fits]
+    if not fitting or fitting[0].headroom_bytes >= margin:
+        return ""
+    first = fitting[0]
+    close = [c for c in fitting[1:] if c.time_s <= first.time_s * (1 + CLOSE_TIMES)]
+    roomy = next((c for c in close if c.headroom_bytes >= margin), None)
+    if roomy is None:
+        return ""
+    candidates.remove(roomy)
+    candidates.insert(0, roomy)
+    return (
+        f"{roomy.layout.label} keeps {roomy.headroom_bytes / 2**30:.1f} GiB free per device "
+        f"(at least the {margin / 2**30:.1f} GiB asked) and is within "
+        f"{roomy.time_s / first.time_s - 1:.1%} of the fastest, {first.layout.label} "
+        f"({first.time_s:.3f} s), which keeps {first.headroom_bytes / 2**30:.1f} GiB."
+    )
+
+
+def _why(candidates: list[Candidate], timed: bool) -> str:
+    """The first candidate against the second, in a sentence."""
+    first = candidates[0]
+    if not first.fits:
+        return f"nothing fits; {first.layout.label} needs the least memory."
+    if len(candidates) == 1:
+        return f"{first.layout.label} is the only layout."
+    second = candidates[1]
+    if not second.fits:
+        return f"{first.layout.label} is the only layout that fits."
+    if timed:
+        if second.time_s <= first.time_s * 1.001:
+            return (f"{first.layout.label} and {second.layout.label} take the same estimated "
+                    f"time ({first.time_s:.3f} s, within 0.1%); {first.layout.label} is first "
+                    f"by {(second.time_s - first.time_s) * 1e3:.2f} ms, with "
+                    f"{first.headroom_bytes / 2**30:.1f} GiB free per device against "
+                    f"{second.headroom_bytes / 2**30:.1f}.")  # fmt: skip
+        return (f"{first.layout.label} is estimated {second.time_s / first.time_s - 1:.1%} "
+                f"faster than {second.layout.label} ({first.time_s:.3f} s against "
+                f"{second.time_s:.3f} s).")  # fmt: skip
+    return (f"{first.layout.label} does the fewest FLOPs per device over the pipeline's "
+            f"busy fraction; {second.layout.label} is next (no speeds: no times).")  # fmt: skip
 
 
 def _settings(workload: Workload, layout) -> list[Workload]:
@@ -152,7 +217,8 @@ def _settings(workload: Workload, layout) -> list[Workload]:
 
 def _cheapest(config, leaves, layout, workload, hardware, timed: bool) -> Candidate:
     """The cheapest setting of ``layout`` that fits, else the one with the smallest peak."""
-    options = [evaluate(config, leaves, layout, w, hardware) for w in _settings(workload, layout)]
+    pre = prepare(config, leaves, layout)
+    options = [evaluate_prepared(pre, w, hardware) for w in _settings(workload, layout)]
     fitting = [c for c in options if c.fits]
     if not fitting:
         return min(options, key=lambda c: c.bytes_per_device["peak"])
