@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from flax_test_models import StackedTransformer, Transformer
+from flax_test_models import EMBED, Plain, StackedTransformer, Transformer
 
 import substrax_flax as sf
 from substrax import ShardingWarning
@@ -79,3 +79,20 @@ def test_planner_and_adapter_agree_on_every_leaf_of_every_named_layout(name):
     # parameters whole on every device (this model has no experts)
     replicated = name in ("dp", "zero1", "zero2", "cp", "ep")
     assert any(any(axes) for leaf in candidate.leaves for axes in leaf.spec) != replicated
+
+
+@pytest.mark.parametrize("name", ["fsdp", "fsdp+tp"])
+def test_an_unannotated_model_plans_as_it_shards(name):
+    """No logical names: the planner runs the layout's strategy, as the adapter does."""
+    layout = Layout.named(name, {"data": 2, "model": 4})
+    with pytest.warns(ShardingWarning, match=r"names no 'embed' dimension, so the planner takes"):
+        leaves = plan_cli.model_leaves(lambda: Plain(nnx.Rngs(0)))
+    assert all(set(leaf.names) == {None} for leaf in leaves) and leaves[0].layer
+    config = config_from_leaves(leaves)
+    assert config.d_model == EMBED  # the commonest dimension of its matrices
+    workload, hardware = Workload(batch_tokens=64, seq=8), Hardware(memory_bytes=2**30)
+    candidate = evaluate(config, leaves, layout, workload, hardware)
+    rows = {row.path: row for row in sf.plan_model(lambda: Plain(nnx.Rngs(0)), layout=layout).rows}
+    for leaf in candidate.leaves:  # bytes per leaf equal the adapter's
+        assert leaf.params_per_device * 4 == rows[leaf.path].bytes_per_device, leaf.path
+    assert any(any(axes) for leaf in candidate.leaves for axes in leaf.spec)

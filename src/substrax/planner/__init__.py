@@ -11,6 +11,7 @@ from substrax.planner._architectures import Leaf as Leaf
 from substrax.planner._architectures import TransformerConfig as TransformerConfig
 from substrax.planner._architectures import architecture as architecture
 from substrax.planner._architectures import config_from_leaves as config_from_leaves
+from substrax.planner._architectures import inferred_width as inferred_width
 from substrax.planner._architectures import transformer_leaves as transformer_leaves
 from substrax.planner._cli import main as main
 from substrax.planner._estimate import Candidate as Candidate
@@ -43,6 +44,7 @@ __all__ = [
     "architecture",
     "config_from_leaves",
     "evaluate",
+    "inferred_width",
     "layouts",
     "main",
     "plan",

@@ -21,12 +21,16 @@ class Leaf:
     Attributes:
       path: Its path, such as ``"layers/attn/wq"``.
       shape: Its global shape.
-      names: One logical axis name (or None) per dimension.
+      names: One logical axis name (or None) per dimension; all None for a parameter
+        without annotations, which the layout's strategy shards as the Flax adapter does.
+      layer: The kind of layer holding it (``"Linear"``, ``"MultiHeadAttention.query"``),
+        for the strategy of an unannotated parameter; None when unknown.
     """
 
     path: str
     shape: tuple[int, ...]
     names: tuple[str | None, ...]
+    layer: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,8 +182,11 @@ def config_from_leaves(leaves: list[Leaf]) -> TransformerConfig:
     Returns:
       The configuration (an approximation: state bytes always come from the leaves).
 
+    A model that names no ``embed`` dimension (unannotated) gets the commonest dimension
+    of its matrices as its width (:func:`inferred_width`).
+
     Raises:
-      ValueError: If no dimension is named ``embed``.
+      ValueError: If there is neither an ``embed`` dimension nor a matrix.
     """
     sizes: dict[str, int] = {}
     for leaf in leaves:
@@ -187,10 +194,13 @@ def config_from_leaves(leaves: list[Leaf]) -> TransformerConfig:
             if name is not None:
                 sizes.setdefault(name, size)
     if "embed" not in sizes:
-        raise ValueError(
-            "The model names no dimension 'embed'; the planner needs it for activations and "
-            f"FLOPs. Names found: {sorted(sizes)}."
-        )
+        width = inferred_width(leaves)
+        if width is None:
+            raise ValueError(
+                "The model names no dimension 'embed' and has no matrix to read its width "
+                f"from; the planner needs it for activations and FLOPs. Names: {sorted(sizes)}."
+            )
+        sizes["embed"] = width
     d, heads = sizes["embed"], sizes.get("heads", 1)
     return TransformerConfig(
         layers=sizes.get("layers", 1), d_model=d, heads=heads,
@@ -198,3 +208,20 @@ def config_from_leaves(leaves: list[Leaf]) -> TransformerConfig:
         ffn=sizes.get("mlp", 4 * d), vocab=sizes.get("vocab", 0), gated=False,
         experts=sizes.get("expert", 0),
     )  # fmt: skip
+
+
+def inferred_width(leaves: list[Leaf]) -> int | None:
+    """The commonest dimension size among a model's matrices: its width, when unnamed.
+
+    Args:
+      leaves: The model's parameters.
+
+    Returns:
+      The size (the larger on a tie), or None when no parameter has two dimensions.
+    """
+    counts: dict[int, int] = {}
+    for leaf in leaves:
+        if len(leaf.shape) >= 2:
+            for size in leaf.shape:
+                counts[size] = counts.get(size, 0) + 1
+    return max(counts, key=lambda size: (counts[size], size)) if counts else None

@@ -13,6 +13,9 @@ import dataclasses
 import functools
 import math
 from collections.abc import Sequence
+from typing import Any
+
+from jax.sharding import AbstractMesh
 
 from substrax.layout import Layout
 from substrax.mesh import PipelineParallelStrategy
@@ -211,13 +214,18 @@ def _stored_shape(leaf: Leaf, layout: Layout) -> tuple[int, ...]:
     return leaf.shape
 
 
-def _leaf_plan(leaf: Leaf, layout: Layout, rules: dict) -> LeafPlan:
+def _leaf_plan(leaf: Leaf, layout: Layout, rules: dict, strategy: Any, mesh: Any) -> LeafPlan:
     sizes = layout.shape
     shape = _stored_shape(leaf, layout)
-    resolution = resolve_names(
-        rules, leaf.names, shape, sizes, unknown_names="replicate", where=leaf.path
-    )
+    if strategy is not None and all(name is None for name in leaf.names):
+        # unannotated: the layout's strategy, as the Flax adapter shards it
+        resolution = strategy.resolve(shape, mesh, name=leaf.path, layer=leaf.layer)
+    else:
+        resolution = resolve_names(
+            rules, leaf.names, shape, sizes, unknown_names="replicate", where=leaf.path
+        )
     spec = tuple(as_axes(entry) for entry in resolution.spec)
+    spec += ((),) * (len(shape) - len(spec))  # a short spec leaves the rest whole
     count = math.prod(
         dim // math.prod(sizes[a] for a in axes) for dim, axes in zip(shape, spec, strict=True)
     )
@@ -271,7 +279,10 @@ def leaf_plans(leaves: Sequence[Leaf], layout: Layout) -> tuple[LeafPlan, ...]:
 @functools.lru_cache(maxsize=4096)
 def _leaf_plans(leaves: tuple[Leaf, ...], layout: Layout) -> tuple[LeafPlan, ...]:
     rules = layout.param_rules.as_dict()
-    return tuple(_leaf_plan(leaf, layout, rules) for leaf in leaves)
+    unannotated = any(all(name is None for name in leaf.names) for leaf in leaves)
+    strategy = layout.strategy() if unannotated else None
+    mesh = AbstractMesh(layout.axis_sizes, layout.axis_names) if strategy is not None else None
+    return tuple(_leaf_plan(leaf, layout, rules, strategy, mesh) for leaf in leaves)
 
 
 def evaluate(

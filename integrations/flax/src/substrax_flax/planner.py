@@ -39,6 +39,7 @@ from substrax.planner import (
     Workload,
     architecture,
     evaluate,
+    inferred_width,
 )
 from substrax.planner import main as planner_main
 from substrax.planner import transformer_leaves as leaves_of
@@ -47,7 +48,7 @@ from substrax_flax._create import create_sharded_model
 from substrax_flax._optimizer import create_sharded_optimizer
 from substrax_flax._pipeline_step import make_pipeline_train_step
 from substrax_flax._report import sharding_report
-from substrax_flax._state import logical_names, shape_and_dtype, variables
+from substrax_flax._state import layer_kinds, logical_names, shape_and_dtype, variables
 from substrax_flax._train import make_train_step
 
 __all__ = ["main", "model_leaves", "validate"]
@@ -68,17 +69,27 @@ def model_leaves(factory: Callable[[], nnx.Module]) -> list[Leaf]:
       factory: A function of no arguments that builds the model.
 
     Returns:
-      One :class:`substrax.planner.Leaf` per ``nnx.Param``; unannotated dimensions are None.
+      One :class:`substrax.planner.Leaf` per ``nnx.Param``, with the kind of layer that
+      holds it; unannotated dimensions are None (the layout's strategy plans those, as the
+      adapter shards them).
     """
     start = time.perf_counter()
     with nnx.use_eager_sharding(False):
-        state = nnx.state(nnx.eval_shape(factory), nnx.Param)
+        model = nnx.eval_shape(factory)
+        state, kinds = nnx.state(model, nnx.Param), layer_kinds(model)
     elapsed = time.perf_counter() - start
     leaves = []
     for path, variable in variables(state):
         shape, _ = shape_and_dtype(variable)
         names = logical_names(variable, path) or (None,) * len(shape)
-        leaves.append(Leaf(path, shape, tuple(names)))
+        leaves.append(Leaf(path, shape, tuple(names), kinds.get(path)))
+    width = inferred_width(leaves)
+    if not any("embed" in leaf.names for leaf in leaves) and width is not None:
+        warn_user(
+            "The model names no 'embed' dimension, so the planner takes its width to be "
+            f"{width}, the commonest dimension of its matrices, for activations and FLOPs; "
+            "its unannotated parameters are planned as the layout's strategy shards them."
+        )
     stacked = any("layers" in leaf.names for leaf in leaves)
     if elapsed > SLOW_EVAL_SHAPE_SECONDS and not stacked:
         warn_user(
