@@ -582,12 +582,18 @@ def _warnings(c, plans, layout, per_device) -> tuple[str, ...]:
         )
     if _xla_step(layout) and layout.fsdp > 1:
         found.append(
-            "two of tp, cp and ep: the step uses XLA's partitioning, which all-reduces the "
-            "FSDP gradients instead of reduce-scattering them"
+            "The layout uses two of tp, cp and ep, so the step runs XLA's partitioning, which "
+            "all-reduces the FSDP gradients instead of reduce-scattering them."
         )
-    replicated = sum(p.params_per_device for p in plans if not any(p.spec))
+    whole = [p for p in plans if not any(p.spec)]
+    replicated = sum(p.params_per_device for p in whole)
     if layout.devices > 1 and replicated > 0.05 * per_device:
-        found.append(f"replicated parameters hold {replicated / per_device:.0%} of each device's")
+        largest = sorted(whole, key=lambda p: -p.params_per_device)[:3]
+        names = ", ".join(p.path for p in largest) + (", ..." if len(whole) > 3 else "")
+        found.append(
+            f"Parameters kept whole on every device ({names}) hold "
+            f"{replicated / per_device:.0%} of each device's parameter bytes."
+        )
     return tuple(found)
 
 

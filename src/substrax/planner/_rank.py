@@ -176,8 +176,12 @@ def _prefer_headroom(candidates: list[Candidate], margin: float) -> str:
         f"{roomy.layout.label} keeps {roomy.headroom_bytes / 2**30:.1f} GiB free per device "
         f"(at least the {margin / 2**30:.1f} GiB asked) and is within "
         f"{roomy.time_s / first.time_s - 1:.1%} of the fastest, {first.layout.label} "
-        f"({first.time_s:.3f} s), which keeps {first.headroom_bytes / 2**30:.1f} GiB."
+        f"({_seconds(first.time_s)}), which keeps {first.headroom_bytes / 2**30:.1f} GiB."
     )
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f} s" if value >= 0.1 else f"{value * 1e3:.3g} ms"
 
 
 def _why(candidates: list[Candidate], timed: bool) -> str:
@@ -193,13 +197,13 @@ def _why(candidates: list[Candidate], timed: bool) -> str:
     if timed:
         if second.time_s <= first.time_s * 1.001:
             return (f"{first.layout.label} and {second.layout.label} take the same estimated "
-                    f"time ({first.time_s:.3f} s, within 0.1%); {first.layout.label} is first "
+                    f"time ({_seconds(first.time_s)}, within 0.1%); {first.layout.label} is first "
                     f"by {(second.time_s - first.time_s) * 1e3:.2f} ms, with "
                     f"{first.headroom_bytes / 2**30:.1f} GiB free per device against "
                     f"{second.headroom_bytes / 2**30:.1f}.")  # fmt: skip
         return (f"{first.layout.label} is estimated {second.time_s / first.time_s - 1:.1%} "
-                f"faster than {second.layout.label} ({first.time_s:.3f} s against "
-                f"{second.time_s:.3f} s).")  # fmt: skip
+                f"faster than {second.layout.label} ({_seconds(first.time_s)} against "
+                f"{_seconds(second.time_s)}).")  # fmt: skip
     return (f"{first.layout.label} does the fewest FLOPs per device over the pipeline's "
             f"busy fraction; {second.layout.label} is next (no speeds: no times).")  # fmt: skip
 
