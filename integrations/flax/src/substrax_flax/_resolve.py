@@ -247,7 +247,7 @@ class Resolver:
                 resolution = resolution.move_left_out(shape, self.mesh, stay=STAY)
         elif self.strategy is not None:
             resolution = self.strategy.resolve(shape, self.mesh, name=path, layer=layer)
-            rule = type(self.strategy).__name__
+            rule = strategy_words(self.strategy)
         else:
             reasons = (Reason("no_annotation", None, None, (), "no annotation and no strategy: "
                               "replicated"),) if shape else ()  # fmt: skip
@@ -333,3 +333,21 @@ def _rule_text(names: tuple[Any, ...], rules: MeshRules) -> str:
     table = rules.as_dict()
     parts = [f"{name}->{table.get(name, '?')}" for entry in names for name in entry_axes(entry)]
     return ", ".join(parts) or "none"
+
+
+_WORDS = {
+    "DataParallelStrategy": "dp",
+    "FSDPStrategy": "fsdp",
+    "TensorParallelStrategy": "tp",
+    "PipelineParallelStrategy": "pp",
+}
+
+
+def strategy_words(strategy: Any) -> str:
+    """A strategy as the report's rule column says it: ``"fsdp over data + tp over model"``."""
+    parts = getattr(strategy, "strategies", None)
+    if isinstance(parts, dict):
+        return " + ".join(strategy_words(part) for part in parts.values())
+    kind = _WORDS.get(type(strategy).__name__, type(strategy).__name__)
+    axis = getattr(strategy, "axis_name", None)
+    return f"{kind} over {axis}" if axis else kind
