@@ -253,6 +253,9 @@ def test_bad_creation_input_raises_a_clear_error(mesh):
         sf.create_sharded_model(lambda: _Small(nnx.Rngs(0)), {"data": 8}, RULES)
     with pytest.raises(TypeError, match=r"loss_fn must be a function .* got NoneType None"):
         sf.make_train_step(None)
+    model = sf.create_sharded_model(lambda: _Small(nnx.Rngs(0)), mesh, RULES)
+    with pytest.raises(TypeError, match=r"tx must be an optax transformation such as optax"):
+        sf.create_sharded_optimizer(model, "adam")
 
 
 def test_a_built_model_passed_as_the_factory_says_what_to_pass(mesh):
@@ -260,3 +263,21 @@ def test_a_built_model_passed_as_the_factory_says_what_to_pass(mesh):
         model = Transformer(nnx.Rngs(0))
     with pytest.raises(TypeError, match=r"a built Transformer: pass lambda: Transformer\(...\)"):
         sf.create_sharded_model(model, mesh, layout="fsdp")
+
+
+class _Dense(nnx.Module):
+    def __init__(self, rngs):
+        self.dense = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.dense(x)
+
+
+def test_a_loss_that_fails_is_told_how_the_step_calls_it(mesh):
+    model = sf.create_sharded_model(lambda: _Dense(nnx.Rngs(0)), mesh, RULES)
+    optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.1))
+    step = sf.make_train_step(lambda batch, model: model(batch).mean())  # arguments swapped
+    with pytest.raises(Exception) as raised:
+        step(model, optimizer, np.ones((8, 4), np.float32))
+    assert any("calls loss_fn(model, batch), with model the _Dense and batch float32[8, 4]" in n
+               for n in raised.value.__notes__)  # fmt: skip

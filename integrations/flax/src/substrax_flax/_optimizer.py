@@ -130,9 +130,15 @@ def create_sharded_optimizer(
       The optimizer, its state sharded like the parameters it mirrors.
 
     Raises:
+      TypeError: If ``tx`` is not an optax transformation (has no ``init`` and ``update``).
       ValueError: As :func:`plan_model`, or when ``mesh``, ``rules`` or ``strategy`` differ
         from the plan the model remembers.
     """
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        raise TypeError(
+            f"tx must be an optax transformation such as optax.adamw(1e-3), got {tx!r} "
+            f"({type(tx).__name__})."
+        )
     graphdef, model_state = nnx.split(model)
     plan = model_plan(model, mesh, rules, strategy, what="create_sharded_optimizer")
     mesh, param_rows = plan.mesh, plan.rows

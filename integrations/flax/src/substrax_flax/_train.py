@@ -330,7 +330,16 @@ class TrainStep(JittedStep):
         with use_rules(mesh, rules), jax.set_mesh(mesh), nnx.use_eager_sharding(False):
             streams = (jax.tree.map(lambda _: False, params), [is_key(x) for x in rest_leaves],
                        jax.tree.map(lambda _: False, abstract))  # fmt: skip
-            return trace(loss_of, params, rehome(rest_leaves, mesh), abstract, streams=streams)
+            try:
+                return trace(loss_of, params, rehome(rest_leaves, mesh), abstract, streams=streams)
+            except Exception as error:  # the user's loss failed: say how substrax called it
+                shapes = jax.tree.map(lambda x: f"{x.dtype}{list(x.shape)}", abstract)
+                error.add_note(
+                    f"substrax: the train step calls loss_fn(model, batch), with model the "
+                    f"{type(model).__name__} and batch {shapes}; it returns the scalar loss "
+                    "(or (loss, aux) with has_aux=True)."
+                )
+                raise
 
     def data_parallel_for(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> str:
         """How this step splits the batch for ``model``: ``"manual"`` or ``"xla"``.
