@@ -94,3 +94,32 @@ def test_the_readme_first_code_block_runs_as_written(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "step 2: loss" in out.stdout and "(manual step)" in out.stdout
     assert "Step plan:" in out.stdout and "reduce-scatter over ('data',)" in out.stdout
+
+
+QUICK_STARTS = ("index", "context", "experts", "pipeline")
+
+
+def test_the_quick_start_of_each_docs_page_runs(tmp_path):
+    """Each page's first Python block, as written, on 8 simulated CPU devices (one process,
+    each block in its own namespace)."""
+    import re
+    import subprocess
+    import sys
+
+    blocks = [re.search(r"```python\n(.*?)```", (ROOT / "docs" / f"{page}.md").read_text(),
+                        re.S).group(1) for page in QUICK_STARTS]  # fmt: skip
+    (tmp_path / "blocks.json").write_text(json.dumps(blocks))
+    runner = tmp_path / "run.py"
+    runner.write_text(
+        "import json, sys\nimport jax\njax.config.update('jax_num_cpu_devices', 8)\n"
+        "for i, block in enumerate(json.load(open(sys.argv[1]))):\n"
+        "    exec(compile(block, f'block{i}', 'exec'), {'__name__': '__main__'})\n"
+        "    print(f'block {i} ran', flush=True)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, str(runner), str(tmp_path / "blocks.json")],
+                         capture_output=True, text=True, env={**env, "JAX_PLATFORMS": "cpu"},
+                         timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count(" ran") == len(QUICK_STARTS)
+    assert "on the manual step" in out.stdout and "gradient of the first layer" in out.stdout
