@@ -412,3 +412,15 @@ def test_the_command_line_echoes_its_inputs_and_says_why(capsys):
     assert "memory per device: 80GB = 80,000,000,000 bytes = 74.51 GiB" in out
     assert "1,953 sequences of 8,192 tokens (16,000,001 / 8,192 rounded" in out
     assert re.search(r"^why: \S.* (faster than|within|keeps)", out, re.M)
+
+
+def test_every_planner_command_in_the_readme_runs(capsys):
+    import pathlib
+    import shlex
+
+    text = " ".join((pathlib.Path(__file__).parents[1] / "README.md").read_text().split())
+    commands = re.findall(r"`(python -m substrax\.planner [^`]*)`", text)
+    assert len(commands) >= 2 and any("--show" in c for c in commands)
+    for command in commands:
+        assert main(shlex.split(command)[3:]) == 0, command
+        capsys.readouterr()
