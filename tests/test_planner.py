@@ -424,3 +424,15 @@ def test_every_planner_command_in_the_readme_runs(capsys):
     for command in commands:
         assert main(shlex.split(command)[3:]) == 0, command
         capsys.readouterr()
+
+
+def test_the_choice_for_405b_holds_its_share_of_the_state():
+    """Context and expert axes shard parameters too, so no chosen layout replicates them."""
+    config = architecture("llama3-405b")
+    result = plan(config, 4096, Hardware(memory_bytes=80 * 10**9),
+                  Workload(batch_tokens=16 * 2**20, seq=8192))  # fmt: skip
+    total = sum(math.prod(leaf.shape) for leaf in transformer_leaves(config))
+    best = result.best
+    assert best.params_per_device <= 1.05 * total / 4096, best.layout.label
+    optimizer = best.bytes_per_device["optimizer"] / 8  # adam: two f32 moments per element
+    assert optimizer <= 1.05 * total / 4096
