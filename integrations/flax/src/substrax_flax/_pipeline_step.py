@@ -238,13 +238,13 @@ class PipelineTrainStep(JittedStep):
             rest_trained, rest_frozen = _split(rest, self.wrt)
             # random streams: this step's keys, then (in the stages) each microbatch's
             held = _fold((stack_frozen, rest_frozen), opt_state["step"][...])
-            loss, aux, grads = one_pass((stack_state, stack_trained, rest_trained, held), batch)
+            loss, aux, grads = gradients((stack_state, stack_trained, rest_trained, held), batch)
             return apply_update(
                 Update(loss, aux, None, grads), model_def, opt_def, model_state, opt_state,
                 (model_shardings, opt_shardings), self._guard.on_nonfinite,
             )  # fmt: skip
 
-        def one_pass(parts, batch):
+        def gradients(parts, batch):
             """The loss, aux and gradients of ``batch``, summed over its microbatches."""
             stack_state, stack_trained, rest_trained, (stack_frozen, rest_frozen) = parts
 
