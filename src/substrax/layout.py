@@ -3,13 +3,14 @@
 A :class:`Layout` gives each mesh axis one role: ``pipe`` (pipeline stages), ``data`` (replicas:
 the batch is split, parameters are whole), ``fsdp`` (the batch is split and parameters are
 sharded on ``embed``), ``context`` (the sequence, logical name ``seq``, is split: context
-parallelism), ``expert`` (the batch is split and the experts of mixture-of-experts layers,
-logical name ``expert``, are sharded: expert parallelism) or ``tensor`` (``heads``,
-``kv_heads``, ``mlp`` and ``vocab`` are split). From the roles follow the parameter rules,
-the compute rules (what a parameter looks like where it is used: gathered over the FSDP axes),
-the batch axes and the strategy for variables without annotations. The library's named
-layouts (:data:`LAYOUTS`), the planner's candidates and configs built from
-:class:`~substrax.mesh.ShardingConfig` are all layouts.
+parallelism; parameters are sharded on ``embed`` over it too, as over FSDP axes), ``expert``
+(the batch is split and the experts of mixture-of-experts layers, logical name ``expert``, are
+sharded: expert parallelism) or ``tensor`` (``heads``, ``kv_heads``, ``mlp`` and ``vocab`` are
+split). From the roles follow the parameter rules, the compute rules (what a parameter looks
+like where it is used: gathered over the FSDP and context axes), the batch axes and the
+strategy for variables without annotations. The library's named layouts (:data:`LAYOUTS`), the
+planner's candidates and configs built from :class:`~substrax.mesh.ShardingConfig` are all
+layouts.
 
 A new kind of parallelism is a new role here (a role, its logical names, and its entry in
 :data:`LAYOUTS`), not a new mechanism. ZeRO is not a role but a degree of what the replica axes
