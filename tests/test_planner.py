@@ -436,3 +436,17 @@ def test_the_choice_for_405b_holds_its_share_of_the_state():
     assert best.params_per_device <= 1.05 * total / 4096, best.layout.label
     optimizer = best.bytes_per_device["optimizer"] / 8  # adam: two f32 moments per element
     assert optimizer <= 1.05 * total / 4096
+
+
+def test_the_headroom_is_configurable_and_checked(capsys):
+    argv = ["--model", "llama3-8b", "--devices", "64", "--hardware", "h100", "--batch-tokens",
+            "16Mi", "--seq", "8192"]  # fmt: skip
+    assert main([*argv, "--headroom", "0%"]) == 0
+    tight = re.search(r"^why: (.*)$", capsys.readouterr().out, re.M).group(1)
+    assert main([*argv, "--headroom", "40%"]) == 0
+    roomy = re.search(r"^why: (.*)$", capsys.readouterr().out, re.M).group(1)
+    assert "keeps" in roomy and "GiB asked" not in tight  # 40% moves a roomier layout first
+    assert main([*argv, "--headroom", "lots"]) == 2
+    assert "expected a share such as 10% or 0.1" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"headroom is a share of device memory in \[0, 1\)"):
+        plan("gpt2-small", 8, HARDWARE["h100"], WORK, headroom=1.5)

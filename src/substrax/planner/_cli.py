@@ -157,6 +157,19 @@ def _shown(result, label: str):
     )
 
 
+def _share(text: str) -> float:
+    """``"10%"`` or ``"0.1"`` as 0.1.
+
+    Raises:
+      ValueError: For anything else.
+    """
+    value = str(text).strip()
+    try:
+        return float(value[:-1]) / 100 if value.endswith("%") else float(value)
+    except ValueError:
+        raise ValueError(f"--headroom {text!r}: expected a share such as 10% or 0.1.") from None
+
+
 def _optional(text: str, unit: bool = False) -> float:
     if str(text).strip() in ("", "0"):
         return 0.0
@@ -196,6 +209,11 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
         help="pipeline microbatches, or gradient-accumulation steps without a pipeline; "
         "searched when left out",
     )
+    parser.add_argument(
+        "--headroom", default="10%",
+        help="device memory to keep free when a layout within 3%% of the fastest allows it, "
+        "e.g. 10%% or 0.1",
+    )  # fmt: skip
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument(
@@ -300,7 +318,8 @@ def main(
         strategies = tuple(args.strategies.split(","))
         model, leaves = _model(args, load_factory)
         devices = parse_count(args.devices)
-        result = plan(model, devices, hardware, workload, strategies=strategies, leaves=leaves)
+        result = plan(model, devices, hardware, workload, strategies=strategies, leaves=leaves,
+                      headroom=_share(args.headroom))  # fmt: skip
         shown = _shown(result, args.show) if args.show else None
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -130,9 +130,11 @@ def plan(
       The :class:`Plan`.
 
     Raises:
-      ValueError: For an unknown architecture, a non-positive device count, or no layout
-        (or none that splits the batch).
+      ValueError: For an unknown architecture, a non-positive device count, no layout (or
+        none that splits the batch), or a ``headroom`` outside ``[0, 1)``.
     """
+    if not 0 <= headroom < 1:
+        raise ValueError(f"headroom is a share of device memory in [0, 1), got {headroom!r}.")
     name = model if isinstance(model, str) else "custom"
     config = architecture(model) if isinstance(model, str) else model
     leaves = list(leaves) if leaves is not None else transformer_leaves(config)
