@@ -23,6 +23,7 @@ from substrax.planner import (
     evaluate,
     main,
     plan,
+    profile_of,
     transformer_leaves,
 )
 from substrax.planner._cli import parse_bytes, parse_count
@@ -450,3 +451,10 @@ def test_the_headroom_is_configurable_and_checked(capsys):
     assert "expected a share such as 10% or 0.1" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"headroom is a share of device memory in \[0, 1\)"):
         plan("gpt2-small", 8, HARDWARE["h100"], WORK, headroom=1.5)
+
+
+def test_device_kinds_name_their_profiles():
+    assert profile_of("NVIDIA H100 80GB HBM3") == "h100" and profile_of("NVIDIA H200") == "h200"
+    assert profile_of("TPU v5") == "tpu-v5p" and profile_of("TPU v5p") == "tpu-v5p"
+    assert profile_of("TPU v5 lite") is None  # a v5e: not v5p's peak
+    assert profile_of("cpu") is None

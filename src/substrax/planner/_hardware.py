@@ -43,7 +43,12 @@ HARDWARE: dict[str, Hardware] = {
 """Named hardware profiles: ``--hardware h100`` on the command line."""
 
 
-_KINDS = (("h200", "h200"), ("h100", "h100"), ("tpu v5p", "tpu-v5p"), ("tpu v5", "tpu-v5p"))
+#: ``device_kind`` fragments and their profiles, first match wins: jax names a TPU v5p
+#: ``"TPU v5"`` and a v5e ``"TPU v5 lite"``, which has no profile (197 TFLOP/s, not 459).
+_KINDS = (
+    ("h200", "h200"), ("h100", "h100"), ("tpu v5 lite", None), ("tpu v5e", None),
+    ("tpu v5p", "tpu-v5p"), ("tpu v5", "tpu-v5p"),
+)  # fmt: skip
 
 
 def profile_of(device_kind: str) -> str | None:
