@@ -49,7 +49,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "example
 import gpt
 
 import substrax_flax as sf
-from substrax.hlo import KINDS, traffic_by_kind
+from substrax.hlo import KINDS, peak_bytes, traffic_by_kind
 from substrax.layout import Layout
 from substrax.mesh import DeviceMeshManager
 
@@ -128,12 +128,7 @@ def compiled_stats(compiled, num_devices: int) -> dict:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     traffic = traffic_by_kind(compiled.as_text(), num_devices)
-    peak = (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-    )
+    peak = peak_bytes(memory)
     return {
         "temp_bytes": int(memory.temp_size_in_bytes),
         "peak_bytes": int(peak),

@@ -43,6 +43,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import gpt
 
 import substrax_flax as sf
+from substrax.hlo import peak_bytes
 from substrax.layout import LAYOUTS, Layout
 from substrax.mesh import DeviceMeshManager
 from substrax.planner import HARDWARE, profile_of
@@ -334,9 +335,7 @@ def compiled_figures(step_fn, model, optimizer, batch) -> tuple[float, float, st
     stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return float(stats["peak_bytes_in_use"]), flops, "the device's own peak"
-    peak = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes + memory.temp_size_in_bytes)  # fmt: skip
-    return float(peak), flops, "XLA's compiled estimate"
+    return float(peak_bytes(memory)), flops, "XLA's compiled estimate"
 
 
 def write_loss_plot(path: pathlib.Path, steps: list[int], losses: list[float]) -> None:

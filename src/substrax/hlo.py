@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 __all__ = [
-    "KINDS", "Collective", "collectives", "loop_runs", "traffic_by_kind", "while_bodies",
+    "KINDS", "Collective", "collectives", "loop_runs", "peak_bytes", "traffic_by_kind",
+    "while_bodies",
 ]  # fmt: skip
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -252,4 +254,24 @@ def while_bodies(hlo_text: str) -> set[str]:
     Returns:
       The body computations' names, to compare with :attr:`Collective.computation`.
     """
-    return set(re.findall(r"\swhile\(.*?body=%?([\w.\-]+)", hlo_text))
+    return set(_WHILE.findall(hlo_text))
+
+
+def peak_bytes(memory: Any) -> int:
+    """A compiled step's peak bytes per device, from ``compiled.memory_analysis()``.
+
+    Arguments and outputs, less the outputs that reuse donated arguments' buffers, plus the
+    temporaries.
+
+    Args:
+      memory: ``compiled.memory_analysis()``.
+
+    Returns:
+      The bytes.
+    """
+    return int(
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )

@@ -1,8 +1,8 @@
 """Pipeline parallelism that runs: GPipe, 1F1B and circular schedules in one ``shard_map``.
 
 Four modules, one concept each: ``_schedule`` (which stage does what at each tick),
-``_layout`` (where each layer of a stack lives: stage, round, slot, FSDP dimension) and
-``_runner`` (:class:`Pipeline`: microbatches and the kernels that run a schedule), and
+``_layout`` (where each layer of a stack lives: stage, round, slot, FSDP dimension),
+``_runner`` (:class:`Pipeline`: microbatches and the kernels that run a schedule) and
 ``_microbatch`` (:func:`microbatch_index`: which microbatch a stage is computing).
 """
 

@@ -175,15 +175,14 @@ def config_from_leaves(leaves: list[Leaf]) -> TransformerConfig:
     sizes of the dimensions named ``layers``, ``embed``, ``heads``, ``kv_heads``, ``kv``,
     ``mlp`` and ``vocab``; a missing name falls back to 1 layer, one head, ``kv`` =
     ``embed / heads``, ``mlp`` = 4 x ``embed``, ``vocab`` = 0 and no experts (``expert``).
+    A model that names no ``embed`` dimension (unannotated) gets the commonest dimension
+    of its matrices as its width (:func:`inferred_width`).
 
     Args:
       leaves: The model's parameters with their logical names.
 
     Returns:
       The configuration (an approximation: state bytes always come from the leaves).
-
-    A model that names no ``embed`` dimension (unannotated) gets the commonest dimension
-    of its matrices as its width (:func:`inferred_width`).
 
     Raises:
       ValueError: If there is neither an ``embed`` dimension nor a matrix.

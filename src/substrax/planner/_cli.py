@@ -119,7 +119,7 @@ def _breakdown(candidate, searched: list[str], what: str = "chosen") -> str:
     )
 
 
-def _inputs(args, result, hardware, workload, speeds: str, searched: list[str]) -> list[str]:
+def _inputs(args, result, hardware, workload, speeds: str) -> list[str]:
     """What the planner was asked, with every conversion it made, as lines to print."""
     tokens, seq = workload.batch_tokens, workload.seq
     rows = f"{workload.batch:,} sequences of {seq:,} tokens"
@@ -325,7 +325,7 @@ def main(
         print(f"error: {error}", file=sys.stderr)
         return 2
     searched = [name for name in ("remat", "microbatches") if getattr(args, name) is None]
-    for line in _inputs(args, result, hardware, workload, speeds, searched):
+    for line in _inputs(args, result, hardware, workload, speeds):
         print(line)
     print(
         f"{result.model}: {result.total_params:,} parameters on {result.devices} devices, "

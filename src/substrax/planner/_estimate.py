@@ -464,37 +464,35 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
 
     ``state`` is ``(bytes of this device's parameters, of those that are not experts', of
     the loss's own, of those also looked up)`` in the wire width. Under a pipeline the loss's
-    parameters are whole on
-    every device and their gradients are all-reduced over every stage and replica at once
-    (``pipe/all-reduce``, with the stack inputs' gradients summed over the stages); the
-    stage boundary moves each microbatch's activations forward and its cotangents back on
-    every tick, idle ticks included (``M + S - 1`` of them, GPipe).
+    parameters are whole on every device and their gradients are all-reduced over every
+    stage and replica at once (``pipe/all-reduce``, with the stack inputs' gradients summed
+    over the stages); the stage boundary moves each microbatch's activations forward and its
+    cotangents back on every tick, idle ticks included (``M + S - 1`` of them, GPipe).
     """
     state_bytes, dense_bytes, head_bytes, shared = state
+    # under a pipeline the loss's own gradients are reduced with the stages' (below); a tied
+    # embedding's lookup gradient stays with the rest
+    own = head_bytes - shared if layout.pp > 1 else 0.0
+    reduced, dense_bytes = state_bytes - own, dense_bytes - own
     rows = w.batch / layout.batch_degree
     tokens = rows * w.seq / layout.cp
     activation = tokens * c.d_model * width
     layers = math.ceil(c.layers / layout.pp)
     traffic = {}
-    if layout.pp > 1:  # the loss's gradients are reduced with the stages' (below)
-        own = head_bytes - shared  # a tied embedding's lookup gradient stays here
-        state_bytes, dense_bytes = state_bytes - own, dense_bytes - own
     f = layout.fsdp * layout.cp  # parameters are sharded over the FSDP and context axes
     if f > 1:  # parameter all-gathers (one, or two when re-gathered), one reduce-scatter
         axes = "+".join(n for n, d in (("fsdp", layout.fsdp), ("context", layout.cp)) if d > 1)
         gathers = 1 if w.gather == "keep" else 2
-        gathered = state_bytes + (head_bytes - shared if layout.pp > 1 else 0)
-        traffic[f"{axes}/all-gather"] = gathers * gathered * f * (f - 1) / f
+        traffic[f"{axes}/all-gather"] = gathers * state_bytes * f * (f - 1) / f
         if _xla_step(layout):  # XLA's partitioning all-reduces the gathered gradients
-            traffic[f"{axes}/all-reduce"] = 2 * state_bytes * f * (f - 1) / f
+            traffic[f"{axes}/all-reduce"] = 2 * reduced * f * (f - 1) / f
         else:
-            traffic[f"{axes}/reduce-scatter"] = state_bytes * f * (f - 1) / f
+            traffic[f"{axes}/reduce-scatter"] = reduced * f * (f - 1) / f
     if layout.dp > 1 and layout.zero:  # gradients reduce-scattered, new parameters gathered
-        traffic["data/reduce-scatter"] = state_bytes * (layout.dp - 1) / layout.dp
-        updated = state_bytes + (head_bytes - shared if layout.pp > 1 else 0)
-        traffic["data/all-gather"] = updated * (layout.dp - 1) / layout.dp
+        traffic["data/reduce-scatter"] = reduced * (layout.dp - 1) / layout.dp
+        traffic["data/all-gather"] = state_bytes * (layout.dp - 1) / layout.dp
     elif layout.dp > 1:  # gradient all-reduce of this device's shard
-        traffic["data/all-reduce"] = 2 * state_bytes * (layout.dp - 1) / layout.dp
+        traffic["data/all-reduce"] = 2 * reduced * (layout.dp - 1) / layout.dp
     if layout.cp > 1:  # the ring: forward, its recomputation, and a backward ring that
         # carries each block with its gradients (twice the bytes) and brings those home
         kv = tokens * c.kv_heads * c.head_dim * 2 * width / min(layout.tp, c.kv_heads)

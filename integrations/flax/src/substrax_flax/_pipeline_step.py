@@ -19,7 +19,7 @@ from substrax_flax._manual import manual_rules
 from substrax_flax._nonfinite import NonFinite, check_policy
 from substrax_flax._per_device import fold_key
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
-from substrax_flax._resolve import Rules, as_rules, entry_axes
+from substrax_flax._resolve import Rules, as_rules, entry_axes, without_axes
 from substrax_flax._state import map_variables, variables
 from substrax_flax._step_plan import pipeline_plan
 from substrax_flax._traced import is_key
@@ -289,7 +289,7 @@ def _gathered(state: nnx.State, stored: nnx.State, batch_axes: Sequence[str]) ->
     """
 
     def gather(x, sharding):
-        used = NamedSharding(sharding.mesh, _without(sharding.spec, batch_axes))
+        used = NamedSharding(sharding.mesh, without_axes(sharding.spec, set(batch_axes)))
         if used.spec == sharding.spec:
             return x
 
@@ -304,16 +304,6 @@ def _gathered(state: nnx.State, stored: nnx.State, batch_axes: Sequence[str]) ->
         return whole(x)
 
     return jax.tree.map(gather, state, stored)
-
-
-def _without(spec: PartitionSpec, axes: Sequence[str]) -> PartitionSpec:
-    """``spec`` with ``axes`` taken out of every entry."""
-
-    def entry(e):
-        kept = tuple(a for a in entry_axes(e) if a not in axes)
-        return None if not kept else kept[0] if len(kept) == 1 else kept
-
-    return PartitionSpec(*(entry(e) for e in spec))
 
 
 def _grad_dims(plan: Any, name: str, stack: Any, batch_axes: Sequence[str]) -> Any:

@@ -242,9 +242,21 @@ class ModelPlan:
         Returns:
           :meth:`substrax.layout.Layout.optimizer_spec`'s spec, or the row's without a layout.
         """
-        return (
-            row.spec if self.layout is None else self.layout.optimizer_spec(row.spec, row.shape)[0]
-        )
+        return self.optimizer_spec_and_reason(row)[0]
+
+    def optimizer_spec_and_reason(self, row: VariableSharding) -> tuple[PartitionSpec, str | None]:
+        """:meth:`optimizer_spec`, and why it is the parameter's own where ZeRO asked more.
+
+        Args:
+          row: One of :attr:`rows`.
+
+        Returns:
+          ``(spec, why)``, as :meth:`substrax.layout.Layout.optimizer_spec` returns them
+          (``why`` None without a layout).
+        """
+        if self.layout is None:
+            return row.spec, None
+        return self.layout.optimizer_spec(row.spec, row.shape)
 
     def compute_shardings(self, state: Any) -> Any:
         """Each parameter of ``state`` where it is used: its planned spec without gather axes.
@@ -420,8 +432,12 @@ class ModelPlan:
         """
         from substrax_flax._report import ShardingReport
 
-        label = self.layout.label if self.layout is not None else None
-        return ShardingReport(self.rows, self.mesh, label)
+        return ShardingReport(self.rows, self.mesh, self.layout_label)
+
+    @property
+    def layout_label(self) -> str | None:
+        """The layout's label (``"fsdp 2 x tp 4"``), or None for a plan without a layout."""
+        return self.layout.label if self.layout is not None else None
 
     def __repr__(self) -> str:
         layout = f", layout={self.layout.name}" if self.layout is not None else ""

@@ -256,8 +256,7 @@ def sharding_report(model_or_state: Any) -> ShardingReport:
     recorded = plan_of(model_or_state)
     layout = None
     if isinstance(recorded, ModelPlan):
-        layout = recorded.layout.label if recorded.layout is not None else None
-        recorded = recorded.rows
+        layout, recorded = recorded.layout_label, recorded.rows
     planned = {row.path: row for row in recorded or ()}
     rows, mesh = [], None
     for path, variable in variables(state):

@@ -293,7 +293,7 @@ def param_steps(
     steps = []
     for name, _ in variables(params):
         row = rows[name]
-        optimizer = plan.optimizer_spec(row)
+        optimizer, kept = plan.optimizer_spec_and_reason(row)
         on = tuple(a for e in optimizer for a in entry_axes(e) if a in split)
         rest = tuple(a for a in split if a not in on)
         if not split:
@@ -306,7 +306,6 @@ def param_steps(
             gradient = f"reduce-scatter over {on}"
         else:
             gradient = f"all-reduce over {split}"
-        kept = plan.layout.optimizer_spec(row.spec, row.shape)[1] if plan.layout else None
         if kept and split and path != "xla":  # ZeRO asked for a slice it could not take
             gradient += f" ({kept})"
         used_spec = used_by_path[name].spec

@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 
 from substrax import ShardingWarning, warn_user
-from substrax.hlo import traffic_by_kind
+from substrax.hlo import peak_bytes, traffic_by_kind
 from substrax.layout import Layout
 from substrax.planner import (
     ARCHITECTURES,
@@ -156,10 +156,7 @@ class _Twin(nnx.Module):
     def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
         self.config = config
         self.params = nnx.Dict({
-            leaf.path.replace("/", "__"): nnx.Param(
-                jax.random.normal(rngs.params(), leaf.shape) * 0.05, out_sharding=leaf.names
-            )
-            for leaf in leaves_of(config)
+            leaf.path.replace("/", "__"): _param(leaf, rngs) for leaf in leaves_of(config)
         })  # fmt: skip
 
     def _p(self, name: str) -> jax.Array:
@@ -167,19 +164,28 @@ class _Twin(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         c = self.config
-        x = jnp.take(self._p("embedding"), tokens, axis=0)
-        if c.positions:
-            x = x + self._p("positions")[: tokens.shape[1]]
+        x = _embed(c, self._p, tokens)
         names = [n for n in self.params if n.startswith("layers__")]
         stacked = {n.removeprefix("layers__"): self.params[n][...] for n in names}
         for i in range(c.layers):  # unrolled: XLA's cost analysis counts a loop body once
-            x = self._layer({k: v[i] for k, v in stacked.items()}, x)
-        logits_in = _norm(x, self._p("norm"))
-        head = self._p("embedding").T if c.tied else self._p("head")
-        return logits_in @ head
+            x = _layer_of(c, {k: v[i] for k, v in stacked.items()}, x)
+        return _logits(c, self._p, x)
 
-    def _layer(self, p: dict, x: jax.Array) -> jax.Array:
-        return _layer_of(self.config, p, x)
+
+def _param(leaf: Leaf, rngs: nnx.Rngs) -> nnx.Param:
+    """A twin's parameter: small random values, the leaf's logical names as annotation."""
+    return nnx.Param(jax.random.normal(rngs.params(), leaf.shape) * 0.05, out_sharding=leaf.names)
+
+
+def _embed(c: TransformerConfig, p: Callable[[str], jax.Array], tokens: jax.Array) -> jax.Array:
+    """The token embeddings (and learned positions) of ``tokens``; ``p(name)`` a parameter."""
+    x = jnp.take(p("embedding"), tokens, axis=0)
+    return x + p("positions")[: tokens.shape[1]] if c.positions else x
+
+
+def _logits(c: TransformerConfig, p: Callable[[str], jax.Array], x: jax.Array) -> jax.Array:
+    """The final norm and the output head (the embedding, transposed, when tied)."""
+    return _norm(x, p("norm")) @ (p("embedding").T if c.tied else p("head"))
 
 
 def _layer_of(c: TransformerConfig, p: dict, x: jax.Array) -> jax.Array:
@@ -200,9 +206,9 @@ def _layer_of(c: TransformerConfig, p: dict, x: jax.Array) -> jax.Array:
         x = x + jnp.einsum("bhts,bshk,hke->bte", weights, v, p["wo"])
     if c.experts:
         out, _ = experts(
-                _norm(x, p["mlp_norm"]), p["router"], p["w_in"], p["w_out"],
-                w_gate=p.get("w_gate"), top_k=c.top_k, activation=jax.nn.silu,
-            )  # fmt: skip
+            _norm(x, p["mlp_norm"]), p["router"], p["w_in"], p["w_out"],
+            w_gate=p.get("w_gate"), top_k=c.top_k, activation=jax.nn.silu,
+        )  # fmt: skip
         return x + out
     h = _norm(x, p["mlp_norm"]) @ p["w_in"]
     h = jax.nn.silu(_norm(x, p["mlp_norm"]) @ p["w_gate"]) * h if c.gated else jax.nn.gelu(h)
@@ -213,18 +219,15 @@ class _StackedTwin(nnx.Module):
     """The twin with its layers stacked under ``layers``, for the pipelined step."""
 
     def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
-        def param(leaf):
-            return nnx.Param(
-                jax.random.normal(rngs.params(), leaf.shape) * 0.05, out_sharding=leaf.names
-            )
-
         leaves = leaves_of(config)
         self.config = config
         self.params = nnx.Dict({
-            leaf.path: param(leaf) for leaf in leaves if not leaf.path.startswith("layers/")
+            leaf.path: _param(leaf, rngs)
+            for leaf in leaves
+            if not leaf.path.startswith("layers/")
         })  # fmt: skip
         self.layers = nnx.Dict({
-            leaf.path.removeprefix("layers/"): param(leaf)
+            leaf.path.removeprefix("layers/"): _param(leaf, rngs)
             for leaf in leaves
             if leaf.path.startswith("layers/")
         })  # fmt: skip
@@ -234,18 +237,13 @@ def _pipeline_step(config: TransformerConfig, layout: Layout, microbatches: int)
     """The pipelined twin's step: embedding, one stacked layer, and the head's loss."""
 
     def embed(model: _StackedTwin, batch: dict) -> tuple[jax.Array, jax.Array]:
-        x = jnp.take(model.params["embedding"][...], batch["inputs"], axis=0)
-        if config.positions:
-            x = x + model.params["positions"][...][: x.shape[1]]
-        return x, batch["targets"]
+        return _embed(config, lambda n: model.params[n][...], batch["inputs"]), batch["targets"]
 
     def layer(one: nnx.Dict, x: jax.Array) -> jax.Array:
         return _layer_of(config, {name: v[...] for name, v in one.items()}, x)
 
     def head(model: _StackedTwin, y: jax.Array, targets: jax.Array) -> jax.Array:
-        p = model.params
-        weights = p["embedding"][...].T if config.tied else p["head"][...]
-        logits = _norm(y, p["norm"][...]) @ weights
+        logits = _logits(config, lambda n: model.params[n][...], y)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     return make_pipeline_train_step(
@@ -359,13 +357,7 @@ def _validate_layout(
             sum(estimate.traffic_bytes_per_step.values()),
             sum(kind["bytes"] for kind in traffic.values()),
         ),
-        "peak_bytes": (
-            planned["peak"],
-            memory.argument_size_in_bytes
-            + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes
-            + memory.temp_size_in_bytes,
-        ),
+        "peak_bytes": (planned["peak"], peak_bytes(memory)),
     }
 
 
