@@ -3,8 +3,9 @@
 * **Parameters**: the expert weights' bytes per device under ``fsdp`` over 8 (experts split on
   ``embed`` only), ``fsdp+ep`` on ``data=2, expert=4`` and ``ep`` on ``data=1, expert=8``,
   against the ideal (all expert bytes / devices holding distinct experts).
-* **Traffic**: the forward pass of the model under each layout, compiled; its ``all-to-all``
-  ops (two per layer: dispatch and combine) and their bytes per device against the theory,
+* **Traffic**: the forward pass of the model under each layout, its parameters gathered first
+  as the train step gathers them, compiled; its ``all-to-all`` ops (two per layer: dispatch
+  and combine) and their bytes per device against the theory,
   2 x experts x capacity x features x 4 bytes x (ep - 1) / ep per layer.
 * **Routing**: on one batch of the example's data through the first layer's router, the share
   of tokens each expert gets and the share of choices dropped, for capacity factors 0.5 to 2
@@ -55,7 +56,8 @@ FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0, None)
 def layout_row(label: str, name: str, shape: dict) -> dict:
     """Expert bytes per device and the forward's all-to-all traffic under one layout."""
     layout = Layout.named(name, shape)
-    model = sf.create_sharded_model(lambda: gpt.GPT(CONFIG, nnx.Rngs(0)), layout=layout)
+    factory = lambda: gpt.GPT(CONFIG, nnx.Rngs(0))  # noqa: E731
+    model = sf.create_sharded_model(factory, layout=layout)
     report = sf.sharding_report(model)
     expert_rows = [r for r in report.rows if r.path.endswith(("w_in", "w_out"))]
     per_device = sum(r.bytes_per_device for r in expert_rows)
@@ -63,8 +65,14 @@ def layout_row(label: str, name: str, shape: dict) -> dict:
     mesh = layout.make_mesh()
     tokens = gpt.batch_at(0, BATCH, CONFIG.seq, 0)[:, :-1]
     tokens = jax.device_put(tokens, NamedSharding(mesh, P(layout.batch_axes)))
+    used = sf.plan_model(factory, layout=layout).compute_shardings(nnx.state(model, nnx.Param))
+
+    def forward(model, tokens):  # parameters gathered first, as the train step does
+        nnx.update(model, jax.lax.with_sharding_constraint(nnx.state(model, nnx.Param), used))
+        return model(tokens)
+
     with use_rules(mesh, layout.compute_rules):
-        forward = jax.jit(lambda model, tokens: model(tokens))
+        forward = jax.jit(forward)
         traffic = traffic_by_kind(forward.lower(model, tokens).compile().as_text(), 8)
     local = BATCH * CONFIG.seq // layout.devices
     capacity = expert_capacity(local, CONFIG.moe_experts, 2, CONFIG.capacity_factor)

@@ -5,7 +5,8 @@ the batch is split, parameters are whole), ``fsdp`` (the batch is split and para
 sharded on ``embed``), ``context`` (the sequence, logical name ``seq``, is split: context
 parallelism; parameters are sharded on ``embed`` over it too, as over FSDP axes), ``expert``
 (the batch is split and the experts of mixture-of-experts layers, logical name ``expert``, are
-sharded: expert parallelism) or ``tensor`` (``heads``, ``kv_heads``, ``mlp`` and ``vocab`` are
+sharded: expert parallelism; the other parameters are sharded on ``embed`` over it, as over FSDP
+axes) or ``tensor`` (``heads``, ``kv_heads``, ``mlp`` and ``vocab`` are
 split). From the roles follow the parameter rules, the compute rules (what a parameter looks
 like where it is used: gathered over the FSDP and context axes), the batch axes and the
 strategy for variables without annotations. The library's named layouts (:data:`LAYOUTS`), the
@@ -97,9 +98,11 @@ class Layout:
       fsdp_axes: FSDP axes: the batch is split, and parameters are sharded on ``embed``; a step
         gathers them where they are used and reduces their gradients back to shards.
       expert_axes: Expert-parallel axes: the batch is split, and the ``expert`` dimension of
-        mixture-of-experts weights is sharded (the other parameters are whole on them, as on
-        replica axes); tokens reach their experts with ``all_to_all``
-        (:func:`substrax.spmd.experts`).
+        mixture-of-experts weights is sharded; tokens reach their experts with ``all_to_all``
+        (:func:`substrax.spmd.experts`). The other parameters and their optimizer state are
+        sharded on ``embed`` over them too, as over FSDP axes (gathered where used,
+        gradients reduced back to shards); an expert weight keeps them on its ``expert``
+        dimension, the first that asks.
       context_axes: Context-parallel axes: the sequence (``seq``) of the batch and of
         activations is split, in :func:`~substrax.spmd.zigzag` order. Parameters and their
         optimizer state are sharded on ``embed`` over them too, as over FSDP axes (gathered
@@ -478,8 +481,12 @@ class Layout:
 
     @property
     def shard_axes(self) -> tuple[str, ...]:
-        """The axes that shard every parameter on ``embed``: FSDP and context axes."""
-        split = self.fsdp_axes + self.context_axes
+        """The axes that shard every parameter on ``embed``: FSDP, expert and context axes.
+
+        A mesh axis shards one dimension of an array, the first that asks for it: an expert
+        weight (``expert``, ``embed``, ...) keeps the expert axes on its ``expert`` dimension.
+        """
+        split = self.fsdp_axes + self.expert_axes + self.context_axes
         return tuple(a for a in self.axis_names if a in split)
 
     @property
@@ -502,12 +509,15 @@ class Layout:
     def compute_rules(self) -> MeshRules:
         """How parameters and activations look where they are used, as rules.
 
-        The parameter rules gathered over :attr:`gather_axes`
+        The parameter rules gathered over :attr:`gather_axes` and the expert axes
         (:meth:`~substrax.mesh.MeshRules.gathered_over`), so a step gathers each parameter once;
-        the sequence (``seq``) stays split over the context axes, as the batch over its axes.
+        the sequence (``seq``) stays split over the context axes and ``expert`` over the expert
+        axes (an expert is computed where it is stored), as the batch over its axes.
         """
-        gathered = self.param_rules.gathered_over(self.gather_axes)
-        return gathered.extend(seq=spec_entry(self.context_axes))
+        gathered = self.param_rules.gathered_over(self.gather_axes + self.expert_axes)
+        return gathered.extend(
+            seq=spec_entry(self.context_axes), expert=spec_entry(self.expert_axes)
+        )
 
     def strategy(self) -> FSDPStrategy | TensorParallelStrategy | MultiDimensionalStrategy | None:
         """The strategy for variables without logical names.
@@ -517,8 +527,8 @@ class Layout:
         least ``fsdp_min_elements`` elements and a first dimension of at least
         ``fsdp_min_weight_size``), tensor axes split layers as
         :class:`~substrax.mesh.TensorParallelStrategy` does; both merge into a
-        :class:`~substrax.mesh.MultiDimensionalStrategy`. Context axes shard as FSDP axes do;
-        replica, stage and expert axes shard no unannotated variable.
+        :class:`~substrax.mesh.MultiDimensionalStrategy`. Context and expert axes shard as FSDP
+        axes do; replica and stage axes shard no unannotated variable.
 
         Returns:
           The strategy, or None when no axis shards parameters.

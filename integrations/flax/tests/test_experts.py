@@ -94,14 +94,38 @@ def test_dropping_groups_tokens_by_device_whatever_the_expert_axis():
     assert w_in.addressable_shards[0].data.shape == (EXPERTS // 4, D // 2, HIDDEN)
 
 
+@pytest.mark.parametrize("name", ["ep", "fsdp+ep"])
+def test_expert_axes_shard_the_dense_parameters_and_optimizer_state(name):
+    """Nothing is held whole on the expert axes: dense weights are sharded on ``embed``."""
+    layout = Layout.named(name, {"data": 2, "expert": 4})
+    model = sf.create_sharded_model(lambda: Model(nnx.Rngs(0)), layout=layout)
+    optimizer = sf.create_sharded_optimizer(model, optax.adam(1e-2))
+    embed = ("data", "expert") if name == "fsdp+ep" else "expert"
+    assert model.emb[...].sharding.spec == P(None, embed)
+    assert model.moe.w_in[...].sharding.spec[:2] == (
+        "expert",
+        "data" if name == "fsdp+ep" else None,
+    )
+    over = 1 if name == "fsdp+ep" else 2  # ep keeps every parameter whole on its 2 replicas
+    for report in (sf.sharding_report(model), sf.sharding_report(optimizer)):
+        assert report.ratio_to_ideal <= 1.05 * over
+
+
 def test_two_all_to_alls_per_layer_forward_of_the_theoretical_size():
     """Dispatch and combine: each [experts, capacity, features] of one device, (ep-1)/ep sent."""
     layout = Layout.named("ep", {"data": 2, "expert": 4})
     model = sf.create_sharded_model(lambda: Model(nnx.Rngs(0), 1.0), layout=layout)
     mesh = layout.make_mesh()
     rows = NamedSharding(mesh, P(("data", "expert")))
+    params = nnx.state(model, nnx.Param)
+    used = sf.plan_model(lambda: Model(nnx.Rngs(0), 1.0), layout=layout).compute_shardings(params)
+
+    def forward(model, tokens):  # the dense parameters gathered first, as the train step does
+        nnx.update(model, jax.lax.with_sharding_constraint(nnx.state(model, nnx.Param), used))
+        return model(tokens)[0]
+
     with use_rules(mesh, layout.compute_rules):
-        forward = jax.jit(lambda model, tokens: model(tokens)[0])
+        forward = jax.jit(forward)
         hlo = forward.lower(model, jax.device_put(BATCHES[0, :, :-1], rows)).compile().as_text()
     moved = traffic_by_kind(hlo, 8)["all-to-all"]
     local_tokens = 16 * 16 // 8

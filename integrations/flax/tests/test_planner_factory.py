@@ -76,8 +76,8 @@ def test_planner_and_adapter_agree_on_every_leaf_of_every_named_layout(name):
     for leaf in candidate.leaves:
         planned = tuple(axes[0] if len(axes) == 1 else (axes or None) for axes in leaf.spec)
         assert planned == adapter[leaf.path], leaf.path
-    # parameters whole on every device (this model has no experts)
-    replicated = name in ("dp", "zero1", "zero2", "ep")  # context axes shard them (FSDP)
+    # parameters whole on every device; context and expert axes shard them as FSDP axes do
+    replicated = name in ("dp", "zero1", "zero2")
     assert any(any(axes) for leaf in candidate.leaves for axes in leaf.spec) != replicated
 
 

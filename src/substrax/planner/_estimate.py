@@ -470,6 +470,11 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
     cotangents back on every tick, idle ticks included (``M + S - 1`` of them, GPipe).
     """
     state_bytes, dense_bytes, head_bytes, shared = state
+    ep = layout.ep
+    # dense parameters are sharded over the expert axes too, and gathered over them first
+    # (by XLA): every other axis gathers and reduces them whole over the expert axes
+    state_bytes += dense_bytes * (ep - 1)
+    dense_bytes, head_bytes, shared = dense_bytes * ep, head_bytes * ep, shared * ep
     # under a pipeline the loss's own gradients are reduced with the stages' (below); a tied
     # embedding's lookup gradient stays with the rest
     own = head_bytes - shared if layout.pp > 1 else 0.0
@@ -497,10 +502,12 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
         # carries each block with its gradients (twice the bytes) and brings those home
         kv = tokens * c.kv_heads * c.head_dim * 2 * width / min(layout.tp, c.kv_heads)
         traffic["context/collective-permute"] = layers * (4 * (layout.cp - 1) + 1) * kv
-    if layout.ep > 1 and c.experts:  # dispatch and combine: forward, recomputed, backward
+    if ep > 1:  # dense parameters gathered, their gradients all-reduced (XLA's partitioning)
+        traffic["expert/all-gather"] = dense_bytes * (ep - 1) / ep
+        traffic["expert/all-reduce"] = 2 * dense_bytes * (ep - 1) / ep
+    if ep > 1 and c.experts:  # dispatch and combine: forward, recomputed, backward
         slots = CAPACITY_FACTOR * tokens * c.top_k * c.d_model * width
-        traffic["expert/all-to-all"] = 6 * layers * slots * (layout.ep - 1) / layout.ep
-        traffic["expert/all-reduce"] = 2 * dense_bytes * (layout.ep - 1) / layout.ep
+        traffic["expert/all-to-all"] = 6 * layers * slots * (ep - 1) / ep
     if layout.tp > 1:  # two activation all-reduces per layer forward, two backward
         traffic["model/all-reduce"] = 4 * layers * 2 * activation * (layout.tp - 1) / layout.tp
     if layout.pp > 1:

@@ -22,6 +22,7 @@ from substrax_flax._resolve import (
     UnknownNames,
     VariableSharding,
     as_rules,
+    axes_entry,
     entry_axes,
     without_axes,
 )
@@ -258,13 +259,35 @@ class ModelPlan:
             return row.spec, None
         return self.layout.optimizer_spec(row.spec, row.shape)
 
-    def compute_shardings(self, state: Any) -> Any:
-        """Each parameter of ``state`` where it is used: its planned spec without gather axes.
+    def compute_spec(self, row: VariableSharding) -> PartitionSpec:
+        """``row``'s spec where the parameter is used.
 
-        A parameter stored sharded over an axis that also splits the batch (FSDP) is gathered
-        there once per step; every other axis (tensor, stage, expert) is kept, except an axis
-        that was moved off the dimension that asked for it (a ``moved`` reason): it shards
-        the stored array only, and is gathered too.
+        A parameter stored sharded over an axis that also splits the batch (FSDP, context) is
+        gathered there once per step, and so is one stored sharded over an expert axis on any
+        dimension but its ``expert`` one (an expert is computed where it is stored, the rest
+        of the model whole); every other axis (tensor, stage) is kept, except an axis that
+        was moved off the dimension that asked for it (a ``moved`` reason): it shards the
+        stored array only, and is gathered too.
+
+        Args:
+          row: One of :attr:`rows`.
+
+        Returns:
+          The spec, of the row's rank.
+        """
+        moved = {a for reason in row.reasons if reason.kind == "moved" for a in reason.axes}
+        spec = without_axes(row.spec, set(self.gather_axes) | moved)
+        experts = set(self.layout.expert_axes if self.layout is not None else ())
+        if not experts & {a for e in spec for a in entry_axes(e)}:
+            return spec
+        names = row.logical_names or (None,) * len(spec)
+        return PartitionSpec(*(
+            e if name == "expert" else axes_entry(a for a in entry_axes(e) if a not in experts)
+            for e, name in zip(spec, names, strict=False)  # a spec may be short
+        ))  # fmt: skip
+
+    def compute_shardings(self, state: Any) -> Any:
+        """Each parameter of ``state`` where it is used (:meth:`compute_spec`).
 
         Args:
           state: The differentiated part of the model's state (by default its ``nnx.Param``s).
@@ -272,13 +295,10 @@ class ModelPlan:
         Returns:
           A state of ``NamedSharding``s.
         """
-        drop = set(self.gather_axes)
         by_path = {row.path: row for row in self.rows}
 
         def gathered(path, _):
-            row = by_path[path]
-            moved = {a for reason in row.reasons if reason.kind == "moved" for a in reason.axes}
-            return NamedSharding(self.mesh, without_axes(row.spec, drop | moved))
+            return NamedSharding(self.mesh, self.compute_spec(by_path[path]))
 
         return map_variables(gathered, state)
 

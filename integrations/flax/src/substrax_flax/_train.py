@@ -387,7 +387,8 @@ def _check_experts(plan: ModelPlan, traced: Callable[[], Traced]) -> None:
     layout = plan.layout
     sizes = dict(plan.mesh.shape)
     axes = tuple(a for a in (layout.expert_axes if layout is not None else ()) if sizes[a] > 1)
-    rows = [r for r in plan.rows if set(axes) & {a for e in r.spec for a in entry_axes(e)}]
+    used = {r.path: plan.compute_spec(r) for r in plan.rows}
+    rows = [r for r in plan.rows if set(axes) & {a for e in used[r.path] for a in entry_axes(e)}]
     if not rows or traced().dispatches_tokens:
         return
     degree = math.prod(sizes[a] for a in axes)
