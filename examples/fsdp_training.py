@@ -6,7 +6,8 @@ The data is generated: sentences of a small grammar, as bytes, so the loss falls
     python examples/fsdp_training.py --mesh data=2,model=4 --strategy fsdp --steps 150
 
 Writes ``metrics.json`` (losses, mesh, strategy, throughput without the compile, memory) and
-``metrics.jsonl`` (a line per step; a resumed run continues it) into ``--output-dir``.
+``metrics.jsonl`` (a line per step; a resumed run continues it) and ``loss.svg`` into
+``--output-dir``, and with ``--tensorboard`` the same scalars for TensorBoard.
 With ``--checkpoint-dir`` it saves sharded checkpoints (model, optimizer, step, data position);
 ``--resume`` continues from the latest one, under any ``--mesh`` / ``--strategy``. It runs
 unchanged on several processes: ``python -m substrax.launch --num-processes 2
@@ -96,6 +97,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="where metrics.json and metrics.jsonl are written (default: "
                         "runs/<strategy>-<mesh>, one directory per layout)")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no sharding report")
+    parser.add_argument(
+        "--tensorboard", action="store_true",
+        help="also write each step's loss, step time and tokens/s for TensorBoard into "
+        "<output-dir>/tensorboard (needs tensorboardX: pip install tensorboardX)",
+    )  # fmt: skip
     parser.add_argument(
         "--peak-tflops", type=float, default=None,
         help="the device's peak TFLOP/s, for MFU (default: known for H100, H200 and TPU v5p; "
@@ -276,6 +282,31 @@ class StepLog:
             file.write(json.dumps(record) + "\n")
 
 
+class Scalars:
+    """Each step's loss, seconds and tokens/s as TensorBoard scalars (``--tensorboard``).
+
+    A resumed run purges the steps after its checkpoint, as :class:`StepLog` drops them.
+    """
+
+    def __init__(self, directory: pathlib.Path, start_step: int):
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise UsageError(
+                "--tensorboard needs tensorboardX: pip install tensorboardX (make installs it)"
+            ) from None
+        self.writer = SummaryWriter(str(directory), purge_step=start_step + 1)
+
+    def write(self, record: dict, tokens: int) -> None:
+        step = record["step"]
+        self.writer.add_scalar("loss", record["loss"], step)
+        self.writer.add_scalar("step_seconds", record["seconds"], step)
+        self.writer.add_scalar("tokens_per_second", tokens / record["seconds"], step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class Progress:
     """A one-line progress bar on a terminal; a line every tenth of the run elsewhere."""
 
@@ -387,6 +418,9 @@ def train(args) -> dict:
     losses, skipped, progress = [], [], Progress(args.steps, start_step)
     tokens = args.batch_size * config.seq
     log = StepLog(args.output_dir / "metrics.jsonl", start_step) if primary else None
+    board = None
+    if primary and args.tensorboard:
+        board = Scalars(args.output_dir / "tensorboard", start_step)
     started, compile_seconds = time.perf_counter(), 0.0
     for step in range(start_step, args.steps):
         batch = gpt.batch_at(step, args.batch_size, config.seq, args.seed)
@@ -415,12 +449,17 @@ def train(args) -> dict:
             skipped.append(step + 1)
         if primary:
             progress.update(step + 1, loss, seconds, tokens)
-            log.write({"step": step + 1, "loss": loss, "seconds": seconds})
+            record = {"step": step + 1, "loss": loss, "seconds": seconds}
+            log.write(record)
+            if board is not None:
+                board.write(record, tokens)
         if checkpointer and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             checkpointer.save(model, optimizer, step + 1, {"step": step + 1, "seed": args.seed})
             if primary:
                 print(f"saved a checkpoint of step {step + 1} in {args.checkpoint_dir}")
     elapsed = time.perf_counter() - started
+    if board is not None:
+        board.close()
     if not losses:
         raise UsageError(f"nothing to do: the checkpoint is at step {start_step} >= --steps")
     state = sf.sharding_report(model).bytes_per_device

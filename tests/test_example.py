@@ -3,9 +3,11 @@
 import json
 import pathlib
 import re
+import struct
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -122,9 +124,25 @@ def test_example_rejects_bad_input_in_one_line(tmp_path, args, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def _tensorboard_scalars(directory: pathlib.Path) -> list[tuple[str, int, float]]:
+    """``(tag, step, value)`` of every scalar in the TensorBoard event files under ``directory``."""
+    from tensorboardX.proto import event_pb2
+
+    scalars = []
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data, at = path.read_bytes(), 0
+        while at < len(data):  # TFRecords: length, its CRC, the event, its CRC
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            event = event_pb2.Event.FromString(data[at + 12 : at + 12 + length])
+            scalars += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+            at += 16 + length
+    return scalars
+
+
 def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    first = _run(*TINY, "--steps", "1", "--checkpoint-dir", ckpt, tmp_path=tmp_path)
+    first = _run(*TINY, "--steps", "1", "--checkpoint-dir", ckpt, "--tensorboard",
+                 tmp_path=tmp_path)  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
     again = _run(*TINY, "--steps", "2", "--checkpoint-dir", ckpt, tmp_path=tmp_path)
     assert again.returncode == 2
@@ -132,11 +150,16 @@ def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(tmp_path)
     # a run killed after logging step 2 but before saving it: the resumed run logs each step once
     log = tmp_path / "metrics.jsonl"
     log.write_text(log.read_text() + json.dumps({"step": 2, "loss": 0.0, "seconds": 0.0}) + "\n")
-    resumed = _run(*TINY, "--steps", "3", "--checkpoint-dir", ckpt, "--resume",
+    resumed = _run(*TINY, "--steps", "3", "--checkpoint-dir", ckpt, "--resume", "--tensorboard",
                    tmp_path=tmp_path)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # TensorBoard's scalars: each step once (the resumed run starts its own file at step 2)
+    losses = [(step, value) for tag, step, value in _tensorboard_scalars(tmp_path / "tensorboard")
+              if tag == "loss"]  # fmt: skip
+    assert [step for step, _ in losses] == [1, 2, 3]
+    np.testing.assert_allclose([v for _, v in losses], [r["loss"] for r in records], rtol=1e-6)
     assert "compiling the train step ..." in resumed.stdout
     assert "saved a checkpoint of step 3" in resumed.stdout and "eta" in resumed.stdout
 
