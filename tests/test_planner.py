@@ -257,10 +257,15 @@ def test_time_estimates_rank_when_hardware_speeds_are_given():
         (lambda: plan("llama3-8b", 0, H100, WORK), "devices must be positive, got 0"),
         (lambda: Workload(batch_tokens=10, seq=4096), "must hold at least one sequence"),
         (lambda: Workload(batch_tokens=8192, seq=4096, optimizer="lion"), "Unknown optimizer"),
+        (lambda: Workload(batch_tokens=8192, seq=0), "seq must be a positive number of tokens"),
+        (lambda: Hardware(memory_bytes=-1), "memory_bytes must be positive, got -1."),
+        (lambda: Hardware(memory_bytes=1, flops=-1.0), "flops must not be negative (0: unknown)"),
+        (lambda: plan("llama3-8b", 8, "h100", WORK), "hardware must be a Hardware, got str"),
+        (lambda: plan("llama3-8b", 8, H100, {"seq": 1}), "workload must be a Workload("),
     ],
 )
 def test_bad_input(call, message):
-    with pytest.raises(ValueError, match=None) as info:
+    with pytest.raises((ValueError, TypeError), match=None) as info:
         call()
     assert message in str(info.value)
 

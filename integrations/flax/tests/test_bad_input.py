@@ -281,3 +281,86 @@ def test_a_loss_that_fails_is_told_how_the_step_calls_it(mesh):
         step(model, optimizer, np.ones((8, 4), np.float32))
     assert any("calls loss_fn(model, batch), with model the _Dense and batch float32[8, 4]" in n
                for n in raised.value.__notes__)  # fmt: skip
+
+
+def _pipeline_step(mesh, **changes):
+    arguments = dict(embed_fn=_mean_loss, layer_fn=_mean_loss, head_fn=_mean_loss, mesh=mesh,
+                     stack="blocks", microbatches=2)  # fmt: skip
+    return sf.make_pipeline_train_step(**{**arguments, **changes})
+
+
+# (call, exception, what the message says); each names the argument, what it got, what is valid
+ENTRY_CASES = {
+    "factory with arguments": (
+        lambda mesh, model: sf.create_sharded_model(_Small, mesh, RULES),
+        TypeError,
+        "factory must be a function of no arguments that builds the model, but _Small(rngs) "
+        "takes arguments: pass lambda: _Small(...) with them",
+    ),
+    "optimizer of a non-model": (
+        lambda mesh, model: sf.create_sharded_optimizer({"w": 1}, optax.adam(1e-3)),
+        TypeError,
+        "create_sharded_optimizer expects an nnx.Module (create_sharded_model returns one), "
+        "got dict.",
+    ),
+    "wrt not a filter": (  # Flax's own message for this is garbled (a bad format specifier)
+        lambda mesh, model: sf.create_sharded_optimizer(model, optax.adam(1e-3), wrt=3),
+        TypeError,
+        "wrt must be an nnx filter: a Variable type (nnx.Param, nnx.LoRAParam, ...)",
+    ),
+    "wrt not a filter, step": (
+        lambda mesh, model: sf.make_train_step(_mean_loss, wrt=3),
+        TypeError,
+        "wrt must be an nnx filter",
+    ),
+    "batch_axes not names": (
+        lambda mesh, model: sf.make_train_step(_mean_loss, batch_axes=3),
+        TypeError,
+        "batch_axes must be a mesh axis name or a sequence of them, such as ('data',); got 3.",
+    ),
+    "an optax transformation as the optimizer": (
+        lambda mesh, model: sf.make_train_step(_mean_loss)(model, optax.adam(1e-3), X),
+        TypeError,
+        "optimizer must be an nnx.Optimizer such as create_sharded_optimizer(model, "
+        "optax.adamw(1e-3)) returns, got GradientTransformationExtraArgs.",
+    ),
+    "pipeline mesh as a dict": (
+        lambda mesh, model: _pipeline_step({"pipe": 2}),
+        TypeError,
+        "mesh must be a jax.sharding.Mesh, got dict.",
+    ),
+    "pipeline stack not a name": (
+        lambda mesh, model: _pipeline_step(mesh, stack=3),
+        TypeError,
+        "stack must name the model's attribute holding the layer stack",
+    ),
+    "pipeline layer_fn not callable": (
+        lambda mesh, model: _pipeline_step(mesh, layer_fn="blocks"),
+        TypeError,
+        "layer_fn must be a function, got str 'blocks'.",
+    ),
+    "pipeline microbatches 0": (
+        lambda mesh, model: _pipeline_step(mesh, microbatches=0),
+        ValueError,
+        "microbatches must be a positive integer, got 0.",
+    ),
+    "remat without a method": (
+        lambda mesh, model: sf.remat("full"),
+        TypeError,
+        "remat decorates a block's method (@substrax_flax.remat above def __call__), got str",
+    ),
+    "checkpoint directory not a path": (
+        lambda mesh, model: sf.Checkpointer(3),
+        TypeError,
+        "directory must be a path (a str or pathlib.Path), got int 3.",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ENTRY_CASES)
+def test_bad_entry_point_arguments_name_the_argument_and_the_fix(mesh, case):
+    call, exception, fragment = ENTRY_CASES[case]
+    model, _ = _small(mesh)
+    with pytest.raises(exception) as info:
+        call(mesh, model)
+    assert fragment in str(info.value)

@@ -99,7 +99,7 @@ def test_only_the_last_k_are_kept(tmp_path):
     for step in (1, 2, 3):
         checkpointer.save(model, optimizer, step, {"step": step})
     assert checkpointer.all_steps() == [2, 3] and checkpointer.latest_step() == 3
-    with pytest.raises(ValueError, match="keep must be at least 1"):
+    with pytest.raises(ValueError, match="keep must be an integer of at least 1"):
         sf.Checkpointer(tmp_path, keep=0)
 
 

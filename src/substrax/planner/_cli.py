@@ -12,6 +12,7 @@ adapter plans its users' own models through :func:`main`'s ``load_factory``, whi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import math
@@ -247,8 +248,11 @@ def _hardware(args) -> tuple[Hardware, str]:
         base = HARDWARE[DEFAULT_PROFILE]
         speeds = (f"the {DEFAULT_PROFILE} profile (no --hardware given: pass --hardware, or "
                   "--flops and the bandwidths, for your devices)")  # fmt: skip
-    else:
-        base = Hardware(memory_bytes=0)
+    else:  # speeds as given, the rest of the default profile (its memory is --memory's)
+        base = dataclasses.replace(
+            HARDWARE[DEFAULT_PROFILE], flops=0.0, intra_host_bandwidth=0.0,
+            inter_host_bandwidth=0.0,
+        )  # fmt: skip
     if args.memory is None and args.hardware is None:
         raise ValueError(
             f"give the memory per device: --memory (e.g. 80GB) or --hardware (one of "

@@ -73,7 +73,9 @@ class Workload:
     def __post_init__(self) -> None:
         if self.microbatches is not None and self.microbatches < 0:
             raise ValueError(f"microbatches must be >= 0, got {self.microbatches}.")
-        if self.batch_tokens < self.seq or self.seq < 1:
+        if not (isinstance(self.seq, int) and self.seq >= 1):
+            raise ValueError(f"seq must be a positive number of tokens, got {self.seq!r}.")
+        if self.batch_tokens < self.seq:
             raise ValueError(
                 f"batch_tokens ({self.batch_tokens}) must hold at least one sequence of seq "
                 f"({self.seq}) tokens."
@@ -108,6 +110,19 @@ class Hardware:
     flops: float = 0.0
     intra_host_bandwidth: float = 0.0
     inter_host_bandwidth: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.memory_bytes > 0:
+            raise ValueError(f"memory_bytes must be positive, got {self.memory_bytes!r}.")
+        if not (isinstance(self.devices_per_host, int) and self.devices_per_host >= 1):
+            raise ValueError(
+                f"devices_per_host must be a positive integer, got {self.devices_per_host!r}."
+            )
+        for name in ("flops", "intra_host_bandwidth", "inter_host_bandwidth"):
+            if getattr(self, name) < 0:
+                raise ValueError(
+                    f"{name} must not be negative (0: unknown), got {getattr(self, name)!r}."
+                )
 
 
 @dataclasses.dataclass(frozen=True)

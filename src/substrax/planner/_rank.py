@@ -130,11 +130,22 @@ def plan(
       The :class:`Plan`.
 
     Raises:
+      TypeError: If ``hardware`` or ``workload`` is of another type.
       ValueError: For an unknown architecture, a non-positive device count, no layout (or
         none that splits the batch), or a ``headroom`` outside ``[0, 1)``.
     """
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom is a share of device memory in [0, 1), got {headroom!r}.")
+    if not isinstance(hardware, Hardware):
+        raise TypeError(
+            f"hardware must be a Hardware, got {type(hardware).__name__} {hardware!r:.60}; a "
+            "named profile is HARDWARE[name] (such as HARDWARE['h100'])."
+        )
+    if not isinstance(workload, Workload):
+        raise TypeError(
+            "workload must be a Workload(batch_tokens=..., seq=...), got "
+            f"{type(workload).__name__}."
+        )
     name = model if isinstance(model, str) else "custom"
     config = architecture(model) if isinstance(model, str) else model
     leaves = list(leaves) if leaves is not None else transformer_leaves(config)

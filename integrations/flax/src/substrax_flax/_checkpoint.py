@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 from typing import Any
 
@@ -106,11 +107,17 @@ class Checkpointer:
             besides).
 
         Raises:
-          ValueError: If ``keep`` is smaller than 1.
+          TypeError: If ``directory`` is not a path.
+          ValueError: If ``keep`` is not an integer of at least 1.
           PermissionError: If the directory cannot be created or written.
         """
-        if keep < 1:
-            raise ValueError(f"keep must be at least 1, got {keep}.")
+        if not isinstance(directory, (str, os.PathLike)):
+            raise TypeError(
+                f"directory must be a path (a str or pathlib.Path), got {type(directory).__name__} "
+                f"{directory!r:.80}."
+            )
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+            raise ValueError(f"keep must be an integer of at least 1, got {keep!r}.")
         self.directory = pathlib.Path(directory).absolute()
         self.keep = keep
         check_writable(self.directory)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -119,6 +120,22 @@ def _abstract_split(factory: Callable[[], nnx.Module], mesh: Any) -> tuple[Any, 
             f"factory must be a function of no arguments that builds the model, such as "
             f"lambda: Model(rngs=nnx.Rngs(0)); got {type(factory).__name__} {factory!r:.80}."
         )
+    try:  # a class's own signature: an nnx.Module's metaclass takes (*args, **kwargs)
+        signature = inspect.signature(factory)
+        if isinstance(factory, type):
+            own = list(inspect.signature(factory.__init__).parameters.values())[1:]
+            signature = inspect.Signature(own)
+        signature.bind()
+    except ValueError:  # no signature to read (a builtin): call it and see
+        pass
+    except TypeError:
+        name = getattr(factory, "__name__", type(factory).__name__)
+        wrap = f"lambda: {name}(...)" if isinstance(factory, type) else "a lambda that calls it"
+        raise TypeError(
+            f"factory must be a function of no arguments that builds the model, but "
+            f"{name}{signature} takes arguments: pass {wrap} with them, such as "
+            "lambda: Model(rngs=nnx.Rngs(0))."
+        ) from None
 
     def split():
         model = factory()

@@ -157,6 +157,25 @@ def apply_update(
     )
 
 
+def check_step_arguments(model: Any, optimizer: Any) -> None:
+    """Raises unless a step was given ``(model, optimizer, ...)`` of the right types.
+
+    Raises:
+      TypeError: Naming the argument, what it got and what to pass.
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            "A step is called step(model, optimizer, batch); model must be an nnx.Module "
+            f"(create_sharded_model returns one), got {type(model).__name__}."
+        )
+    if not isinstance(optimizer, nnx.Optimizer):
+        raise TypeError(
+            "A step is called step(model, optimizer, batch); optimizer must be an nnx.Optimizer "
+            "such as create_sharded_optimizer(model, optax.adamw(1e-3)) returns, got "
+            f"{type(optimizer).__name__}."
+        )
+
+
 class JittedStep:
     """What every substrax step shares: batch placement, calls, lowering, jit cache, guard.
 
@@ -177,6 +196,7 @@ class JittedStep:
 
     def _built(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Built:
         """The compiled step for these arguments' program (see :mod:`substrax_flax._cache`)."""
+        check_step_arguments(model, optimizer)
         check_batch(batch)  # before its leaves are read for the key
         key = ProgramKey.of(model, optimizer, batch)
         built = self._compiled.get(key)

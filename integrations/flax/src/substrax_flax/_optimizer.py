@@ -15,7 +15,7 @@ from substrax.layout import Layout
 from substrax.mesh import Reason
 from substrax_flax._plan import model_plan, remember, shardings_of
 from substrax_flax._resolve import Rules, Strategy, VariableSharding, make_row
-from substrax_flax._state import constrain_state, shape_and_dtype, variables
+from substrax_flax._state import check_filter, constrain_state, shape_and_dtype, variables
 
 __all__ = ["create_sharded_optimizer", "optimizer_rows"]
 
@@ -140,6 +140,7 @@ def create_sharded_optimizer(
             f"({type(tx).__name__})."
         )
     graphdef, model_state = nnx.split(model)
+    check_filter(wrt)
     plan = model_plan(model, mesh, rules, strategy, what="create_sharded_optimizer")
     mesh, param_rows = plan.mesh, plan.rows
 

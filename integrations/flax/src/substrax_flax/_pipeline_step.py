@@ -11,7 +11,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax import ShardingWarning, warn_user
-from substrax.mesh import PipelineParallelStrategy
+from substrax.mesh import PipelineParallelStrategy, check_mesh
 from substrax.pipeline import Pipeline, microbatch_index
 from substrax.spmd import MixedPrecision, as_precision, use_rules
 from substrax_flax._jitted import Built, JittedStep, Update, apply_update, optimizer_shardings
@@ -20,7 +20,7 @@ from substrax_flax._nonfinite import NonFinite, check_policy
 from substrax_flax._per_device import fold_key
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
 from substrax_flax._resolve import Rules, as_rules, entry_axes, without_axes
-from substrax_flax._state import map_variables, variables
+from substrax_flax._state import check_filter, map_variables, variables
 from substrax_flax._step_plan import pipeline_plan
 from substrax_flax._traced import is_key
 
@@ -501,6 +501,19 @@ def make_pipeline_train_step(
         neither ``num_layers`` layers nor their padded slots (both checked on the first
         call).
     """
+    for name, fn in (("embed_fn", embed_fn), ("layer_fn", layer_fn), ("head_fn", head_fn)):
+        if not callable(fn):
+            raise TypeError(f"{name} must be a function, got {type(fn).__name__} {fn!r:.80}.")
+    if not isinstance(stack, str):
+        raise TypeError(
+            f"stack must name the model's attribute holding the layer stack (a str such as "
+            f"'blocks'), got {stack!r}."
+        )
+    for name, value in (("microbatches", microbatches), ("repeats", repeats)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    check_mesh(mesh)
+    check_filter(wrt)
     check_policy(on_nonfinite)
     if stage_axis not in mesh.axis_names:
         raise ValueError(

@@ -505,8 +505,14 @@ def model_plan(
     """The plan a model remembers, or (for a model substrax did not place) one made now.
 
     Raises:
+      TypeError: If ``model`` is not an ``nnx.Module``.
       ValueError: If the model remembers a plan and the arguments disagree with it.
     """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"{what} expects an nnx.Module (create_sharded_model returns one), got "
+            f"{type(model).__name__}."
+        )
     plan = plan_of(model)
     if plan is None and all(x is None for x in (mesh, rules, strategy, layout)):
         plan = _plan_of_copy(model, what)

@@ -63,7 +63,15 @@ def remat(method: Callable[..., Any]) -> Callable[..., Any]:
     Returns:
       The method, run under ``nnx.remat`` with the active step's policy when that policy is
       not ``"none"``, and unchanged otherwise.
+
+    Raises:
+      TypeError: If ``method`` is not a function (``@remat`` is used without arguments).
     """
+    if not callable(method):
+        raise TypeError(
+            f"remat decorates a block's method (@substrax_flax.remat above def __call__), got "
+            f"{type(method).__name__} {method!r:.80}; the policy is make_train_step(remat=...)'s."
+        )
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):

@@ -12,6 +12,7 @@ from substrax.spmd import lay_out
 
 __all__ = [
     "METADATA_KEYS",
+    "check_filter",
     "constrain_state",
     "is_variable",
     "layer_kinds",
@@ -169,3 +170,26 @@ def constrain_state(state: Any, shardings: Any) -> Any:
         return lay_out(leaf.get_value() if is_variable(leaf) else leaf, by_path[path])
 
     return map_variables(place, state)
+
+
+def check_filter(wrt: Any, argument: str = "wrt") -> Any:
+    """``wrt`` itself if it is an ``nnx`` filter; else a clear error.
+
+    Args:
+      wrt: The value passed as a filter.
+      argument: The argument's name, for the message.
+
+    Returns:
+      ``wrt``.
+
+    Raises:
+      TypeError: If Flax cannot make a filter of it (its own error is garbled for some values).
+    """
+    try:
+        nnx.filterlib.to_predicate(wrt)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"{argument} must be an nnx filter: a Variable type (nnx.Param, nnx.LoRAParam, ...), "
+            f"a tuple of filters, nnx.Not(...), nnx.All(...), or a path string; got {wrt!r}."
+        ) from None
+    return wrt

@@ -39,7 +39,7 @@ from substrax_flax._per_device import sync_batch_norms
 from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, shardings_of
 from substrax_flax._remat import Marked, use_remat
 from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules, entry_axes
-from substrax_flax._state import constrain_state, shape_and_dtype, variables
+from substrax_flax._state import check_filter, constrain_state, shape_and_dtype, variables
 from substrax_flax._step_plan import (
     Decision,
     StepPlan,
@@ -513,9 +513,20 @@ def _check_param_dtype(model: nnx.Module, wrt: Any, precision: MixedPrecision) -
 
 
 def _axes(value: Sequence[str] | str | None) -> tuple[str, ...] | None:
+    """``batch_axes`` as a tuple (None stays None).
+
+    Raises:
+      TypeError: If it is not a mesh axis name or a sequence of them.
+    """
     if value is None:
         return None
-    return (value,) if isinstance(value, str) else tuple(value)
+    axes = (value,) if isinstance(value, str) else value
+    if not isinstance(axes, Sequence) or not all(isinstance(a, str) for a in axes):
+        raise TypeError(
+            f"batch_axes must be a mesh axis name or a sequence of them, such as ('data',); "
+            f"got {value!r}."
+        )
+    return tuple(axes)
 
 
 def make_train_step(
@@ -643,6 +654,7 @@ def make_train_step(
         )
     if gather not in ("keep", "regather"):
         raise ValueError(f"gather must be 'keep' or 'regather', got {gather!r}.")
+    check_filter(wrt)
     check_policy(on_nonfinite)
     checkpoint_policy(remat)  # raises for an unknown name
     if data_parallel not in DATA_PARALLEL:
