@@ -100,6 +100,8 @@ def test_unannotated_model_follows_the_strategy(mesh):
     assert specs["down/bias"] == P("model")  # (32,): 32 >= min_weight_size
     reason = plan.report().row("attn/out/kernel").reasons[0]
     assert reason.kind == "below_threshold" and "below min_weight_size" in str(reason)
+    # in the report's words (as its rule column), not the strategy's class name
+    assert str(reason).startswith("fsdp over model: ") and "Strategy" not in plan.report().table()
 
 
 def test_unannotated_without_strategy_is_replicated_and_says_so(mesh):

@@ -247,6 +247,9 @@ class Resolver:
                 resolution = resolution.move_left_out(shape, self.mesh, stay=STAY)
         elif self.strategy is not None:
             resolution = self.strategy.resolve(shape, self.mesh, name=path, layer=layer)
+            resolution = dataclasses.replace(
+                resolution, reasons=tuple(_in_words(r) for r in resolution.reasons)
+            )
             rule = strategy_words(self.strategy)
         else:
             reasons = (Reason("no_annotation", None, None, (), "no annotation and no strategy: "
@@ -341,6 +344,19 @@ _WORDS = {
     "TensorParallelStrategy": "tp",
     "PipelineParallelStrategy": "pp",
 }
+
+
+def _in_words(reason: Reason) -> Reason:
+    """``reason`` with a strategy's class name (``"FSDPStrategy: ..."``) in the report's words.
+
+    ``"FSDPStrategy: 63 elements are below min_elements 256"`` over ``data`` reads
+    ``"fsdp over data: 63 elements are below min_elements 256"``, as the rule column says it.
+    """
+    kind, sep, detail = reason.detail.partition(": ")
+    if not sep or kind not in _WORDS:
+        return reason
+    over = f" over {'+'.join(reason.axes)}" if reason.axes else ""
+    return dataclasses.replace(reason, detail=f"{_WORDS[kind]}{over}: {detail}")
 
 
 def strategy_words(strategy: Any) -> str:
