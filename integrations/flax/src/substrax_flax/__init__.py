@@ -4,7 +4,9 @@ Every variable's logical axis names (``nnx.with_partitioning``) resolve through 
 (or a named :class:`substrax.layout.Layout`); unannotated variables follow a substrax strategy.
 Models are created inside ``jax.jit`` with the planned output shardings, so no device ever
 holds a whole model. The model remembers its plan: the optimizer, the train steps and the
-report take it from there. ``substrax_flax.planner`` plans your own models for the planner.
+report take it from there. Pretrained safetensors weights load straight into the planned
+shardings (:func:`load_weights`) and are written back (:func:`save_weights`).
+``substrax_flax.planner`` plans your own models for the planner.
 """
 
 from substrax_flax._checkpoint import Checkpointer as Checkpointer
@@ -28,11 +30,20 @@ from substrax_flax._step_plan import ParamStep as ParamStep
 from substrax_flax._step_plan import StepPlan as StepPlan
 from substrax_flax._train import TrainStep as TrainStep
 from substrax_flax._train import make_train_step as make_train_step
+from substrax_flax._weights import KeyMap as KeyMap
+from substrax_flax._weights import Target as Target
+from substrax_flax._weights import WeightsMismatch as WeightsMismatch
+from substrax_flax._weights import WeightsPlan as WeightsPlan
+from substrax_flax._weights import load_weights as load_weights
+from substrax_flax._weights import plan_weights as plan_weights
+from substrax_flax._weights import save_tensors as save_tensors
+from substrax_flax._weights import save_weights as save_weights
 
 __all__ = [
     "CheckpointWarning",
     "Checkpointer",
     "Decision",
+    "KeyMap",
     "MixtureOfExperts",
     "ModelPlan",
     "NonFiniteWarning",
@@ -40,15 +51,22 @@ __all__ = [
     "PipelineTrainStep",
     "ShardingReport",
     "StepPlan",
+    "Target",
     "TrainStep",
     "VariableSharding",
+    "WeightsMismatch",
+    "WeightsPlan",
     "create_sharded_model",
     "create_sharded_optimizer",
     "get_shardings",
+    "load_weights",
     "make_pipeline_train_step",
     "make_train_step",
     "plan_model",
+    "plan_weights",
     "remat",
+    "save_tensors",
+    "save_weights",
     "shard_model",
     "sharding_report",
 ]

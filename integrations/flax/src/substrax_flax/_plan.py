@@ -374,6 +374,42 @@ class ModelPlan:
         remember(model, self)
         return model
 
+    def create_with(self, values: dict[str, jax.Array]) -> nnx.Module:
+        """Assembles the model from ``values`` (by path), initialising only the rest.
+
+        The variables ``values`` lacks are created by a jitted init that returns only them
+        (XLA drops the rest of the factory's work, its random numbers included); with
+        nothing lacking, no init runs at all.
+
+        Args:
+          values: Arrays in this plan's shardings, keyed by variable path.
+
+        Returns:
+          The model, which remembers this plan.
+
+        Raises:
+          ValueError: For a plan made from a live model.
+        """
+        self._need_factory()
+        paths = [path for path, _ in variables(self._template)]
+        rest = [path for path in paths if path not in values]
+        made = {}
+        if rest:
+            wanted = set(rest)
+            by_path = values_by_path(self.shardings)
+
+            def init():
+                made = zip(paths, self._create_values(), strict=True)
+                return [value for path, value in made if path in wanted]
+
+            with self._mesh_context():
+                created = jax.jit(init, out_shardings=[by_path[p] for p in rest])()
+            made = dict(zip(rest, created, strict=True))
+        state = map_variables(lambda path, _: values.get(path, made.get(path)), self._template)
+        model = nnx.merge(self.graphdef, state)
+        remember(model, self)
+        return model
+
     def adopt(self, model: nnx.Module, what: str) -> None:
         """Makes ``model`` remember this plan, checking that it is laid out by it.
 

@@ -1,0 +1,299 @@
+"""The safetensors format, read by slices and written tensor by tensor.
+
+A ``.safetensors`` file is an 8-byte little-endian header length, a JSON header naming each
+tensor's dtype, shape and byte range, then the raw bytes (row-major, little-endian). A
+checkpoint is one file, a directory of them, or a directory with a
+``model.safetensors.index.json`` (``weight_map``: tensor name -> file), as Hugging Face writes
+sharded checkpoints. Reading maps the file into memory and copies out only the slice asked
+for, so a process touches only the bytes of the shards its devices hold; :attr:`bytes_read`
+counts them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import struct
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["INDEX", "Checkpoint", "SafetensorsFile", "parse_size", "write_checkpoint"]
+
+#: The index file of a sharded checkpoint.
+INDEX = "model.safetensors.index.json"
+
+_DTYPES = {
+    "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
+    "I16": np.dtype(np.int16), "U16": np.dtype(np.uint16), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "I32": np.dtype(np.int32),
+    "U32": np.dtype(np.uint32), "F32": np.dtype(np.float32), "F64": np.dtype(np.float64),
+    "I64": np.dtype(np.int64), "U64": np.dtype(np.uint64),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+}  # fmt: skip
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def _dtype_name(dtype: Any) -> str:
+    dtype = np.dtype(dtype)
+    if dtype not in _NAMES:
+        raise ValueError(f"safetensors has no dtype for {dtype}; it has {', '.join(_DTYPES)}.")
+    return _NAMES[dtype]
+
+
+class SafetensorsFile:
+    """One ``.safetensors`` file, its header read and its tensors mapped, not loaded.
+
+    Args:
+      path: The file.
+
+    Raises:
+      ValueError: If the file is not in the safetensors format (its header is named).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = pathlib.Path(path)
+        with self.path.open("rb") as file:
+            head = file.read(8)
+            if len(head) < 8:
+                raise ValueError(
+                    f"{self.path} is not a safetensors file: it has {len(head)} bytes."
+                )
+            (length,) = struct.unpack("<Q", head)
+            try:
+                header = json.loads(file.read(length))
+            except (ValueError, UnicodeDecodeError):
+                raise ValueError(
+                    f"{self.path} is not a safetensors file: its first {length} bytes after the "
+                    "length are not a JSON header."
+                ) from None
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.start = 8 + length
+        self.tensors = {}
+        for name, entry in header.items():
+            if entry["dtype"] not in _DTYPES:
+                raise ValueError(
+                    f"{self.path}: tensor {name!r} has dtype {entry['dtype']!r}, which substrax "
+                    f"cannot read; it reads {', '.join(_DTYPES)}."
+                )
+            self.tensors[name] = (_DTYPES[entry["dtype"]], tuple(entry["shape"]),
+                                  tuple(entry["data_offsets"]))  # fmt: skip
+        self.bytes_read = 0
+        self._map: np.memmap | None = None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``."""
+        return self.tensors[name][1]
+
+    def dtype(self, name: str) -> np.dtype:
+        """The dtype of tensor ``name``."""
+        return self.tensors[name][0]
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """A copy of tensor ``name``, or of its slice ``index`` (one slice per dimension).
+
+        Only the slice's bytes are copied out of the mapped file (and counted in
+        :attr:`bytes_read`).
+        """
+        dtype, shape, (begin, end) = self.tensors[name]
+        if self._map is None:
+            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        raw = self._map[self.start + begin : self.start + end]
+        whole = raw.view(dtype).reshape(shape) if shape else raw.view(dtype).reshape(())
+        out = np.array(whole if index is None else whole[index])
+        self.bytes_read += out.nbytes
+        return out
+
+
+class Checkpoint:
+    """A safetensors checkpoint: one file, a directory of files, or a sharded directory.
+
+    Args:
+      source: A ``.safetensors`` file, or a directory holding ``.safetensors`` files (with or
+        without ``model.safetensors.index.json``).
+
+    Raises:
+      FileNotFoundError: If ``source`` does not exist or holds no ``.safetensors`` file.
+      ValueError: If a tensor is in two files, or the index names a missing file or tensor.
+    """
+
+    def __init__(self, source: str | os.PathLike):
+        self.source = pathlib.Path(source)
+        if not self.source.exists():
+            raise FileNotFoundError(f"No safetensors checkpoint at {self.source}.")
+        files = self._files()
+        self.files = {path.name: SafetensorsFile(path) for path in files}
+        self.where: dict[str, SafetensorsFile] = {}
+        for file in self.files.values():
+            for name in file.tensors:
+                if name in self.where:
+                    raise ValueError(
+                        f"Tensor {name!r} is in both {self.where[name].path.name} and "
+                        f"{file.path.name}."
+                    )
+                self.where[name] = file
+        index = self.source / INDEX if self.source.is_dir() else None
+        if index is not None and index.exists():
+            self._check_index(json.loads(index.read_text()).get("weight_map", {}))
+
+    def _files(self) -> list[pathlib.Path]:
+        if self.source.is_file():
+            return [self.source]
+        index = self.source / INDEX
+        if index.exists():
+            names = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+            missing = [n for n in names if not (self.source / n).exists()]
+            if missing:
+                raise ValueError(f"{index} names files that are not there: {missing}.")
+            return [self.source / n for n in names]
+        files = sorted(self.source.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{self.source} holds no .safetensors file.")
+        return files
+
+    def _check_index(self, weight_map: dict[str, str]) -> None:
+        wrong = [name for name, file in weight_map.items()
+                 if name not in self.where or self.where[name].path.name != file]  # fmt: skip
+        if wrong:
+            raise ValueError(
+                f"{self.source / INDEX} places tensors where they are not: {wrong[:5]}"
+                + (" ..." if len(wrong) > 5 else "")
+            )
+
+    @property
+    def names(self) -> list[str]:
+        """Every tensor's name."""
+        return list(self.where)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``."""
+        return self.where[name].shape(name)
+
+    def dtype(self, name: str) -> np.dtype:
+        """The dtype of tensor ``name``."""
+        return self.where[name].dtype(name)
+
+    def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+        """Tensor ``name``, or its slice ``index`` (see :meth:`SafetensorsFile.read`)."""
+        return self.where[name].read(name, index)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes copied out of the files so far."""
+        return sum(file.bytes_read for file in self.files.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor."""
+        return sum(
+            math.prod(shape) * dtype.itemsize
+            for file in self.files.values()
+            for dtype, shape, _ in file.tensors.values()
+        )
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from ``2GB``, ``500MB``, ``1GiB`` or an int.
+
+    Raises:
+      ValueError: For anything else, naming the forms it reads.
+    """
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+             "B": 1}  # fmt: skip
+    text = str(size).strip().upper()
+    for unit, scale in units.items():
+        number = text.removesuffix(unit).strip()
+        if text.endswith(unit) and number.replace(".", "", 1).isdigit() and float(number) > 0:
+            return int(float(number) * scale)
+    raise ValueError(
+        f"shard_size must be a positive byte count or a size such as '2GB', '500MB' or '1GiB', "
+        f"got {size!r}."
+    )
+
+
+def _header(entries: list[tuple[str, np.dtype, tuple[int, ...]]], metadata: dict) -> bytes:
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, dtype, shape in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _dtype_name(dtype), "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}  # fmt: skip
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    return struct.pack("<Q", len(text)) + text
+
+
+def _shards(entries, limit: int) -> list[list]:
+    shards, size = [[]], 0
+    for entry in entries:
+        nbytes = math.prod(entry[2]) * entry[1].itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += nbytes
+    return shards
+
+
+def write_checkpoint(
+    directory: str | os.PathLike,
+    entries: list[tuple[str, np.dtype, tuple[int, ...]]],
+    tensors: Iterable[np.ndarray] | Iterator[np.ndarray],
+    *,
+    shard_size: int,
+    metadata: dict[str, str] | None = None,
+) -> list[pathlib.Path]:
+    """Writes tensors, one at a time, as a safetensors checkpoint in ``directory``.
+
+    One file ``model.safetensors`` when everything fits in ``shard_size``; otherwise
+    ``model-0000k-of-0000n.safetensors`` files and ``model.safetensors.index.json``, as Hugging
+    Face names them. Each header is written first, from ``entries``; ``tensors`` then yields
+    each array in ``entries``' order, so only one is in host memory at a time.
+
+    Args:
+      directory: Where to write (created if needed).
+      entries: ``(name, dtype, shape)`` of each tensor, in order.
+      tensors: The arrays, in the same order.
+      shard_size: Bytes per file, at most (a larger tensor gets a file of its own).
+      metadata: The header's ``__metadata__`` (string values), such as ``{"format": "pt"}``.
+
+    Returns:
+      The files written (the index last, when there is one).
+    """
+    directory = pathlib.Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    metadata = {"format": "pt", **(metadata or {})}
+    shards = _shards(entries, shard_size)
+    count = len(shards)
+    names = (
+        ["model.safetensors"]
+        if count == 1
+        else [f"model-{k + 1:05d}-of-{count:05d}.safetensors" for k in range(count)]
+    )
+    tensors = iter(tensors)
+    written = []
+    for name, shard in zip(names, shards, strict=True):
+        with (directory / name).open("wb") as file:
+            file.write(_header(shard, metadata))
+            for key, dtype, shape in shard:
+                array = np.ascontiguousarray(next(tensors), dtype=dtype)
+                if array.shape != tuple(shape):
+                    raise ValueError(f"Tensor {key!r} has shape {array.shape}, not {shape}.")
+                file.write(array.reshape(-1).view(np.uint8).data)  # no second copy
+        written.append(directory / name)
+    if len(shards) > 1:
+        total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in entries)
+        weight_map = {key: name for name, shard in zip(names, shards, strict=True)
+                      for key, _, _ in shard}  # fmt: skip
+        index = directory / INDEX
+        index.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map},
+                                    indent=2))  # fmt: skip
+        written.append(index)
+    return written
