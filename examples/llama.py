@@ -88,13 +88,24 @@ def _rope(x, theta):
     return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
 
 
-class LlamaBlock(nnx.Module):
-    """Pre-norm grouped-query attention with rotary positions, then a SwiGLU MLP."""
+#: The projections that get LoRA adapters (``lora_rank > 0``), as LoRA's paper adapts them.
+LORA_TARGETS = ("q", "v")
 
-    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs):
+
+class LlamaBlock(nnx.Module):
+    """Pre-norm grouped-query attention with rotary positions, then a SwiGLU MLP.
+
+    With ``lora_rank > 0`` the :data:`LORA_TARGETS` projections get low-rank adapters
+    (``nnx.LoRAParam``: ``<name>_lora_a`` ``[embed, rank]``, random, and ``<name>_lora_b``
+    ``[rank, heads, head_dim]``, zero, so a fresh adapter changes nothing), scaled by
+    ``lora_alpha / lora_rank``; train them alone with ``wrt=nnx.LoRAParam``.
+    """
+
+    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, lora_rank: int = 0,
+                 lora_alpha: float = 16.0):  # fmt: skip
         d, f = config.hidden_size, config.intermediate_size
         h, kv, k = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.config = config
+        self.config, self.lora_scale = config, lora_alpha / max(lora_rank, 1)
         self.attn_norm = nnx.Param(jnp.ones((d,)), out_sharding=("embed",))
         self.q = _param(rngs, (d, h, k), ("embed", "heads", "kv"))
         self.k = _param(rngs, (d, kv, k), ("embed", "kv_heads", "kv"))
@@ -104,14 +115,38 @@ class LlamaBlock(nnx.Module):
         self.gate = _param(rngs, (d, f), ("embed", "mlp"))
         self.up = _param(rngs, (d, f), ("embed", "mlp"))
         self.down = _param(rngs, (f, d), ("mlp", "embed"))
+        for name in LORA_TARGETS if lora_rank else ():
+            base = getattr(self, name)
+            heads = base.get_metadata()["out_sharding"][1]
+            a = nnx.initializers.normal(1.0 / lora_rank)(rngs.params(), (d, lora_rank))
+            setattr(self, f"{name}_lora_a", nnx.LoRAParam(a, out_sharding=("embed", None)))
+            b = jnp.zeros((lora_rank, *base.shape[1:]))
+            setattr(self, f"{name}_lora_b", nnx.LoRAParam(b, out_sharding=(None, heads, "kv")))
+
+    def _project(self, name, h):
+        """``h`` through projection ``name``, plus its adapter's low-rank update if it has one."""
+        out = jnp.einsum("bte,ehk->bthk", h, getattr(self, name)[...])
+        if hasattr(self, f"{name}_lora_a"):
+            low = h @ getattr(self, f"{name}_lora_a")[...]
+            lora_b = getattr(self, f"{name}_lora_b")[...]
+            out = out + self.lora_scale * jnp.einsum("btr,rhk->bthk", low, lora_b)
+        return out
+
+    def merge_lora(self) -> None:
+        """Adds each adapter's update into its projection and zeroes the adapter (in place)."""
+        for name in LORA_TARGETS:
+            if hasattr(self, f"{name}_lora_a"):
+                a, b = getattr(self, f"{name}_lora_a"), getattr(self, f"{name}_lora_b")
+                base = getattr(self, name)
+                update = self.lora_scale * jnp.einsum("er,rhk->ehk", a[...], b[...])
+                base[...] = (base[...] + update).astype(base[...].dtype)
+                b[...] = jnp.zeros_like(b[...])
 
     @sf.remat
     def __call__(self, x):
         c = self.config
         h = _rms_norm(x, self.attn_norm[...], c.rms_norm_eps)
-        q = jnp.einsum("bte,ehk->bthk", h, self.q[...])
-        k = jnp.einsum("bte,ehk->bthk", h, self.k[...])
-        v = jnp.einsum("bte,ehk->bthk", h, self.v[...])
+        q, k, v = (self._project(name, h) for name in ("q", "k", "v"))
         q = constrain(_rope(q, c.rope_theta), "data", "seq", "heads", "kv")
         k = constrain(_rope(k, c.rope_theta), "data", "seq", "kv_heads", "kv")
         v = constrain(v, "data", "seq", "kv_heads", "kv")
@@ -127,10 +162,12 @@ class LlamaBlock(nnx.Module):
 class Llama(nnx.Module):
     """Token embedding, the blocks, a final norm and the output head (or the tied embedding)."""
 
-    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs):
+    def __init__(self, config: LlamaConfig, rngs: nnx.Rngs, lora_rank: int = 0):
         self.config = config
         self.embed = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"))
-        self.layers = nnx.List([LlamaBlock(config, rngs) for _ in range(config.num_hidden_layers)])
+        self.layers = nnx.List(
+            [LlamaBlock(config, rngs, lora_rank) for _ in range(config.num_hidden_layers)]
+        )
         self.norm = nnx.Param(jnp.ones((config.hidden_size,)), out_sharding=("embed",))
         if not config.tie_word_embeddings:
             self.head = _param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"))
@@ -142,6 +179,11 @@ class Llama(nnx.Module):
         x = _rms_norm(x, self.norm[...], self.config.rms_norm_eps)
         head = self.embed[...].T if self.config.tie_word_embeddings else self.head[...]
         return constrain(x @ head, "data", "seq", "vocab")
+
+    def merge_lora(self) -> None:
+        """Folds every LoRA adapter into its projection (see :meth:`LlamaBlock.merge_lora`)."""
+        for block in self.layers:
+            block.merge_lora()
 
     def forward(self, tokens):
         """The logits and no auxiliary loss (as ``gpt.GPT.forward``, for the example's loss)."""
@@ -182,17 +224,36 @@ def key_map(config: LlamaConfig) -> dict:
     return table
 
 
-def from_pretrained(directory: str | pathlib.Path, mesh=None, **kwargs) -> Llama:
+def from_pretrained(directory: str | pathlib.Path, mesh=None, *, lora_rank: int = 0,
+                    seed: int = 0, **kwargs) -> Llama:  # fmt: skip
     """The model of a Hugging Face Llama checkpoint directory, loaded sharded.
 
     Args:
       directory: Holds ``config.json`` and the safetensors file(s).
       mesh: The mesh (or pass ``layout=``).
+      lora_rank: Add LoRA adapters of this rank (0: none); they keep their initialisers.
+      seed: Seeds the adapters' initialisers.
       **kwargs: More :func:`substrax_flax.load_weights` arguments (``layout``, ``dtype``, ...).
     """
     config = LlamaConfig.from_json(directory)
-    return sf.load_weights(lambda: Llama(config, nnx.Rngs(0)), mesh, directory,
+    return sf.load_weights(lambda: Llama(config, nnx.Rngs(seed), lora_rank), mesh, directory,
                            key_map=key_map(config), **kwargs)  # fmt: skip
+
+
+def save_pretrained(model: Llama, directory: str | pathlib.Path, **kwargs) -> list[pathlib.Path]:
+    """Writes ``config.json`` and the weights in Hugging Face's names and layouts.
+
+    Args:
+      model: The model (with LoRA adapters: call ``model.merge_lora()`` first and pass
+        ``leave_out=[".*_lora_.*"]``).
+      directory: Where to write.
+      **kwargs: More :func:`substrax_flax.save_weights` arguments (``shard_size``, ...).
+    """
+    written = sf.save_weights(model, directory, key_map=key_map(model.config), **kwargs)
+    if jax.process_index() == 0:
+        path = pathlib.Path(directory) / "config.json"
+        path.write_text(json.dumps(model.config.to_json(), indent=2))
+    return written
 
 
 def hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

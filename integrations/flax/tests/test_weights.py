@@ -246,3 +246,34 @@ def test_a_hugging_face_llama_checkpoint_gives_the_reference_logits(tmp_path, ki
     assert back.keys() == tensors.keys()
     for name, value in tensors.items():
         np.testing.assert_array_equal(back[name], value)
+
+
+class _Split(nnx.Module):
+    """Separate q, k, v kernels that a checkpoint stores fused as one ``[3 * out, in]`` matrix."""
+
+    def __init__(self, rngs):
+        self.q = nnx.Param(rngs.params.normal((16, 2, 4)), out_sharding=("embed", "heads", "kv"))
+        self.k = nnx.Param(rngs.params.normal((16, 1, 4)), out_sharding=("embed", "kv_heads", "kv"))
+        self.v = nnx.Param(rngs.params.normal((16, 1, 4)), out_sharding=("embed", "kv_heads", "kv"))
+
+
+FUSED = {
+    "qkv.weight": [
+        sf.Target("q", "(h d) e -> e h d", {"h": 2}, take=(0, 0, 8)),
+        sf.Target("k", "(h d) e -> e h d", {"h": 1}, take=(0, 8, 12)),
+        sf.Target("v", "(h d) e -> e h d", {"h": 1}, take=(0, 12, 16)),
+    ]
+}
+
+
+def test_a_fused_tensor_splits_over_several_variables_and_fuses_back(tmp_path):
+    fused = np.arange(16 * 16, dtype=np.float32).reshape(16, 16)
+    sf.save_tensors(tmp_path / "in", {"qkv.weight": fused})
+    layout = Layout.named("fsdp+tp", {"data": 2, "model": 4})
+    model = sf.load_weights(lambda: _Split(nnx.Rngs(0)), source=tmp_path / "in", layout=layout,
+                            key_map=FUSED)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(model.k[...])[:, 0, :], fused[8:12].T)
+    np.testing.assert_array_equal(np.asarray(model.q[...])[:, 1, :], fused[4:8].T)
+    sf.save_weights(model, tmp_path / "out", key_map=FUSED)
+    back = safetensors.numpy.load_file(tmp_path / "out" / "model.safetensors")
+    np.testing.assert_array_equal(back["qkv.weight"], fused)
