@@ -42,6 +42,7 @@ from flax import nnx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import gpt
+import llama
 
 import substrax_flax as sf
 from substrax.hlo import peak_bytes
@@ -122,6 +123,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--schedule", default="1f1b", help="pipeline: gpipe, 1f1b or circular")
     parser.add_argument("--repeats", type=int, default=1, help="circular pipeline rounds")
+    parser.add_argument(
+        "--init-from", type=pathlib.Path, default=None,
+        help="a Hugging Face Llama checkpoint directory (config.json + safetensors) to "
+        "fine-tune instead of training the GPT decoder from scratch; python "
+        "examples/llama.py DIR writes a small random one",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lora-rank", type=int, default=0,
+        help="with --init-from: train rank-R LoRA adapters on the q and v projections only "
+        "(0: train every parameter)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--export", type=pathlib.Path, default=None,
+        help="with --init-from: write the trained model (adapters merged) here as a Hugging "
+        "Face checkpoint",
+    )  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
                         help="save sharded checkpoints here (none: no checkpoints)")  # fmt: skip
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
@@ -156,6 +173,8 @@ def build(args):
     check_writable(args.output_dir, "--output-dir")
     if args.checkpoint_dir is not None:
         check_writable(args.checkpoint_dir, "--checkpoint-dir")
+    if args.export is not None:
+        check_writable(args.export, "--export")
     shape = parse_mesh(args.mesh)
     if args.moe_experts and (args.stacked or args.strategy == "pp"):
         raise UsageError("--moe-experts runs the blocks in a loop: drop --stacked and pp")
@@ -199,12 +218,46 @@ def build(args):
             f"--seq {args.seq} does not split into 2 x {layout.cp} chunks over the context axes "
             f"{layout.context_axes} (zigzag order); use a multiple of {2 * layout.cp}"
         )
+    if args.init_from is not None:
+        return mesh, layout, pretrained_config(args)
+    if args.lora_rank or args.export is not None:
+        raise UsageError("--lora-rank and --export fine-tune a checkpoint: pass --init-from DIR")
     config = gpt.Config(
         vocab=args.vocab, d_model=args.d_model, heads=args.heads, mlp=args.mlp,
         layers=args.layers, seq=args.seq, moe_experts=args.moe_experts,
         capacity_factor=args.capacity_factor or None,
     )  # fmt: skip
     return mesh, layout, config
+
+
+SIZES = ("vocab", "d_model", "heads", "mlp", "layers", "moe_experts")
+
+
+def pretrained_config(args) -> llama.LlamaConfig:
+    """The checkpoint's config, after checking that the other flags agree with it."""
+    defaults = parse_args([])
+    changed = [f"--{name.replace('_', '-')}" for name in SIZES
+               if getattr(args, name) != getattr(defaults, name)]  # fmt: skip
+    if changed:
+        raise UsageError(
+            f"{', '.join(changed)}: the checkpoint's config.json sets the model's sizes with "
+            "--init-from; drop them"
+        )
+    if args.strategy == "pp" or args.stacked:
+        raise UsageError("--init-from loads the Llama decoder, whose blocks run in a loop: "
+                         "drop --stacked and pp")  # fmt: skip
+    if args.lora_rank < 0:
+        raise UsageError(f"--lora-rank must not be negative, got {args.lora_rank}")
+    try:
+        config = llama.LlamaConfig.from_json(args.init_from)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--init-from {args.init_from}: {error}") from None
+    if config.vocab_size < 128:
+        raise UsageError(
+            f"--init-from: the checkpoint's vocab_size {config.vocab_size} is below the 128 "
+            "tokens of the byte-level data"
+        )
+    return config
 
 
 POSITIVE = ("steps", "batch_size", "save_every", "keep", "microbatches", "repeats", "vocab",
@@ -407,23 +460,28 @@ def train(args) -> dict:
             nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
         return model
 
-    plan = sf.plan_model(factory, mesh, layout=layout)
-    if primary and not args.quiet:
-        print(f"mesh {dict(mesh.shape)}, strategy {args.strategy}")
-        print(plan.report())
-    model = plan.create()
-    optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(args.learning_rate))
+    if args.init_from is not None:
+        model = load_pretrained(args, mesh, layout, config, primary)
+    else:
+        plan = sf.plan_model(factory, mesh, layout=layout)
+        if primary and not args.quiet:
+            print(f"mesh {dict(mesh.shape)}, strategy {args.strategy}")
+            print(plan.report())
+        model = plan.create()
+    optimizer = sf.create_sharded_optimizer(
+        model, gpt.optimizer(args.learning_rate), wrt=trained(args)
+    )
     checkpointer = resume(args, model, optimizer, primary)
     start_step = int(optimizer.step[...])
     losses, skipped, progress = [], [], Progress(args.steps, start_step)
-    tokens = args.batch_size * config.seq
+    tokens = args.batch_size * args.seq
     log = StepLog(args.output_dir / "metrics.jsonl", start_step) if primary else None
     board = None
     if primary and args.tensorboard:
         board = Scalars(args.output_dir / "tensorboard", start_step)
     started, compile_seconds = time.perf_counter(), 0.0
     for step in range(start_step, args.steps):
-        batch = gpt.batch_at(step, args.batch_size, config.seq, args.seed)
+        batch = gpt.batch_at(step, args.batch_size, args.seq, args.seed)
         if primary and step == start_step:
             print("compiling the train step ...", flush=True)
         tick = time.perf_counter()
@@ -460,6 +518,8 @@ def train(args) -> dict:
     elapsed = time.perf_counter() - started
     if board is not None:
         board.close()
+    if args.export is not None:
+        export(args, model, primary)
     if not losses:
         raise UsageError(f"nothing to do: the checkpoint is at step {start_step} >= --steps")
     state = sf.sharding_report(model).bytes_per_device
@@ -501,6 +561,43 @@ def train(args) -> dict:
     return metrics
 
 
+def trained(args):
+    """The variables the optimizer and the step train: the adapters alone under LoRA."""
+    return nnx.LoRAParam if args.lora_rank else nnx.Param
+
+
+def load_pretrained(args, mesh, layout, config, primary):
+    """The Llama decoder with the checkpoint's weights (float32, or bfloat16 with bf16)."""
+    dtype = jnp.bfloat16 if args.precision == "bf16" else jnp.float32  # converted, and said
+
+    def factory():
+        return llama.Llama(config, nnx.Rngs(args.seed), args.lora_rank)
+
+    try:
+        plan = sf.plan_weights(factory, mesh, args.init_from, layout=layout,
+                               key_map=llama.key_map(config), dtype=dtype)  # fmt: skip
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--init-from {args.init_from}: {error}") from None
+    if primary and not args.quiet:
+        print(f"mesh {dict(mesh.shape)}, strategy {args.strategy}")
+        print(plan.model.report())
+    if primary:
+        print(plan)
+    try:
+        return plan.load()
+    except sf.WeightsMismatch as error:
+        raise UsageError(f"--init-from {args.init_from}: {error}") from None
+
+
+def export(args, model, primary) -> None:
+    """Writes the trained model to ``--export`` in Hugging Face's format, adapters merged."""
+    if args.lora_rank:
+        model.merge_lora()
+    llama.save_pretrained(model, args.export, leave_out=[".*_lora_.*"])
+    if primary:
+        print(f"exported the model (LoRA adapters merged) to {args.export}")
+
+
 def make_step(args, mesh):
     """The train step: pipelined for ``--strategy pp``, the plain one otherwise.
 
@@ -509,7 +606,7 @@ def make_step(args, mesh):
     if args.strategy != "pp":
         return sf.make_train_step(
             gpt.loss_fn, remat=args.remat, microbatches=args.microbatches,
-            precision=args.precision,
+            precision=args.precision, wrt=trained(args),
         )  # fmt: skip
     try:
         return sf.make_pipeline_train_step(

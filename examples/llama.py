@@ -301,3 +301,25 @@ def write_random_checkpoint(directory, config: LlamaConfig, *, seed=0, dtype=np.
     sf.save_tensors(directory, tensors, shard_size=shard_size)
     (directory / "config.json").write_text(json.dumps(config.to_json(), indent=2))
     return tensors
+
+
+def main(argv=None) -> int:
+    """``python examples/llama.py DIR``: writes a small random Llama checkpoint to fine-tune."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__.split(": ", 1)[1])
+    parser.add_argument("directory", type=pathlib.Path, help="where to write it")
+    parser.add_argument("--layers", type=int, default=LlamaConfig.num_hidden_layers,
+                        help="decoder blocks")  # fmt: skip
+    parser.add_argument("--hidden-size", type=int, default=LlamaConfig.hidden_size,
+                        help="model width")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="weights' seed")
+    args = parser.parse_args(argv)
+    config = LlamaConfig(num_hidden_layers=args.layers, hidden_size=args.hidden_size)
+    write_random_checkpoint(args.directory, config, seed=args.seed)
+    print(f"wrote a random Llama checkpoint ({config}) to {args.directory}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import pathlib
 import struct
@@ -83,7 +84,6 @@ class SafetensorsFile:
             self.tensors[name] = (_DTYPES[entry["dtype"]], tuple(entry["shape"]),
                                   tuple(entry["data_offsets"]))  # fmt: skip
         self.bytes_read = 0
-        self._map: np.memmap | None = None
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name``."""
@@ -100,11 +100,24 @@ class SafetensorsFile:
         :attr:`bytes_read`).
         """
         dtype, shape, (begin, end) = self.tensors[name]
-        if self._map is None:
-            self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
-        raw = self._map[self.start + begin : self.start + end]
-        whole = raw.view(dtype).reshape(shape) if shape else raw.view(dtype).reshape(())
-        out = np.array(whole if index is None else whole[index])
+        if end == begin:
+            return np.zeros(shape, dtype)[index if index is not None else ()]
+        # a map of this tensor alone, closed after the copy: the pages it touched leave this
+        # process (they stay in the page cache), so host memory holds one tensor's at most
+        first = self.start + begin
+        aligned = first - first % mmap.ALLOCATIONGRANULARITY
+        with (
+            self.path.open("rb") as file,
+            mmap.mmap(
+                file.fileno(),
+                first + (end - begin) - aligned,
+                offset=aligned,
+                access=mmap.ACCESS_READ,
+            ) as mapped,
+        ):
+            whole = np.frombuffer(mapped, dtype, math.prod(shape), first - aligned).reshape(shape)
+            out = np.array(whole if index is None else whole[index])
+            del whole  # no view may outlive the map
         self.bytes_read += out.nbytes
         return out
 

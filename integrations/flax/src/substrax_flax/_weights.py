@@ -185,9 +185,12 @@ class WeightsPlan:
         self.problems, self.dtype = tuple(problems), dtype
 
     def __str__(self) -> str:
+        files = len(self.checkpoint.files)
+        stored = f", stored as {jnp.dtype(self.dtype).name}" if self.dtype is not None else ""
         lines = [
             f"{len(self.sources)} variables from {self.checkpoint.source} "
-            f"({self.checkpoint.nbytes / 2**20:.2f} MiB in {len(self.checkpoint.files)} files)",
+            f"({self.checkpoint.nbytes / 2**20:.2f} MiB in {files} file{'s' * (files > 1)})"
+            + stored,
             f"{len(self.initialised)} keep their initialisers"
             + (f": {', '.join(self.initialised)}" if self.initialised else ""),
         ]
