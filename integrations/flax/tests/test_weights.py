@@ -277,3 +277,28 @@ def test_a_fused_tensor_splits_over_several_variables_and_fuses_back(tmp_path):
     sf.save_weights(model, tmp_path / "out", key_map=FUSED)
     back = safetensors.numpy.load_file(tmp_path / "out" / "model.safetensors")
     np.testing.assert_array_equal(back["qkv.weight"], fused)
+
+
+def test_any_slice_reads_its_own_bytes_from_the_file(tmp_path):
+    """Run by run (few runs) or from a mapping (many): each slice, and only its bytes."""
+    from substrax_flax._safetensors import Checkpoint
+
+    rng = np.random.default_rng(0)
+    tensors = {
+        "few": rng.normal(size=(7, 5, 3)).astype(np.float32),  # <= 64 runs: os.pread
+        "many": rng.normal(size=(100, 8)).astype(ml_dtypes.bfloat16),  # columns: 100 runs
+        "scalar": np.array(3.5, np.float64),
+        "bytes": rng.integers(0, 9, (4, 6)).astype(np.int8),
+    }
+    sf.save_tensors(tmp_path, tensors)
+    checkpoint = Checkpoint(tmp_path)
+    for name, tensor in tensors.items():
+        for _ in range(50):
+            index = []
+            for n in tensor.shape:
+                start = int(rng.integers(n))
+                index.append(slice(start, int(rng.integers(start + 1, n + 1))))
+            before = checkpoint.bytes_read
+            got, want = checkpoint.read(name, tuple(index)), tensor[tuple(index)]
+            assert got.dtype == want.dtype and np.array_equal(got, want), (name, index)
+            assert checkpoint.bytes_read - before == want.nbytes

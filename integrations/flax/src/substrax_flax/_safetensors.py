@@ -102,6 +102,12 @@ class SafetensorsFile:
         dtype, shape, (begin, end) = self.tensors[name]
         if end == begin:
             return np.zeros(shape, dtype)[index if index is not None else ()]
+        index = tuple(slice(0, n) for n in shape) if index is None else index
+        runs = _runs(shape, index)
+        if runs is not None:
+            out = self._pread(self.start + begin, dtype, shape, index, runs)
+            self.bytes_read += out.nbytes
+            return out
         # a map of this tensor alone, closed after the copy: the pages it touched leave this
         # process (they stay in the page cache), so host memory holds one tensor's at most
         first = self.start + begin
@@ -116,10 +122,67 @@ class SafetensorsFile:
             ) as mapped,
         ):
             whole = np.frombuffer(mapped, dtype, math.prod(shape), first - aligned).reshape(shape)
-            out = np.array(whole if index is None else whole[index])
+            out = np.array(whole[index])
             del whole  # no view may outlive the map
         self.bytes_read += out.nbytes
         return out
+
+    def _pread(self, first: int, dtype, shape, index, runs: tuple[int, int]) -> np.ndarray:
+        """The slice read run by run with ``os.pread``: no mapping, only the slice's bytes."""
+        count, length = runs
+        out = np.empty([s.stop - s.start for s in index], dtype)
+        flat = out.reshape(count, length).view(np.uint8)
+        strides = np.array([math.prod(shape[k + 1 :]) for k in range(len(shape))])
+        outer = [range(s.start, s.stop) for s in index[: len(shape) - _depth(shape, index)]]
+        inner_start = [s.start for s in index[len(outer) :]]
+        with self.path.open("rb") as file:
+            fd = file.fileno()
+            for row, at in enumerate(_products(outer)):
+                element = int(np.dot(at + inner_start, strides)) if shape else 0
+                flat[row] = np.frombuffer(
+                    os.pread(fd, length * dtype.itemsize, first + element * dtype.itemsize),
+                    np.uint8,
+                )
+        return out
+
+
+def _depth(shape, index) -> int:
+    """How many trailing dimensions one contiguous run spans: the full ones and one more."""
+    depth = 0
+    for n, part in zip(reversed(shape), reversed(index), strict=True):
+        depth += 1
+        if (part.start, part.stop) != (0, n):
+            break
+    return depth
+
+
+def _runs(shape, index) -> tuple[int, int] | None:
+    """``(runs, elements per run)`` of a slice read run by run, or None.
+
+    None beyond 64 runs (a column block of a matrix, say): copying the slice out of a
+    mapping of the tensor is then faster than a system call per run (measured: 1.5 s against
+    7.2 s for a 1 GB checkpoint, ``benchmarks/weights.py``), for one tensor's touched pages
+    held until the map closes.
+    """
+    depth = _depth(shape, index)
+    lengths = [s.stop - s.start for s in index]
+    count, length = (
+        math.prod(lengths[: len(shape) - depth]),
+        math.prod(lengths[len(shape) - depth :]),
+    )
+    if count == 0 or length == 0 or count > 64:
+        return None
+    return count, length
+
+
+def _products(ranges: list[range]) -> Iterator[list[int]]:
+    """Every combination of ``ranges``' values, the last varying fastest."""
+    if not ranges:
+        yield []
+        return
+    for head in ranges[0]:
+        for tail in _products(ranges[1:]):
+            yield [head, *tail]
 
 
 class Checkpoint:
@@ -296,7 +359,9 @@ def write_checkpoint(
         with (directory / name).open("wb") as file:
             file.write(_header(shard, metadata))
             for key, dtype, shape in shard:
-                array = np.ascontiguousarray(next(tensors), dtype=dtype)
+                array = np.asarray(next(tensors), dtype=dtype)
+                if not array.flags.c_contiguous:  # (ascontiguousarray makes a scalar 1-d)
+                    array = array.copy(order="C")
                 if array.shape != tuple(shape):
                     raise ValueError(f"Tensor {key!r} has shape {array.shape}, not {shape}.")
                 file.write(array.reshape(-1).view(np.uint8).data)  # no second copy

@@ -231,17 +231,19 @@ class WeightsPlan:
 
 
 def _make_array(lazy: Lazy, sharding: Any, dtype: Any) -> jax.Array:
-    """The array of ``lazy`` in ``sharding``, each distinct slice read once."""
-    read: dict[tuple, np.ndarray] = {}
-
-    def slice_of(index):
+    """The array of ``lazy`` in ``sharding``: each distinct slice read once, put on its
+    devices and dropped, so the host holds one slice at a time."""
+    by_slice: dict[tuple, list] = {}
+    for device, index in sharding.addressable_devices_indices_map(lazy.shape).items():
         index = normalize_index(index, lazy.shape)
-        key = tuple((s.start, s.stop) for s in index)
-        if key not in read:
-            read[key] = np.asarray(lazy.read(index)).astype(dtype, copy=False)
-        return read[key]
-
-    return jax.make_array_from_callback(lazy.shape, sharding, slice_of)
+        by_slice.setdefault(tuple((s.start, s.stop) for s in index), []).append(device)
+    shards = []
+    for key, devices in by_slice.items():
+        data = np.asarray(lazy.read(tuple(slice(*k) for k in key))).astype(dtype, copy=False)
+        shards += [jax.device_put(data, device) for device in devices]
+        jax.block_until_ready(shards[-1])
+        del data
+    return jax.make_array_from_single_device_arrays(lazy.shape, sharding, shards)
 
 
 def _sources(checkpoint, key_map, template, problems):
