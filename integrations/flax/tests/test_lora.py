@@ -1,4 +1,4 @@
-"""LoRA fine-tuning of a loaded checkpoint: adapters trained alone, the base gathered, never reduced."""
+"""LoRA on a loaded checkpoint: adapters trained alone, the base gathered, never reduced."""
 
 import pathlib
 import sys

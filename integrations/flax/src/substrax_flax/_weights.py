@@ -231,8 +231,10 @@ class WeightsPlan:
 
 
 def _make_array(lazy: Lazy, sharding: Any, dtype: Any) -> jax.Array:
-    """The array of ``lazy`` in ``sharding``: each distinct slice read once, put on its
-    devices and dropped, so the host holds one slice at a time."""
+    """The array of ``lazy`` in ``sharding``, one distinct slice on the host at a time.
+
+    Each slice is read once, put on every device that holds it, and dropped.
+    """
     by_slice: dict[tuple, list] = {}
     for device, index in sharding.addressable_devices_indices_map(lazy.shape).items():
         index = normalize_index(index, lazy.shape)
