@@ -123,4 +123,4 @@ def test_the_quick_start_of_each_docs_page_runs(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count(" ran") == len(QUICK_STARTS)
     assert "on the manual step" in out.stdout and "gradient of the first layer" in out.stdout
-    assert "3 variables from" in out.stdout  # the pretrained page's plan
+    assert "4 variables from" in out.stdout  # the pretrained page's plan
