@@ -63,6 +63,31 @@ def test_context_and_expert_runs_train(tmp_path):
         assert metrics["losses"][-1] < metrics["losses"][0]
 
 
+def test_fine_tuning_a_llama_checkpoint_with_lora_and_exporting_it(tmp_path):
+    import safetensors.numpy
+
+    source, exported = tmp_path / "llama", tmp_path / "tuned"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "llama.py"), str(source)],
+                   check=True, capture_output=True, timeout=300)  # fmt: skip
+    result = _run("--init-from", str(source), "--lora-rank", "2", "--steps", "3", "--mesh",
+                  "data=8", "--seq", "16", "--batch-size", "8", "--quiet", "--export",
+                  str(exported), tmp_path=tmp_path)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "21 variables from" in result.stdout and "8 keep their initialisers" in result.stdout
+    losses = json.loads((tmp_path / "metrics.json").read_text())["losses"]
+    assert losses[-1] < losses[0]
+    before = safetensors.numpy.load_file(source / "model.safetensors")
+    after = safetensors.numpy.load_file(exported / "model.safetensors")
+    assert before.keys() == after.keys() and (exported / "config.json").exists()
+    name = "model.layers.0.self_attn.{}_proj.weight"
+    assert np.array_equal(after[name.format("k")], before[name.format("k")])  # frozen, no adapter
+    assert not np.array_equal(after[name.format("q")], before[name.format("q")])  # merged in
+    assert np.array_equal(after["lm_head.weight"], before["lm_head.weight"])
+    # model sizes come from the checkpoint: a size flag is refused in one line
+    refused = _run("--init-from", str(source), "--d-model", "32", tmp_path=tmp_path)
+    assert refused.returncode == 2 and "drop them" in refused.stderr
+
+
 PIPELINE_SIZE = [*TINY, "--layers", "4", "--steps", "4"]
 
 
