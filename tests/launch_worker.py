@@ -59,3 +59,26 @@ elif mode == "devices":
     info = DeviceMeshManager.get_mesh_info(mesh)
     rows = [{d.process_index for d in row} for row in mesh.devices]
     print(f"{jax.process_index()} {info['num_processes']} {info['num_local_devices']} {rows}")
+elif mode == "weights":  # argv: a Llama checkpoint directory, then where process 0 exports it
+    _initialize()
+    import pathlib
+
+    import jax
+    from flax import nnx
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+    import llama
+
+    import substrax_flax as sf
+    from substrax.layout import Layout
+
+    source = sys.argv[2]
+    config = llama.LlamaConfig.from_json(source)
+    plan = sf.plan_weights(
+        lambda: llama.Llama(config, nnx.Rngs(0)), source=source, key_map=llama.key_map(config),
+        layout=Layout.named("fsdp", {"data": jax.device_count()}),
+    )  # fmt: skip
+    model = plan.load()
+    print(f"read {plan.checkpoint.bytes_read} of {plan.checkpoint.nbytes}", flush=True)
+    llama.save_pretrained(model, sys.argv[3])  # every process gathers, process 0 writes
+    print("exported", flush=True)

@@ -57,6 +57,28 @@ def test_multihost_mesh_puts_the_process_dimension_outermost():
     assert lines == ["0 2 4 [{0}, {1}]", "1 2 4 [{0}, {1}]"]
 
 
+def test_two_processes_each_read_their_half_of_a_checkpoint(tmp_path):
+    """fsdp over both processes' 8 devices: each reads its own slices; the export is exact."""
+    import safetensors.numpy
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import llama
+
+    config = llama.LlamaConfig(hidden_size=128, intermediate_size=256)
+    tensors = llama.write_random_checkpoint(tmp_path / "in", config)
+    result = _launch(WORKER, "weights", str(tmp_path / "in"), str(tmp_path / "out"), timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    reads = [line.split("read ", 1)[1].split(" of ") for line in result.stdout.splitlines()
+             if "] read " in line]  # fmt: skip
+    assert len(reads) == 2
+    for read, total in reads:
+        assert int(read) <= 0.55 * int(total)  # measured 0.50 each
+    back = safetensors.numpy.load_file(tmp_path / "out" / "model.safetensors")
+    assert back.keys() == tensors.keys()
+    for name, value in tensors.items():  # what the two processes loaded, gathered and written
+        np.testing.assert_array_equal(back[name], value)
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """The reference: 9 steps in one process."""
