@@ -302,3 +302,38 @@ def test_any_slice_reads_its_own_bytes_from_the_file(tmp_path):
             got, want = checkpoint.read(name, tuple(index)), tensor[tuple(index)]
             assert got.dtype == want.dtype and np.array_equal(got, want), (name, index)
             assert checkpoint.bytes_read - before == want.nbytes
+
+
+@pytest.mark.parametrize(
+    ("pattern", "shape", "sizes"),
+    [("o i -> i o", (6, 4), {}), ("(h d) e -> e h d", (12, 5), {"h": 3}),
+     ("e (h d) -> h d e", (5, 12), {"h": 4}), ("a b c -> c (b a)", (2, 3, 4), {}),
+     ("(a b) c -> (a c) b", (6, 5), {"a": 2}), ("a (b c) d -> (d b) (c a)", (2, 6, 3), {"b": 3})],
+)  # fmt: skip
+def test_a_rearranged_slice_reads_as_the_whole_rearranged_then_sliced(pattern, shape, sizes):
+    from substrax_flax._rearrange import Pattern, Source, arrange, lazy_arrange
+
+    rng = np.random.default_rng(0)
+    tensor = rng.normal(size=shape).astype(np.float32)
+    parsed = Pattern.parse(pattern, sizes)
+    whole = arrange(tensor, parsed)
+    lazy = lazy_arrange(Source("t", shape, tensor.dtype, lambda _, i: tensor[i].copy()), parsed)
+    for _ in range(40):
+        index = []
+        for n in whole.shape:
+            start = int(rng.integers(n))
+            index.append(slice(start, int(rng.integers(start + 1, n + 1))))
+        np.testing.assert_array_equal(lazy.read(tuple(index)), whole[tuple(index)])
+    np.testing.assert_array_equal(arrange(whole, parsed.inverse(shape)), tensor)
+
+
+def test_bad_patterns_and_key_maps_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"'a \.\.\. -> a': '\.' is not an axis name"):
+        sf.Target("w", "a ... -> a")
+    with pytest.raises(ValueError, match="each axis must appear once on each side"):
+        sf.Target("w", "a b -> a")
+    with pytest.raises(ValueError, match=r"has no axis \['z'\]"):
+        sf.Target("w", "a b -> b a", {"z": 2})
+    sf.save_tensors(tmp_path, {"qkv.weight": np.zeros((16, 16), np.float32)})
+    with pytest.raises(TypeError, match=r"key map entry 'qkv.weight' is a variable path, a Target"):
+        sf.plan_weights(lambda: _Split(nnx.Rngs(0)), source=tmp_path, key_map={"qkv.weight": 3})

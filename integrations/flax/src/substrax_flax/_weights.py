@@ -96,7 +96,7 @@ class WeightsMismatch(ValueError):
     """A checkpoint and a model disagree: every problem, listed at once, before any read."""
 
 
-def _targets(value: Any) -> list[Target]:
+def _targets(value: Any, key: str = "") -> list[Target]:
     if value is None:
         return []
     if isinstance(value, str):
@@ -105,9 +105,29 @@ def _targets(value: Any) -> list[Target]:
         return [value]
     if isinstance(value, Sequence) and all(isinstance(t, Target) for t in value):
         return list(value)
+    entry = f"A key map entry {key!r}" if key else "A key map entry"
     raise TypeError(
-        f"A key map entry is a variable path, a Target, a list of Targets or None; got {value!r}."
+        f"{entry} is a variable path, a Target, a list of Targets or None; got {value!r}."
     )
+
+
+def _check_key_map(key_map: Any) -> None:
+    """Raises for a key map that is not a table of valid entries or a function.
+
+    Raises:
+      TypeError: Naming the entry.
+    """
+    if callable(key_map) and not isinstance(key_map, Mapping):
+        return
+    if not isinstance(key_map, Mapping):
+        raise TypeError(
+            f"key_map must be a table {{checkpoint name: variable path or Target}}, a function "
+            f"of the name, or None; got {type(key_map).__name__}."
+        )
+    for key, value in key_map.items():
+        if not isinstance(key, str):
+            raise TypeError(f"Key map names are strings, got {key!r}.")
+        _targets(value, key)
 
 
 def _compile(key: str) -> re.Pattern:
@@ -343,6 +363,8 @@ def plan_weights(
     """
     if source is None:
         raise TypeError("plan_weights needs source=: a .safetensors file or a directory of them.")
+    if key_map is not None:
+        _check_key_map(key_map)
     checkpoint = Checkpoint(source)
     plan = plan_model(factory, mesh, rules, layout=layout, strategy=strategy)
     template = dict(variables(plan._template))
@@ -565,6 +587,8 @@ def save_weights(
         raise TypeError(f"save_weights expects an nnx.Module, got {type(model).__name__}.")
     if callable(key_map) and not isinstance(key_map, Mapping):
         raise TypeError("save_weights needs a key map table (a function cannot be inverted).")
+    if key_map is not None:
+        _check_key_map(key_map)
     limit = parse_size(shard_size)
     state = dict(variables(nnx.state(model)))
     params = {p: v.get_value() if hasattr(v, "get_value") else v for p, v in state.items()}
