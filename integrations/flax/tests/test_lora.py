@@ -116,3 +116,23 @@ def test_a_bfloat16_base_under_float32_adapters(checkpoint):
     for path, value in _base(model).items():
         np.testing.assert_array_equal(value, base[path], err_msg=str(path))
     assert jax.tree.leaves(nnx.state(model, nnx.LoRAParam))[0].dtype == jnp.float32
+
+
+@pytest.mark.parametrize(
+    "layout", [Layout.named("fsdp+tp", {"data": 2, "model": 4}), Layout.named("zero1", {"data": 8})],
+    ids=lambda layout: layout.name,
+)  # fmt: skip
+def test_lora_steps_on_other_layouts_equal_one_device(checkpoint, tuned, layout):
+    """The same three LoRA steps under tensor parallelism and ZeRO as on fsdp 8 and one device."""
+
+    def run(layout):
+        model = llama.from_pretrained(checkpoint, layout=layout, lora_rank=4)
+        optimizer = sf.create_sharded_optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
+        step = sf.make_train_step(_loss, wrt=nnx.LoRAParam)
+        return [float(step(model, optimizer, BATCH)["loss"]) for _ in range(3)], model
+
+    one, _ = run(Layout.named("dp", {"data": 1}))
+    np.testing.assert_allclose(tuned[3], one, rtol=1e-5)
+    losses, model = run(layout)
+    np.testing.assert_allclose(losses, one, rtol=1e-5)
+    assert np.abs(np.asarray(model.layers[1].v_lora_b[...])).max() > 0
