@@ -118,10 +118,13 @@ def test_a_bfloat16_base_under_float32_adapters(checkpoint):
     assert jax.tree.leaves(nnx.state(model, nnx.LoRAParam))[0].dtype == jnp.float32
 
 
-@pytest.mark.parametrize(
-    "layout", [Layout.named("fsdp+tp", {"data": 2, "model": 4}), Layout.named("zero1", {"data": 8})],
-    ids=lambda layout: layout.name,
-)  # fmt: skip
+OTHER_LAYOUTS = [
+    Layout.named("fsdp+tp", {"data": 2, "model": 4}),
+    Layout.named("zero1", {"data": 8}),
+]
+
+
+@pytest.mark.parametrize("layout", OTHER_LAYOUTS, ids=lambda layout: layout.name)
 def test_lora_steps_on_other_layouts_equal_one_device(checkpoint, tuned, layout):
     """The same three LoRA steps under tensor parallelism and ZeRO as on fsdp 8 and one device."""
 
