@@ -623,7 +623,10 @@ def resume(args, model, optimizer, primary):
     """The run's Checkpointer (None without --checkpoint-dir), after restoring if asked."""
     if args.checkpoint_dir is None:
         return None
-    checkpointer = sf.Checkpointer(args.checkpoint_dir, keep=args.keep)
+    try:
+        checkpointer = sf.Checkpointer(args.checkpoint_dir, keep=args.keep)
+    except sf.DirectoryLocked as error:
+        raise UsageError(f"--checkpoint-dir: {error}") from None
     if not (args.resume or args.resume_if_present):
         if checkpointer.latest_step() is not None:
             raise UsageError(

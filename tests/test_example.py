@@ -189,6 +189,35 @@ def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(tmp_path)
     assert "saved a checkpoint of step 3" in resumed.stdout and "eta" in resumed.stdout
 
 
+def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path):
+    """Two runs started together into one checkpoint directory: the second stops, in one line."""
+    ckpt = str(tmp_path / "ckpt")
+    command = [sys.executable, str(ROOT / "examples" / "fsdp_training.py"), *TINY, "--steps",
+               "6", "--save-every", "2", "--checkpoint-dir", ckpt, "--output-dir",
+               str(tmp_path / "a")]  # fmt: skip
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in first.stdout:  # the first holds the directory once it compiles
+            if "compiling the train step" in line:
+                break
+        second = _run(*TINY, "--steps", "6", "--checkpoint-dir", ckpt, "--output-dir",
+                      str(tmp_path / "b"), tmp_path=tmp_path)  # fmt: skip
+        rest, errors = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert second.returncode == 2, second.stderr[-2000:]
+    assert f"--checkpoint-dir: Checkpoint directory {ckpt} is in use by another writer (pid" in (
+        second.stderr
+    )
+    assert first.returncode == 0, errors[-2000:]
+    assert "saved a checkpoint of step 6" in rest
+    assert sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == [
+        2,
+        4,
+        6,
+    ]
+
+
 def test_runs_of_different_layouts_write_different_directories(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     import fsdp_training

@@ -152,3 +152,16 @@ def test_saving_at_an_old_step_is_an_error_unless_overwriting(tmp_path):
     checkpointer.save(model, optimizer, 2, {"step": 2, "again": True}, overwrite=True)
     assert checkpointer.all_steps() == [1, 2]  # the rolled-back run's future is gone
     assert checkpointer.restore(model, optimizer) == {"step": 2, "again": True}
+
+
+def test_one_writer_per_directory(tmp_path):
+    """A second Checkpointer on a directory in use is refused, naming the holder; close frees it."""
+    first = sf.Checkpointer(tmp_path)
+    with pytest.raises(
+        sf.DirectoryLocked, match=rf"in use by another writer \(pid {os.getpid()} on"
+    ):
+        sf.Checkpointer(tmp_path)
+    first.close()
+    with sf.Checkpointer(tmp_path) as again:  # released: the next run may write
+        assert again.latest_step() is None
+    sf.Checkpointer(tmp_path).close()

@@ -11,6 +11,7 @@ shardings (:func:`load_weights`) and are written back (:func:`save_weights`).
 
 from substrax_flax._checkpoint import Checkpointer as Checkpointer
 from substrax_flax._checkpoint import CheckpointWarning as CheckpointWarning
+from substrax_flax._checkpoint import DirectoryLocked as DirectoryLocked
 from substrax_flax._create import create_sharded_model as create_sharded_model
 from substrax_flax._create import get_shardings as get_shardings
 from substrax_flax._create import plan_model as plan_model
@@ -43,6 +44,7 @@ __all__ = [
     "CheckpointWarning",
     "Checkpointer",
     "Decision",
+    "DirectoryLocked",
     "KeyMap",
     "MixtureOfExperts",
     "ModelPlan",

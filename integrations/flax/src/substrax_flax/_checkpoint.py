@@ -15,13 +15,15 @@ from jax.experimental import multihost_utils
 
 from substrax import warn_user
 from substrax_flax._checkpoint_files import (
+    DirectoryLock,
+    DirectoryLocked,
     check_writable,
     damage,
     remove_unfinished,
     write_checksums,
 )
 
-__all__ = ["CheckpointWarning", "Checkpointer"]
+__all__ = ["CheckpointWarning", "Checkpointer", "DirectoryLocked"]
 
 
 class CheckpointWarning(UserWarning):
@@ -84,6 +86,10 @@ class Checkpointer:
 
     Nothing is lost or kept silently:
 
+    - one writer per directory: process 0 holds an exclusive lock on it from here to
+      :meth:`close` (or its exit, however it ends), and a second run or Checkpointer on the
+      same directory is refused with :class:`DirectoryLocked`, naming the holder; every check
+      of the steps there reads the disk;
     - saves are atomic (Orbax writes a temporary directory and renames it when every process
       is done); temporary directories left by killed saves are removed when the directory is
       opened, and the directory is checked for writability then, before any training;
@@ -110,6 +116,7 @@ class Checkpointer:
           TypeError: If ``directory`` is not a path.
           ValueError: If ``keep`` is not an integer of at least 1.
           PermissionError: If the directory cannot be created or written.
+          DirectoryLocked: If another run or Checkpointer writes to the directory.
         """
         if not isinstance(directory, (str, os.PathLike)):
             raise TypeError(
@@ -120,7 +127,19 @@ class Checkpointer:
             raise ValueError(f"keep must be an integer of at least 1, got {keep!r}.")
         self.directory = pathlib.Path(directory).absolute()
         self.keep = keep
+        self._lock = None
         check_writable(self.directory)
+        locked = None
+        if jax.process_index() == 0:  # the run's one writer; its other processes follow it
+            try:
+                self._lock = DirectoryLock(self.directory)
+            except DirectoryLocked as error:
+                locked = error
+        if _everywhere(None if locked is None else str(locked)) is not None:
+            raise locked or DirectoryLocked(
+                f"Checkpoint directory {self.directory} is in use by another writer (process 0 "
+                "could not lock it)."
+            )
         for name in remove_unfinished(self.directory):
             warn_user(
                 f"Removed {name} in {self.directory}: a save that did not finish.",
@@ -142,17 +161,21 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         """The step of the newest checkpoint (see :meth:`restore` for which one it restores).
 
+        Read from the disk, not remembered.
+
         Returns:
           The step, or None when the directory holds no checkpoint.
         """
-        return self._manager.latest_step()
+        steps = self.all_steps()
+        return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Steps of every checkpoint, oldest first.
+        """Steps of every checkpoint on disk, oldest first.
 
         Returns:
           The steps.
         """
+        self._manager.reload()
         return sorted(self._manager.all_steps())
 
     def is_finite(self, step: int) -> bool | None:
@@ -395,8 +418,16 @@ class Checkpointer:
             warn_user(f"Casting checkpoint step {step}: {'; '.join(casts)}.", CheckpointWarning)
 
     def close(self) -> None:
-        """Waits for pending work and releases the manager."""
+        """Waits for pending work, releases the manager and the directory's lock."""
         self._manager.close()
+        if self._lock is not None:
+            self._lock.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
 
 
 def _guarded(read) -> tuple[Any, str | None]:

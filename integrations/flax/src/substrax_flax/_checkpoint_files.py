@@ -8,15 +8,79 @@ other processes what it found.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pathlib
 import shutil
+import socket
+import time
 import zlib
 
 import jax
 
-__all__ = ["check_writable", "damage", "remove_unfinished", "write_checksums"]
+__all__ = [
+    "LOCK",
+    "DirectoryLock",
+    "DirectoryLocked",
+    "check_writable",
+    "damage",
+    "remove_unfinished",
+    "write_checksums",
+]
+
+#: The lock file of a checkpoint directory (held by its one writer, process 0 of a run).
+LOCK = ".substrax-writer.lock"
+
+
+class DirectoryLocked(RuntimeError):
+    """Another run (or Checkpointer) writes to this checkpoint directory."""
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on ``<directory>/.substrax-writer.lock``, held while open.
+
+    The kernel releases it when the holder exits, however it exits (a ``kill -9`` too), so a
+    crashed run never leaves a stale lock. The file records who holds it, for the message of
+    the one refused.
+
+    Args:
+      directory: The checkpoint directory (it exists).
+
+    Raises:
+      DirectoryLocked: If another process, or another Checkpointer of this one, holds it.
+    """
+
+    def __init__(self, directory: pathlib.Path):
+        path = directory / LOCK
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            self._fd = None
+            raise DirectoryLocked(
+                f"Checkpoint directory {directory} is in use by another writer ({holder}). "
+                "One run writes to a directory at a time: pass another --checkpoint-dir, wait "
+                "for that run to end, or close() its Checkpointer."
+            ) from None
+        os.ftruncate(self._fd, 0)
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(
+            self._fd, f"pid {os.getpid()} on {socket.gethostname()} since {started}".encode(), 0
+        )
+
+    def release(self) -> None:
+        """Releases the lock (idempotent)."""
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.release()
+
 
 # Files every complete step holds (Orbax's layout for the items below).
 REQUIRED = ("_CHECKPOINT_METADATA", "state/_METADATA", "state/manifest.ocdbt", "metadata/metadata")
