@@ -1,5 +1,7 @@
 """The non-finite guard: a NaN batch never reaches the weights, the optimizer or batch stats."""
 
+import os
+import pathlib
 import re
 
 import jax
@@ -97,3 +99,59 @@ def test_an_unknown_policy_is_a_clear_error():
         ValueError, match=r"on_nonfinite must be one of \('skip', 'raise', 'apply'\), got"
     ):
         sf.make_train_step(_loss, on_nonfinite="ignore")
+
+
+class Half(nnx.Module):
+    def __init__(self, rngs):
+        self.w = nnx.Param(jnp.ones((16, 4), jnp.float16), out_sharding=("embed", None))
+
+    def __call__(self, x):
+        return x @ self.w[...]
+
+
+def _half_loss(model, x):  # float32 gradients near 2e4: adam's g^2 / 1000 overflows float16
+    return (model(x).astype(jnp.float32) * 20000.0).sum() / x.shape[0]
+
+
+def test_a_float16_update_that_overflows_is_skipped_and_the_state_stays_finite():
+    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    model = sf.create_sharded_model(lambda: Half(nnx.Rngs(0)), mesh, RULES)
+    optimizer = sf.create_sharded_optimizer(model, optax.adam(1e-3))
+    step = sf.make_train_step(_half_loss)
+    x = np.ones((8, 16), np.float16)
+    plan = step.plan_for(model, optimizer, x)
+    assert plan.check_state and "loss, gradients and the updated state" in str(plan)
+    before = _leaves(model, optimizer)
+    with pytest.warns(sf.NonFiniteWarning, match=r"non-finite gradient or updated state \(the "
+                      r"loss was finite; float16 state overflows past 65504\): its update was "
+                      r"skipped"):  # fmt: skip
+        metrics = step(model, optimizer, x)
+        step._guard.flush()
+    assert np.isfinite(float(metrics["loss"])) and not bool(metrics["finite"])
+    for got, want in zip(_leaves(model, optimizer), before, strict=True):
+        np.testing.assert_array_equal(got, want)  # nothing committed, everything finite
+    # float32 state keeps float32's range: the guard checks the loss and gradients only
+    plan = _setup()[2].plan_for(*_setup()[:2], _batch(0))
+    assert not plan.check_state and "guard         loss and gradients" in str(plan)
+
+
+def test_the_last_call_of_a_run_is_reported_at_exit(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "last.py"
+    here = str(pathlib.Path(__file__).parent)
+    script.write_text(
+        "import jax\njax.config.update('jax_num_cpu_devices', 8)\n"
+        f"import sys\nsys.path.insert(0, {here!r})\n"
+        "import test_nonfinite as t\n"
+        "model, optimizer, step = t._setup()\n"
+        "step(model, optimizer, t._batch(0))\n"
+        "step(model, optimizer, t._batch(1, poison=True))\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "NonFiniteWarning: Step 2 (call 2 of this train step) has a non-finite loss" in (
+        out.stderr
+    )

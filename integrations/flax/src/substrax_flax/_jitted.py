@@ -81,14 +81,20 @@ def optimizer_shardings(optimizer: nnx.Optimizer, plan: ModelPlan) -> Any:
 
 
 def guarded_update(
-    model_def, opt_def, model_state, opt_state, rest, grads, finite, on_nonfinite: NonFinite
-) -> tuple[Any, Any]:
+    model_def, opt_def, model_state, opt_state, rest, grads, finite, on_nonfinite: NonFinite,
+    check_state: bool = False,
+) -> tuple[Any, Any, jax.Array]:  # fmt: skip
     """The model and optimizer states after the update, or as they were when not ``finite``.
 
     ``rest`` (the new non-differentiated state: batch statistics, rng counts) or None is part
     of the update. The update runs inside ``lax.cond``, so a skipped step does no update work
     and, on the taken branch, the donated buffers are still updated in place.
-    ``on_nonfinite="apply"`` updates unconditionally.
+    ``on_nonfinite="apply"`` updates unconditionally. With ``check_state`` the state the update
+    would write must be finite too: it is computed once for that check (its reduction only,
+    nothing kept), then again in the taken branch.
+
+    Returns:
+      ``(model state, optimizer state, finite)``, ``finite`` including the state's check.
     """
 
     def update(model_state, opt_state, rest, grads):
@@ -103,8 +109,12 @@ def guarded_update(
         return model_state, opt_state
 
     if on_nonfinite == "apply":
-        return update(model_state, opt_state, rest, grads)
-    return jax.lax.cond(finite, update, keep, model_state, opt_state, rest, grads)
+        return (*update(model_state, opt_state, rest, grads), finite)
+    if check_state:  # on copies: merging the states and updating mutates their Variables
+        copies = jax.tree.map(lambda x: x, (model_state, opt_state, rest, grads))
+        finite = finite & all_finite(update(*copies))
+    new = jax.lax.cond(finite, update, keep, model_state, opt_state, rest, grads)
+    return (*new, finite)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +135,9 @@ class Update:
 
 
 def apply_update(
-    update: Update, model_def, opt_def, model_state, opt_state, shardings, on_nonfinite
-) -> tuple[Any, Any, dict]:
+    update: Update, model_def, opt_def, model_state, opt_state, shardings, on_nonfinite,
+    check_state: bool = False,
+) -> tuple[Any, Any, dict]:  # fmt: skip
     """The core every step shares: guard, update, metrics, and the planned shardings.
 
     Args:
@@ -137,15 +148,17 @@ def apply_update(
       opt_state: The optimizer's.
       shardings: ``(model shardings, optimizer shardings)``, the plan's.
       on_nonfinite: The guard's policy.
+      check_state: Whether the guard checks the updated state too
+        (:func:`~substrax_flax._nonfinite.guard_decision`).
 
     Returns:
       ``(new model state, new optimizer state, metrics)``, each state in its planned
       sharding; the metrics are ``{"loss", "finite"}`` plus the aux.
     """
     finite = all_finite(update.loss, update.grads)
-    new_model, new_opt = guarded_update(
+    new_model, new_opt, finite = guarded_update(
         model_def, opt_def, model_state, opt_state, update.rest, update.grads, finite,
-        on_nonfinite,
+        on_nonfinite, check_state,
     )  # fmt: skip
     metrics = {"loss": update.loss, "finite": finite}
     if update.aux is not None:

@@ -10,6 +10,8 @@ without stalling the pipeline of dispatched steps, and warns or raises naming th
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from typing import Any, Literal
 
 import jax
@@ -17,7 +19,15 @@ import jax.numpy as jnp
 
 from substrax import warn_user
 
-__all__ = ["NONFINITE", "Guard", "NonFinite", "NonFiniteWarning", "all_finite", "check_policy"]
+__all__ = [
+    "NONFINITE",
+    "Guard",
+    "NonFinite",
+    "NonFiniteWarning",
+    "all_finite",
+    "check_policy",
+    "guard_decision",
+]
 
 NonFinite = Literal["skip", "raise", "apply"]
 NONFINITE = ("skip", "raise", "apply")
@@ -35,10 +45,53 @@ def all_finite(*trees: Any) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
+def guard_decision(states: Any, on_nonfinite: NonFinite) -> tuple[bool, str, str]:
+    """Whether the guard also checks the updated state, and the step plan's line saying so.
+
+    float16 parameters or optimizer state overflow (past 65504) in the update itself, with a
+    finite loss and finite gradients (adam's second moment squares each gradient): the guard
+    then also checks the state the update would write, computing the update a second time
+    (elementwise, fused into the check) so that nothing is committed that is not finite.
+    Other dtypes have float32's range, and the guard checks the loss and gradients only.
+
+    Args:
+      states: The differentiated parameters and the optimizer's state.
+      on_nonfinite: The policy.
+
+    Returns:
+      ``(check the state, value, reason)``.
+    """
+    if on_nonfinite == "apply":
+        return False, "none", "on_nonfinite='apply': every update is applied"
+    narrow = [
+        leaf for leaf in jax.tree.leaves(states) if getattr(leaf, "dtype", None) == jnp.float16
+    ]
+    if narrow:
+        return (
+            True,
+            "loss, gradients and the updated state",
+            (
+                f"{len(narrow)} float16 arrays can overflow in the update itself (past 65504); "
+                "the update is computed once more for the check (elementwise)"
+            ),
+        )
+    return False, "loss and gradients", "no float16 state: the update keeps float32's range"
+
+
 def check_policy(on_nonfinite: str) -> None:
     """Raises ValueError for a policy other than ``NONFINITE``'s."""
     if on_nonfinite not in NONFINITE:
         raise ValueError(f"on_nonfinite must be one of {NONFINITE}, got {on_nonfinite!r}.")
+
+
+_GUARDS: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_all() -> None:
+    """At exit, reports the last call of every step that has not been reported yet."""
+    for guard in list(_GUARDS):
+        guard.flush()
 
 
 class Guard:
@@ -46,14 +99,23 @@ class Guard:
 
     With ``"raise"`` each call waits for its own flag and raises ``FloatingPointError``. With
     ``"skip"`` a call's flag is read when it is ready, at the latest during the next call,
-    after that call has been dispatched, so the host never stalls the device for it.
+    after that call has been dispatched, so the host never stalls the device for it; the last
+    call of a run is reported at exit (:meth:`flush`) if nothing read it before.
     """
 
     def __init__(self, on_nonfinite: NonFinite):
         check_policy(on_nonfinite)
         self.on_nonfinite = on_nonfinite
         self.calls = 0
+        self.state_checked = False  # set by the step that checks the updated state too
         self._pending: tuple[int, dict] | None = None
+        _GUARDS.add(self)
+
+    def flush(self) -> None:
+        """Reports the call still pending (its flag is waited for)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._report(pending)
 
     def after(self, metrics: dict) -> None:
         """Notes one call's metrics; reports any finished call that skipped its update.
@@ -79,7 +141,16 @@ class Guard:
         if bool(metrics["finite"]):
             return
         loss = float(metrics["loss"])
-        what = f"loss ({loss})" if not jnp.isfinite(loss) else "gradient (the loss was finite)"
+        what = (
+            f"loss ({loss})"
+            if not jnp.isfinite(loss)
+            else (
+                "gradient or updated state (the loss was finite; float16 state overflows past "
+                "65504)"
+                if self.state_checked
+                else "gradient (the loss was finite)"
+            )
+        )
         done = (
             "it was applied (on_nonfinite='apply')"
             if self.on_nonfinite == "apply"

@@ -16,7 +16,7 @@ from substrax.pipeline import Pipeline, microbatch_index
 from substrax.spmd import MixedPrecision, as_precision, use_rules
 from substrax_flax._jitted import Built, JittedStep, Update, apply_update, optimizer_shardings
 from substrax_flax._manual import manual_rules
-from substrax_flax._nonfinite import NonFinite, check_policy
+from substrax_flax._nonfinite import NonFinite, check_policy, guard_decision
 from substrax_flax._per_device import fold_key
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
 from substrax_flax._resolve import Rules, as_rules, entry_axes, without_axes
@@ -179,6 +179,9 @@ class PipelineTrainStep(JittedStep):
         grad_dims = _grad_dims(plan, self.stack, stack, batch_axes)
         fsdp_axis, fsdp_dims = _fsdp(plan, self.stack, batch_axes)
         opt_def = nnx.graphdef(optimizer)
+        guard = guard_decision((nnx.state(model, self.wrt), nnx.state(optimizer)),
+                               self._guard.on_nonfinite)  # fmt: skip
+        self._guard.state_checked = guard[0]
         # ZeRO's scatter dimensions of the trained leaves: the pipeline differentiates those
         trained_dims = None if grad_dims is None else _split(grad_dims, self.wrt)[0]
         outer = plan.compute_rules  # the embedding runs on the global batch, with XLA
@@ -241,7 +244,7 @@ class PipelineTrainStep(JittedStep):
             loss, aux, grads = gradients((stack_state, stack_trained, rest_trained, held), batch)
             return apply_update(
                 Update(loss, aux, None, grads), model_def, opt_def, model_state, opt_state,
-                (model_shardings, opt_shardings), self._guard.on_nonfinite,
+                (model_shardings, opt_shardings), self._guard.on_nonfinite, guard[0],
             )  # fmt: skip
 
         def gradients(parts, batch):
@@ -276,7 +279,7 @@ class PipelineTrainStep(JittedStep):
         trained = {path for path, _ in variables(nnx.state(model, self.wrt))}
         step_plan = pipeline_plan(
             plan, self.stack, batch_axes, pipeline, self.precision, self.settings, grad_dims,
-            trained,
+            trained, guard,
         )  # fmt: skip
         return Built(jitted, plan.mesh, batch_axes, "pipeline", plan=step_plan)
 

@@ -94,6 +94,8 @@ class StepPlan:
       decisions: One :class:`Decision` per line of the plan.
       advice: What would put the step on the manual path ("" when it is there, or nothing
         the model could change would).
+      check_state: Whether the non-finite guard also checks the updated state (float16
+        state; see the ``guard`` decision).
     """
 
     path: str
@@ -110,6 +112,7 @@ class StepPlan:
     params: tuple[ParamStep, ...]
     decisions: tuple[Decision, ...]
     advice: str = ""
+    check_state: bool = False
 
     def __str__(self) -> str:
         width = max(len(d.name) for d in self.decisions)
@@ -322,6 +325,7 @@ def pipeline_plan(
     settings: tuple[tuple[str, str, str], ...],
     grad_dims: Any,
     trained: set[str] | None = None,
+    guard: tuple[bool, str, str] = (False, "loss and gradients", "as asked"),
 ) -> StepPlan:
     """The plan of a pipelined step: its stages, schedule and each parameter's reduction.
 
@@ -334,6 +338,8 @@ def pipeline_plan(
       settings: ``(name, value, reason)`` of the pipeline's options.
       grad_dims: Under ZeRO, the stack leaves' scatter dimensions (None: none).
       trained: The paths ``wrt`` selects (None: every parameter).
+      guard: ``(check the updated state, value, reason)`` of the non-finite guard
+        (:func:`~substrax_flax._nonfinite.guard_decision`).
     """
     sizes = dict(plan.mesh.shape)
     split = tuple(a for a in batch_axes if sizes[a] > 1)
@@ -370,10 +376,12 @@ def pipeline_plan(
                  "each stage gathers its layers once and reduce-scatters their gradients"
                  if fsdp else "the layout has no FSDP axis"),
         Decision("precision", precision_name(precision), "as asked"),
+        Decision("guard", guard[1], guard[2]),
     )  # fmt: skip
     return StepPlan(
         "pipeline", decisions[0].reason, plan.mesh, tuple(batch_axes), (), (), precision,
-        pipeline.remat, pipeline.num_microbatches, "keep", 0, tuple(steps), decisions,
+        pipeline.remat, pipeline.num_microbatches, "keep", 0, tuple(steps), decisions, "",
+        guard[0],
     )  # fmt: skip
 
 

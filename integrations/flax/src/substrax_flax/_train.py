@@ -33,7 +33,7 @@ from substrax_flax._jitted import (
     rehome,
 )
 from substrax_flax._manual import manual_movers, manual_rules, manual_value_and_grad
-from substrax_flax._nonfinite import NonFinite, check_policy
+from substrax_flax._nonfinite import NonFinite, check_policy, guard_decision
 from substrax_flax._optimizer import check_owner
 from substrax_flax._per_device import sync_batch_norms
 from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, shardings_of
@@ -158,7 +158,7 @@ class TrainStep(JittedStep):
         return loss_of
 
     def _step_fn(self, model_def, opt_def, compute_shardings, rules, model_sh, opt_sh, mesh,
-                 manual):  # fmt: skip
+                 manual, check_state):  # fmt: skip
         """The jitted step; ``manual`` is None, or ``(batch_axes, specs)`` for manual DP."""
 
         def step(model_state, opt_state, batch):
@@ -184,7 +184,7 @@ class TrainStep(JittedStep):
                 _check_marked(marked)
                 return apply_update(
                     Update(loss, aux, rest, grads), model_def, opt_def, model_state, opt_state,
-                    (model_sh, opt_sh), self._guard.on_nonfinite,
+                    (model_sh, opt_sh), self._guard.on_nonfinite, check_state,
                 )  # fmt: skip
 
         return step
@@ -219,9 +219,10 @@ class TrainStep(JittedStep):
                                    self.precision, plan.layout)  # fmt: skip
             zero = plan.layout.zero if plan.layout is not None else 0
             manual = (split, movers, zero == 2)
+        self._guard.state_checked = step_plan.check_state
         fn = self._step_fn(
             nnx.graphdef(model), nnx.graphdef(optimizer), used, rules, model_sh, opt_sh, mesh,
-            manual,
+            manual, step_plan.check_state,
         )  # fmt: skip
         jitted = jax.jit(
             fn,
@@ -269,6 +270,8 @@ class TrainStep(JittedStep):
         region = split if path.name == "manual" else ()
         seq_axes = plan.layout.context_axes if plan.layout is not None else ()
         params = param_steps(plan, nnx.state(model, self.wrt), compute_sh, path.name, split)
+        states = (nnx.state(model, self.wrt), nnx.state(optimizer))
+        check_state, guard_value, guard_reason = guard_decision(states, self._guard.on_nonfinite)
         decisions = (
             Decision("path", path.name, path.reason),
             mesh_decision,
@@ -280,6 +283,7 @@ class TrainStep(JittedStep):
             Decision("remat", self.remat, "as asked"),
             Decision("microbatches", str(self.microbatches), "as asked"),
             Decision("gather", self.gather, "as asked"),
+            Decision("guard", guard_value, guard_reason),
         )  # fmt: skip
         if path.extra_bytes:
             more = "more traffic per device per step than the manual step"
@@ -287,7 +291,7 @@ class TrainStep(JittedStep):
         step_plan = StepPlan(
             path.name, path.reason, mesh, tuple(batch_axes), region, seq_axes, self.precision,
             self.remat, self.microbatches, self.gather, path.extra_bytes, params, decisions,
-            path.advice,
+            path.advice, check_state,
         )  # fmt: skip
         return step_plan, traced
 
