@@ -512,7 +512,7 @@ def train(args) -> dict:
             if board is not None:
                 board.write(record, tokens)
         if checkpointer and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            checkpointer.save(model, optimizer, step + 1, {"step": step + 1, "seed": args.seed})
+            save(checkpointer, model, optimizer, step + 1, args.seed)
             if primary:
                 print(f"saved a checkpoint of step {step + 1} in {args.checkpoint_dir}")
     elapsed = time.perf_counter() - started
@@ -619,6 +619,18 @@ def make_step(args, mesh):
         raise UsageError(str(error)) from None
 
 
+class SaveFailed(Exception):
+    """A checkpoint could not be written (disk full, permissions): the run stops, saying so."""
+
+
+def save(checkpointer, model, optimizer, step, seed) -> None:
+    """Saves checkpoint ``step``; a disk that refuses it stops the run with its message."""
+    try:
+        checkpointer.save(model, optimizer, step, {"step": step, "seed": seed})
+    except OSError as error:
+        raise SaveFailed(str(error)) from None
+
+
 def resume(args, model, optimizer, primary):
     """The run's Checkpointer (None without --checkpoint-dir), after restoring if asked."""
     if args.checkpoint_dir is None:
@@ -657,6 +669,9 @@ def main(argv=None) -> int:
     except UsageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except SaveFailed as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -157,3 +157,35 @@ def test_the_newest_finite_checkpoint_is_never_rotated_out(tmp_path):
     checkpointer.restore(model, optimizer, step=1)
     np.testing.assert_array_equal(np.asarray(model.w[...]), good)
     assert jax.tree.leaves(nnx.state(optimizer))  # the optimizer came back too
+
+
+def test_arguments_in_the_wrong_order_are_named(tmp_path):
+    model, optimizer = _create()
+    with sf.Checkpointer(tmp_path) as checkpointer:
+        with pytest.raises(TypeError, match=r"save\(model, optimizer, step, ...\): model must be "
+                           r"an nnx.Module, got int"):  # fmt: skip
+            checkpointer.save(1, model, optimizer)
+        with pytest.raises(TypeError, match=r"restore\(model, optimizer, step, ...\): step must "
+                           r"be an int or None, got str"):  # fmt: skip
+            checkpointer.restore(model, optimizer, "latest")
+
+
+def test_a_full_disk_says_so_and_which_steps_are_whole(tmp_path, monkeypatch):
+    """Orbax buries the disk's error in its own; the save names it and the complete steps."""
+    import errno
+
+    model, optimizer = _create()
+    with sf.Checkpointer(tmp_path) as checkpointer:
+        checkpointer.save(model, optimizer, 1)
+
+        def full(*args, **kwargs):
+            try:
+                raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "2.tmp"))
+            except OSError as error:
+                raise RuntimeError("orbax: a writer thread failed") from error
+
+        monkeypatch.setattr(checkpointer._manager, "save", full)
+        with pytest.raises(OSError, match=r"Saving step 2 in .* failed: No space left on device "
+                           r".*Nothing of step 2 was committed; the complete steps there are "
+                           r"\[1\]"):  # fmt: skip
+            checkpointer.save(model, optimizer, 2)

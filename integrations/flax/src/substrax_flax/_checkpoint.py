@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pathlib
 from typing import Any
@@ -225,6 +226,7 @@ class Checkpointer:
           ValueError: If ``step`` is not after the latest checkpoint and ``overwrite`` is False.
           RuntimeError: If Orbax declines to save.
         """
+        _check_arguments(model, optimizer, step, "save")
         latest = self.latest_step()
         if latest is not None and step <= latest:
             if not overwrite:
@@ -242,19 +244,38 @@ class Checkpointer:
                 "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
             }
         )
-        saved = self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                metadata=ocp.args.JsonSave(dict(metadata or {})),
-                status=ocp.args.JsonSave({"finite": _all_finite(state)}),
-            ),
-        )
-        self._manager.wait_until_finished()
-        if not saved:
-            raise RuntimeError(f"Orbax did not save step {step} in {self.directory}.")
-        write_checksums(self.directory / str(step))
+        try:
+            saved = self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    metadata=ocp.args.JsonSave(dict(metadata or {})),
+                    status=ocp.args.JsonSave({"finite": _all_finite(state)}),
+                ),
+            )
+            self._manager.wait_until_finished()
+            if not saved:
+                raise RuntimeError(f"Orbax did not save step {step} in {self.directory}.")
+            write_checksums(self.directory / str(step))
+        except Exception as error:
+            cause = _os_error(error)
+            if cause is None:
+                raise
+            raise OSError(
+                cause.errno,
+                f"Saving step {step} in {self.directory} failed: {cause.strerror or cause} "
+                f"({cause.filename or 'a file of the step'}). Nothing of step {step} was "
+                f"committed; the complete steps there are {self._complete()}. Free space or "
+                "fix the directory's permissions, then resume.",
+            ) from error
         self._rotate()
+
+    def _complete(self) -> list[int]:
+        """The steps on disk whose files are whole (read again, after a failure)."""
+        try:
+            return [s for s in self.all_steps() if damage(self.directory / str(s)) is None]
+        except OSError:
+            return []
 
     def _rotate(self) -> None:
         """Deletes checkpoints beyond the last ``keep``, keeping the newest finite one."""
@@ -300,6 +321,7 @@ class Checkpointer:
             mismatched path is named), its dtypes differ and ``cast`` is False, or the
             requested ``step`` is incomplete or unreadable.
         """
+        _check_arguments(model, optimizer, step, "restore")
         target = {
             "model": nnx.to_pure_dict(nnx.state(model)),
             "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
@@ -428,6 +450,41 @@ class Checkpointer:
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+def _check_arguments(model: Any, optimizer: Any, step: Any, method: str) -> None:
+    """Raises unless ``(model, optimizer, step)`` are an nnx Module, Optimizer and int (or None).
+
+    Raises:
+      TypeError: Naming the argument, what it got and the order.
+    """
+    optional = " or None" if method == "restore" else ""
+    for name, value, ok in (
+        ("model", model, isinstance(model, nnx.Module)),
+        ("optimizer", optimizer, isinstance(optimizer, nnx.Optimizer)),
+        ("step", step, (isinstance(step, (int, np.integer)) and not isinstance(step, bool))
+         or (step is None and method == "restore")),
+    ):  # fmt: skip
+        if not ok:
+            kind = {"model": "an nnx.Module", "optimizer": "an nnx.Optimizer"}.get(
+                name, f"an int{optional}"
+            )
+            raise TypeError(
+                f"Checkpointer.{method}(model, optimizer, step, ...): {name} must be {kind}, got "
+                f"{type(value).__name__}."
+            )
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The disk's error (no space, no permission, read-only) behind ``error``, if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EACCES,
+                                                          errno.EROFS, errno.EDQUOT):  # fmt: skip
+            return error
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _guarded(read) -> tuple[Any, str | None]:
