@@ -146,3 +146,26 @@ def test_bf16_stores_bf16_parameters_and_says_so_for_f32_ones():
     policy = MixedPrecision(param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
     with pytest.raises(TypeError, match=r"stores parameters in bfloat16, but \S+ is float32"):
         _run(policy)
+
+
+def test_parameters_stored_in_bfloat16_on_a_tensor_axis_take_the_path_cpu_compiles():
+    """A model stored in bfloat16 computes in bfloat16 under the "f32" policy (it casts nothing):
+    XLA's CPU compiler aborts the process on a bf16 all-reduce outside a manual region, so the
+    step takes XLA's partitioning and says why, instead of aborting."""
+    from flax_test_models import Transformer, token_loss
+
+    from substrax import ShardingWarning
+
+    def stored_in_bf16():
+        model = Transformer(nnx.Rngs(0))
+        params = nnx.state(model, nnx.Param)
+        nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
+        return model
+
+    layout = Layout.named("fsdp+tp", {"data": 2, "model": 4})
+    model = sf.create_sharded_model(stored_in_bf16, layout=layout)
+    optimizer = sf.create_sharded_optimizer(model, optax.adam(1e-3))
+    step = sf.make_train_step(token_loss)
+    with pytest.warns(ShardingWarning, match="aborts on bfloat16 all-reduces over the axes"):
+        metrics = step(model, optimizer, tokens())
+    assert metrics["path"] == "xla" and np.isfinite(float(metrics["loss"]))

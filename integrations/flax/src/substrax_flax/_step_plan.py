@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
@@ -225,9 +226,23 @@ def choose_path(
     return Path("xla", obstacle, advice, all_reduce_extra(plan, split, wrt, model))
 
 
+def _compute_dtype(model: nnx.Module, precision: MixedPrecision) -> Any:
+    """The dtype the step computes in: the policy's, else the narrowest stored parameter's.
+
+    A policy that casts nothing (``"f32"``) computes in the parameters' own dtype: a model
+    stored in bfloat16 computes, gathers and reduces in bfloat16.
+    """
+    if precision.compute_dtype is not None:
+        return precision.compute_dtype
+    floats = [leaf.dtype for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))
+              if jnp.issubdtype(leaf.dtype, jnp.floating)]  # fmt: skip
+    return min(floats, key=lambda d: jnp.dtype(d).itemsize) if floats else None
+
+
 def _obstacle(model, mesh, split, precision, traced) -> tuple[str, str] | None:
     platform = mesh.devices.flat[0].platform
-    found = region_obstacle(dict(mesh.shape), split, precision.compute_dtype, platform)
+    dtype = _compute_dtype(model, precision)
+    found = region_obstacle(dict(mesh.shape), split, dtype, platform)
     if found is not None:
         return found, ""
     found = batch_stat_obstacle(model)
