@@ -8,6 +8,7 @@ import gpt
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 from flax_test_models import unsharded
@@ -190,3 +191,36 @@ def test_accumulation_reduces_once_per_step_and_holds_one_slice():
         sf.make_train_step(gpt.loss_fn, data_parallel="xla", microbatches=2)
     with pytest.raises(ValueError, match="microbatches must be a positive integer, got 0"):
         sf.make_train_step(gpt.loss_fn, data_parallel="manual", microbatches=0)
+
+
+class _Seen(nnx.Variable):
+    """A counter that is not a batch statistic: the loss adds the batch's sum to it."""
+
+
+class _Counting(nnx.Module):
+    def __init__(self, rngs):
+        init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", None))
+        self.dense = nnx.Linear(8, 4, kernel_init=init, rngs=rngs)
+        self.seen = _Seen(jnp.zeros(()))
+
+    def __call__(self, x):
+        self.seen[...] = self.seen[...] + x.sum()
+        return self.dense(x)
+
+
+def test_state_the_loss_computes_from_the_batch_takes_the_exact_path_with_its_reason():
+    """Each device would count its own rows in the manual region (and shard_map would refuse
+    the differing values); the step says so and runs XLA's partitioning, which counts all."""
+    def loss(model, x):
+        return (model(x) ** 2).mean()
+
+    model = sf.create_sharded_model(lambda: _Counting(nnx.Rngs(0)),
+                                    layout=Layout.named("fsdp", {"data": 8}))  # fmt: skip
+    optimizer = sf.create_sharded_optimizer(model, optax.adam(1e-3))
+    x = np.ones((16, 8), np.float32)
+    with pytest.raises(ValueError, match=r"the loss updates model state from the batch \(seen "
+                       r"\(_Seen\)\).*Use data_parallel='xla'"):  # fmt: skip
+        sf.make_train_step(loss, data_parallel="manual")(model, optimizer, x)
+    with pytest.warns(ShardingWarning, match=r"updates model state from the batch.*nnx.BatchStat"):
+        metrics = sf.make_train_step(loss)(model, optimizer, x)
+    assert metrics["path"] == "xla" and float(model.seen[...]) == x.sum()  # as one device

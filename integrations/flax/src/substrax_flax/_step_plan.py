@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
 from substrax.spmd import PRECISIONS, MixedPrecision, as_precision, region_obstacle
-from substrax_flax._per_device import batch_stat_obstacle
+from substrax_flax._per_device import batch_stat_obstacle, synced_stats
 from substrax_flax._plan import ModelPlan
 from substrax_flax._resolve import entry_axes, without_axes
 from substrax_flax._state import values_by_path, variables
@@ -212,7 +212,7 @@ def choose_path(
         if forced:
             return Path("manual", "data_parallel='manual' was asked; one replica, no region")
         return Path("xla", "one replica: no batch axis of size > 1 to split")
-    found = _obstacle(model, mesh, split, precision, traced)
+    found = _obstacle(model, mesh, split, precision, traced, wrt)
     if found is None:
         return Path("manual", "each device computes its own rows; nothing needs XLA's step")
     obstacle, advice = found
@@ -239,7 +239,7 @@ def _compute_dtype(model: nnx.Module, precision: MixedPrecision) -> Any:
     return min(floats, key=lambda d: jnp.dtype(d).itemsize) if floats else None
 
 
-def _obstacle(model, mesh, split, precision, traced) -> tuple[str, str] | None:
+def _obstacle(model, mesh, split, precision, traced, wrt) -> tuple[str, str] | None:
     platform = mesh.devices.flat[0].platform
     dtype = _compute_dtype(model, precision)
     found = region_obstacle(dict(mesh.shape), split, dtype, platform)
@@ -248,7 +248,31 @@ def _obstacle(model, mesh, split, precision, traced) -> tuple[str, str] | None:
     found = batch_stat_obstacle(model)
     if found is not None:
         return found, ""
-    return traced_obstacle(traced(), split)
+    return traced_obstacle(traced(), split) or _state_from_batch(model, traced(), wrt)
+
+
+def _state_from_batch(model: nnx.Module, traced: Traced, wrt: Any) -> tuple[str, str] | None:
+    """The model state (not differentiated) that the loss computes from the batch, if any.
+
+    The loss's trace returns it last; in the manual step each device would compute it from
+    its own rows. Batch norms substrax syncs are whole-batch already.
+    """
+    others = list(variables(nnx.state(model, nnx.Not(wrt))))
+    marks = traced.from_batch[len(traced.from_batch) - len(others) :] if others else ()
+    if len(marks) != len(others):
+        return None
+    synced = synced_stats(model)
+    found = [f"{path} ({type(v).__name__})" for (path, v), mark in zip(others, marks, strict=True)
+             if mark and path not in synced]  # fmt: skip
+    if not found:
+        return None
+    return (
+        f"the loss updates model state from the batch ({', '.join(found[:3])}"
+        f"{', ...' if len(found) > 3 else ''}), which each device would compute from its own "
+        "rows",
+        "Make it an nnx.BatchStat of an nnx.BatchNorm (substrax averages those over the "
+        "devices), or update it outside the loss, to get the manual step",
+    )
 
 
 def traced_obstacle(traced: Traced, split: tuple[str, ...]) -> tuple[str, str] | None:

@@ -12,6 +12,10 @@ The step traces the loss once (nothing runs) and looks at its primitives:
   sharding in model code that names one (``with_sharding_constraint(x, P("data"))``) cannot
   be traced there; the step traces the loss with substrax's own rules already stripped of the
   batch axes, so any batch axis still named (:attr:`Traced.named_axes`) is the model's.
+* State computed from the batch. The loss returns the model's other state (batch
+  statistics, counters, sown intermediates); in the manual step each device computes it from
+  its own rows, so a value that depends on the batch would differ between devices
+  (:attr:`Traced.from_batch`, for each output, followed through the jaxpr from the batch).
 * Expert dispatch. An expert-parallel layout shards expert weights over its expert axes; only
   code that sends the tokens to their experts (``all_to_all``, as
   :func:`substrax.spmd.experts` does) computes them there. Without it, XLA gathers the
@@ -130,6 +134,8 @@ class Traced:
       primitives: Their names.
       foreign_draws: The random-drawing primitives whose key is not a stream key.
       named: ``(primitive, mesh axis)`` for each mesh axis a sharding in the trace names.
+      from_batch: For each output leaf, whether its value depends on the batch (empty when
+        the trace was not told which inputs are the batch).
     """
 
     def __init__(
@@ -137,10 +143,12 @@ class Traced:
         primitives: frozenset[str],
         foreign_draws: tuple[str, ...] = (),
         named: frozenset[tuple[str, str]] = frozenset(),
+        from_batch: tuple[bool, ...] = (),
     ):
         self.primitives = primitives
         self.foreign_draws = tuple(sorted(set(foreign_draws)))
         self.named = named
+        self.from_batch = tuple(from_batch)
 
     def naming(self, axes: Iterable[str]) -> tuple[str, ...]:
         """The primitives whose shardings name any of ``axes``, sorted (none: ``()``)."""
@@ -163,7 +171,7 @@ def is_key(leaf: Any) -> bool:
     return jax.dtypes.issubdtype(getattr(leaf, "dtype", None), jax.dtypes.prng_key)
 
 
-def trace(fn: Callable[..., Any], *args: Any, streams: Any = None) -> Traced:
+def trace(fn: Callable[..., Any], *args: Any, streams: Any = None, batch: Any = None) -> Traced:
     """Traces ``fn(*args)`` (nothing is computed) and collects its primitives.
 
     Args:
@@ -171,6 +179,8 @@ def trace(fn: Callable[..., Any], *args: Any, streams: Any = None) -> Traced:
       *args: Its arguments: arrays or ``jax.ShapeDtypeStruct``s.
       streams: A pytree like ``args`` of bools: True marks a stream key, whose draws (and
         the draws of keys derived from it) are not foreign. None marks nothing.
+      batch: A pytree like ``args`` of bools: True marks the batch, whose dependents
+        :attr:`Traced.from_batch` follows to the outputs. None: not followed.
 
     Returns:
       A :class:`Traced` over its jaxpr (``scan``, ``cond``, ``remat``, ``shard_map`` and
@@ -182,4 +192,8 @@ def trace(fn: Callable[..., Any], *args: Any, streams: Any = None) -> Traced:
         marked = [False] * len(closed.jaxpr.invars)
     draws, _ = _foreign(closed.jaxpr, [bool(m) for m in marked])
     named = frozenset(_named_axes(closed.jaxpr))
-    return Traced(frozenset(_primitives(closed.jaxpr)), tuple(draws), named)
+    from_batch: list[bool] = []
+    rows = jax.tree.leaves(batch) if batch is not None else []
+    if len(rows) == len(closed.jaxpr.invars):  # the same forward marking, from the batch
+        from_batch = _foreign(closed.jaxpr, [bool(m) for m in rows])[1]
+    return Traced(frozenset(_primitives(closed.jaxpr)), tuple(draws), named, tuple(from_batch))

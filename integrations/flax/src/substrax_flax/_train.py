@@ -334,8 +334,11 @@ class TrainStep(JittedStep):
         with use_rules(mesh, rules), jax.set_mesh(mesh), nnx.use_eager_sharding(False):
             streams = (jax.tree.map(lambda _: False, params), [is_key(x) for x in rest_leaves],
                        jax.tree.map(lambda _: False, abstract))  # fmt: skip
+            rows = (jax.tree.map(lambda _: False, params), [False] * len(rest_leaves),
+                    jax.tree.map(lambda _: True, abstract))  # fmt: skip
             try:
-                return trace(loss_of, params, rehome(rest_leaves, mesh), abstract, streams=streams)
+                return trace(loss_of, params, rehome(rest_leaves, mesh), abstract, streams=streams,
+                             batch=rows)  # fmt: skip
             except Exception as error:  # the user's loss failed: say how substrax called it
                 shapes = jax.tree.map(lambda x: f"{x.dtype}{list(x.shape)}", abstract)
                 error.add_note(
