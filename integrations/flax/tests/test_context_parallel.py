@@ -173,3 +173,24 @@ def test_attention_that_cannot_split_its_heads_says_so():
         with pytest.warns(ShardingWarning, match=r"2 key/value heads do not split .* \('model',\)"):
             attend.lower(q, kv, kv)
         attend.lower(q, q, q)  # 4 and 4 heads split: nothing to say
+
+
+def test_a_loss_that_shifts_targets_after_the_sequence_is_split_is_refused():
+    """Under context axes, ``batch[:, 1:]`` in the loss would shift each device's chunks."""
+
+    def shifting_loss(model, tokens):  # the model sees whole rows; the targets are shifted
+        logits = model(tokens)[:, :-1]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    layout = Layout.named("fsdp+cp", {"data": 2, "context": 4})
+    model = sf.create_sharded_model(lambda: Decoder(nnx.Rngs(0)), layout=layout)
+    optimizer = sf.create_sharded_optimizer(model, optax.adam(1e-2))
+    rows = np.zeros((8, SEQ), np.int32)
+    with pytest.raises(ValueError, match=r"slices the batch along its sequence \(\[:, 1:\]\).*"
+                       r"context axes \('context',\).*Shift before the step"):  # fmt: skip
+        sf.make_train_step(shifting_loss)(model, optimizer, rows)
+    # without context axes the same loss is right, and runs
+    plain = sf.create_sharded_model(lambda: Decoder(nnx.Rngs(0)),
+                                    layout=Layout.named("fsdp", {"data": 8}))  # fmt: skip
+    plain_optimizer = sf.create_sharded_optimizer(plain, optax.adam(1e-2))
+    sf.make_train_step(shifting_loss)(plain, plain_optimizer, rows)

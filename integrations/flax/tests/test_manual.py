@@ -211,6 +211,7 @@ class _Counting(nnx.Module):
 def test_state_the_loss_computes_from_the_batch_takes_the_exact_path_with_its_reason():
     """Each device would count its own rows in the manual region (and shard_map would refuse
     the differing values); the step says so and runs XLA's partitioning, which counts all."""
+
     def loss(model, x):
         return (model(x) ** 2).mean()
 

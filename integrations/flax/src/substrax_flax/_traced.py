@@ -104,6 +104,24 @@ def _foreign(jaxpr: Any, marked: list[bool]) -> tuple[list[str], list[bool]]:
     return found, [carries(v) for v in jaxpr.outvars]
 
 
+def _sequence_slices(jaxpr: Any, rows: list[bool]) -> list[str]:
+    """Slices of a batch input along its second dimension (the sequence), as written.
+
+    Only slices of the batch's own leaves are found (``batch["tokens"][:, 1:]``), which is how
+    a loss shifts its targets.
+    """
+    batch = {v for v, m in zip(jaxpr.invars, rows, strict=True) if m}
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name != "slice" or eqn.invars[0] not in batch:
+            continue
+        shape = eqn.invars[0].aval.shape
+        start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+        if len(shape) >= 2 and (start[1], limit[1]) != (0, shape[1]):
+            found.append(f"[:, {start[1] or ''}:{'' if limit[1] == shape[1] else limit[1]}]")
+    return found
+
+
 def _spec_axes(value: Any) -> Iterator[str]:
     """The mesh axes a sharding-valued parameter names (a ``NamedSharding`` or a spec)."""
     if isinstance(value, (tuple, list)):
@@ -136,6 +154,8 @@ class Traced:
       named: ``(primitive, mesh axis)`` for each mesh axis a sharding in the trace names.
       from_batch: For each output leaf, whether its value depends on the batch (empty when
         the trace was not told which inputs are the batch).
+      sequence_slices: The slices of batch leaves along their sequence (second) dimension,
+        as written (``"[:, 1:]"``).
     """
 
     def __init__(
@@ -144,11 +164,13 @@ class Traced:
         foreign_draws: tuple[str, ...] = (),
         named: frozenset[tuple[str, str]] = frozenset(),
         from_batch: tuple[bool, ...] = (),
+        sequence_slices: tuple[str, ...] = (),
     ):
         self.primitives = primitives
         self.foreign_draws = tuple(sorted(set(foreign_draws)))
         self.named = named
         self.from_batch = tuple(from_batch)
+        self.sequence_slices = tuple(sequence_slices)
 
     def naming(self, axes: Iterable[str]) -> tuple[str, ...]:
         """The primitives whose shardings name any of ``axes``, sorted (none: ``()``)."""
@@ -193,7 +215,10 @@ def trace(fn: Callable[..., Any], *args: Any, streams: Any = None, batch: Any = 
     draws, _ = _foreign(closed.jaxpr, [bool(m) for m in marked])
     named = frozenset(_named_axes(closed.jaxpr))
     from_batch: list[bool] = []
-    rows = jax.tree.leaves(batch) if batch is not None else []
+    slices: list[str] = []
+    rows = [bool(m) for m in jax.tree.leaves(batch)] if batch is not None else []
     if len(rows) == len(closed.jaxpr.invars):  # the same forward marking, from the batch
-        from_batch = _foreign(closed.jaxpr, [bool(m) for m in rows])[1]
-    return Traced(frozenset(_primitives(closed.jaxpr)), tuple(draws), named, tuple(from_batch))
+        from_batch = _foreign(closed.jaxpr, rows)[1]
+        slices = _sequence_slices(closed.jaxpr, rows)
+    return Traced(frozenset(_primitives(closed.jaxpr)), tuple(draws), named, tuple(from_batch),
+                  tuple(slices))  # fmt: skip

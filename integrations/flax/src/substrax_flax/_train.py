@@ -269,6 +269,7 @@ class TrainStep(JittedStep):
                            self.microbatches, traced, self.wrt)  # fmt: skip
         region = split if path.name == "manual" else ()
         seq_axes = plan.layout.context_axes if plan.layout is not None else ()
+        _check_sequence_slices(seq_axes, dict(mesh.shape), traced)
         params = param_steps(plan, nnx.state(model, self.wrt), compute_sh, path.name, split)
         states = (nnx.state(model, self.wrt), nnx.state(optimizer))
         check_state, guard_value, guard_reason = guard_decision(states, self._guard.on_nonfinite)
@@ -382,6 +383,25 @@ def _global_leaf(processes: int, leaf: Any) -> jax.ShapeDtypeStruct:
     if shape and not isinstance(leaf, jax.Array):
         shape = (shape[0] * processes, *shape[1:])
     return jax.ShapeDtypeStruct(shape, leaf.dtype)
+
+
+def _check_sequence_slices(seq_axes, sizes, traced: Callable[[], Traced]) -> None:
+    """Raises if the loss slices the batch's sequence where context axes split it.
+
+    Raises:
+      ValueError: Naming the slices: each device holds chunks of the sequence (in zigzag
+        order), so shifting targets inside the loss shifts each chunk, not the sequence.
+    """
+    split = tuple(a for a in seq_axes if sizes[a] > 1)
+    found = traced().sequence_slices if split else ()
+    if found:
+        raise ValueError(
+            f"The loss slices the batch along its sequence ({', '.join(found)}), but the "
+            f"context axes {split} split each row's sequence before the loss runs (each device "
+            "holds chunks of it, in zigzag order): the slice would shift each chunk, not the "
+            "sequence, and the losses would be silently wrong. Shift before the step: pass "
+            "{'inputs': rows[:, :-1], 'targets': rows[:, 1:]} and use them as they are."
+        )
 
 
 def _check_experts(plan: ModelPlan, traced: Callable[[], Traced]) -> None:
