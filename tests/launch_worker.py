@@ -82,3 +82,15 @@ elif mode == "weights":  # argv: a Llama checkpoint directory, then where proces
     print(f"read {plan.checkpoint.bytes_read} of {plan.checkpoint.nbytes}", flush=True)
     llama.save_pretrained(model, sys.argv[3])  # every process gathers, process 0 writes
     print("exported", flush=True)
+elif mode == "layouts-differ":  # process 1 was started with another layout (a typo on its host)
+    _initialize()
+    import jax
+    from flax import nnx
+
+    import substrax_flax as sf
+    from substrax.layout import Layout
+
+    name = "fsdp" if process_id == 0 else "dp"
+    layout = Layout.named(name, {"data": jax.device_count()})
+    model = sf.create_sharded_model(lambda: nnx.Linear(64, 64, rngs=nnx.Rngs(0)), layout=layout)
+    print("created", flush=True)

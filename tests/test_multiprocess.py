@@ -116,3 +116,17 @@ def test_checkpoints_move_between_process_counts_and_layouts(tmp_path, one_proce
     assert [p["start_step"] for p in pieces] == [0, 3, 6]
     resumed = [loss for piece in pieces for loss in piece["losses"]]
     np.testing.assert_allclose(resumed, one_process["losses"], rtol=1e-5)
+
+
+def test_processes_started_with_different_layouts_stop_at_once_naming_the_difference():
+    """A typo on one host used to hang both processes in a collective; now both stop."""
+    start = time.monotonic()
+    result = _launch(WORKER, "layouts-differ", processes=2, devices=4, timeout=150)
+    assert result.returncode != 0, result.stdout
+    output = result.stdout + result.stderr
+    assert "model plan 1 differs from process" in output, output[-3000:]
+    assert "line 2: process 1 has 'layout dp 8', process 0 has 'layout fsdp 8'" in output or (
+        "line 2: process 0 has 'layout fsdp 8', process 1 has 'layout dp 8'" in output
+    )
+    assert "created" not in result.stdout
+    assert time.monotonic() - start < 90

@@ -23,8 +23,12 @@ __all__ = [
     "ENV_CPU_DEVICES",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
+    "agree",
     "initialize",
 ]
+
+#: Seconds :func:`agree` waits for every process's value by default.
+AGREE_TIMEOUT = 120.0
 
 
 def initialize(
@@ -79,3 +83,62 @@ def initialize(
     if all(launched) or cluster:
         _worker.guard(jax.process_index())
     return jax.process_count()
+
+
+def _client():
+    """The coordination-service client of jax (None outside a multi-process run)."""
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def agree(name: str, value: str, *, timeout: float = AGREE_TIMEOUT) -> None:
+    """Checks that every process of the run holds the same ``value``, before it computes.
+
+    Each process publishes ``value`` under ``name`` in jax's coordination service (no
+    collective: processes that disagree on the program cannot run one) and reads the others';
+    a process whose value differs stops every process with the first line that differs. A
+    no-op with one process.
+
+    Args:
+      name: What is compared, the same on every process (``"train step 1"``).
+      value: This process's text of it (a step's plan, mesh and shapes).
+      timeout: Seconds to wait for the other processes to publish theirs.
+
+    Raises:
+      RuntimeError: If a process's value differs (naming it and the first differing line),
+        or a process has not published within ``timeout`` (naming it).
+    """
+    if jax.process_count() == 1:
+        return
+    client, me = _client(), jax.process_index()
+    key = f"substrax/agree/{name}"
+    client.key_value_set(f"{key}/{me}", value)
+    for other in range(jax.process_count()):
+        if other == me:
+            continue
+        try:
+            theirs = client.blocking_key_value_get(f"{key}/{other}", int(timeout * 1000))
+        except Exception as error:  # the service's deadline error
+            raise RuntimeError(
+                f"Process {other} did not reach {name!r} within {timeout:.0f} s (process {me} "
+                f"did): it is slower, stuck or on another code path ({type(error).__name__})."
+            ) from None
+        if theirs != value:
+            raise RuntimeError(
+                f"Process {other}'s {name} differs from process {me}'s, so their programs "
+                "would not match (a run would hang in a collective): "
+                f"{_first_difference(value, theirs, me, other)}. Start every process with the "
+                "same arguments."
+            )
+
+
+def _first_difference(mine: str, theirs: str, me: int, other: int) -> str:
+    """The first differing line of two texts, both sides named."""
+    ours, others = mine.splitlines(), theirs.splitlines()
+    for k in range(max(len(ours), len(others))):
+        left = ours[k].strip() if k < len(ours) else "(nothing)"
+        right = others[k].strip() if k < len(others) else "(nothing)"
+        if left != right:
+            return f"line {k + 1}: process {me} has {left!r}, process {other} has {right!r}"
+    return "their texts differ"

@@ -8,19 +8,22 @@ places the batch, runs or lowers the program, keeps the jit cache and the non-fi
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from substrax.distributed import agree
 from substrax.spmd import check_batch, shard_batch
 from substrax_flax._cache import ProgramKey, StepCache
 from substrax_flax._nonfinite import Guard, NonFinite, all_finite
 from substrax_flax._optimizer import optimizer_rows
 from substrax_flax._plan import ModelPlan, plan_of, shardings_of
-from substrax_flax._state import constrain_state
+from substrax_flax._state import constrain_state, shape_and_dtype, variables
 from substrax_flax._step_plan import StepPlan
 
 __all__ = [
@@ -170,6 +173,19 @@ def apply_update(
     )
 
 
+#: Numbers the programs this process builds, in order: every process builds the same ones.
+_PROGRAMS = itertools.count(1)
+
+
+def _fingerprint(built: Built, model: nnx.Module, batch: Any) -> str:
+    """What every process's program must agree on: mesh, step plan, state and batch shapes."""
+    lines = [f"mesh {dict(built.mesh.shape)}", str(built.plan) if built.plan else built.path]
+    lines += [f"{path} {shape_and_dtype(v)}" for path, v in variables(nnx.state(model))]
+    lines += [f"batch {jax.tree_util.keystr(path)} {tuple(jnp.shape(leaf))} {jnp.result_type(leaf)}"
+              for path, leaf in jax.tree_util.tree_leaves_with_path(batch)]  # fmt: skip
+    return "\n".join(lines)
+
+
 def check_step_arguments(model: Any, optimizer: Any) -> None:
     """Raises unless a step was given ``(model, optimizer, ...)`` of the right types.
 
@@ -215,6 +231,8 @@ class JittedStep:
         built = self._compiled.get(key)
         if built is None:
             built = self._build(model, optimizer, batch)
+            if jax.process_count() > 1:  # before the program's first collective, not in it
+                agree(f"train step program {next(_PROGRAMS)}", _fingerprint(built, model, batch))
             self._compiled.put(key, built)
         self._last = built
         return built

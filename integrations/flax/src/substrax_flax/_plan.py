@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -11,6 +12,7 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from substrax.distributed import agree
 from substrax.layout import Layout
 from substrax.mesh import MeshRules, check_mesh
 from substrax_flax._cache import equal
@@ -51,6 +53,9 @@ __all__ = [
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 LayoutLike = Layout | str | None
+
+#: Numbers the models this process creates, in order: every process creates the same ones.
+_PLANS_MADE = itertools.count(1)
 
 
 def plan_of(obj: Any) -> Any:
@@ -370,9 +375,25 @@ class ModelPlan:
           ValueError: For a plan made from a live model.
         """
         self._need_factory()
+        self._agree()
         model = nnx.merge(self.graphdef, self.init())
         remember(model, self)
         return model
+
+    def _agree(self) -> None:
+        """In a multi-process run, checks that every process planned the same model first.
+
+        Processes that disagree (a typo in one host's arguments) would compile different
+        inits and steps and wait in each other's collectives forever; this stops them with
+        the first line that differs (:func:`substrax.distributed.agree`).
+        """
+        if jax.process_count() > 1:
+            lines = [
+                f"mesh {dict(self.mesh.shape)}",
+                f"layout {self.layout.label if self.layout is not None else None}",
+            ]
+            lines += [f"{r.path} {r.shape} {r.dtype} {r.spec}" for r in self.rows]  # fmt: skip
+            agree(f"model plan {next(_PLANS_MADE)}", "\n".join(lines))
 
     def create_with(self, values: dict[str, jax.Array]) -> nnx.Module:
         """Assembles the model from ``values`` (by path), initialising only the rest.
@@ -391,6 +412,7 @@ class ModelPlan:
           ValueError: For a plan made from a live model.
         """
         self._need_factory()
+        self._agree()
         paths = [path for path, _ in variables(self._template)]
         rest = [path for path in paths if path not in values]
         made = {}
