@@ -143,6 +143,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="save sharded checkpoints here (none: no checkpoints)")  # fmt: skip
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
+    parser.add_argument(
+        "--synchronous-saves", action="store_true",
+        help="wait for each checkpoint to be written (default: written in the background "
+        "while training goes on)",
+    )  # fmt: skip
     resume = parser.add_mutually_exclusive_group()
     resume.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     resume.add_argument(
@@ -514,7 +519,12 @@ def train(args) -> dict:
         if checkpointer and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
             save(checkpointer, model, optimizer, step + 1, args.seed)
             if primary:
-                print(f"saved a checkpoint of step {step + 1} in {args.checkpoint_dir}")
+                how = "saved" if args.synchronous_saves else "saving (in the background)"
+                print(f"{how} a checkpoint of step {step + 1} in {args.checkpoint_dir}")
+    if checkpointer:
+        wait_for(checkpointer)
+        if primary and not args.synchronous_saves:
+            print(f"checkpoints written; the latest is step {checkpointer.latest_step()}")
     elapsed = time.perf_counter() - started
     if board is not None:
         board.close()
@@ -631,12 +641,22 @@ def save(checkpointer, model, optimizer, step, seed) -> None:
         raise SaveFailed(str(error)) from None
 
 
+def wait_for(checkpointer) -> None:
+    """Waits for the save in flight (asynchronous saves), with the same message on failure."""
+    try:
+        checkpointer.wait()
+    except OSError as error:
+        raise SaveFailed(str(error)) from None
+
+
 def resume(args, model, optimizer, primary):
     """The run's Checkpointer (None without --checkpoint-dir), after restoring if asked."""
     if args.checkpoint_dir is None:
         return None
     try:
-        checkpointer = sf.Checkpointer(args.checkpoint_dir, keep=args.keep)
+        checkpointer = sf.Checkpointer(
+            args.checkpoint_dir, keep=args.keep, asynchronous=not args.synchronous_saves
+        )
     except sf.DirectoryLocked as error:
         raise UsageError(f"--checkpoint-dir: {error}") from None
     if not (args.resume or args.resume_if_present):

@@ -3,6 +3,7 @@
 import json
 import pathlib
 import re
+import signal
 import struct
 import subprocess
 import sys
@@ -186,7 +187,8 @@ def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(tmp_path)
     assert [step for step, _ in losses] == [1, 2, 3]
     np.testing.assert_allclose([v for _, v in losses], [r["loss"] for r in records], rtol=1e-6)
     assert "compiling the train step ..." in resumed.stdout
-    assert "saved a checkpoint of step 3" in resumed.stdout and "eta" in resumed.stdout
+    assert "saving (in the background) a checkpoint of step 3" in resumed.stdout
+    assert "checkpoints written; the latest is step 3" in resumed.stdout and "eta" in resumed.stdout
 
 
 def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path):
@@ -200,8 +202,10 @@ def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path):
         for line in first.stdout:  # the first holds the directory once it compiles
             if "compiling the train step" in line:
                 break
+        first.send_signal(signal.SIGSTOP)  # paused, holding it, while the second starts
         second = _run(*TINY, "--steps", "6", "--checkpoint-dir", ckpt, "--output-dir",
                       str(tmp_path / "b"), tmp_path=tmp_path)  # fmt: skip
+        first.send_signal(signal.SIGCONT)
         rest, errors = first.communicate(timeout=300)
     finally:
         first.kill()
@@ -210,7 +214,7 @@ def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path):
         second.stderr
     )
     assert first.returncode == 0, errors[-2000:]
-    assert "saved a checkpoint of step 6" in rest
+    assert "checkpoints written; the latest is step 6" in rest
     assert sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit()) == [
         2,
         4,

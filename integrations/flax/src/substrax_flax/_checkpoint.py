@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
 import os
 import pathlib
+import weakref
 from typing import Any
 
 import jax
@@ -91,9 +94,13 @@ class Checkpointer:
       :meth:`close` (or its exit, however it ends), and a second run or Checkpointer on the
       same directory is refused with :class:`DirectoryLocked`, naming the holder; every check
       of the steps there reads the disk;
+    - saves are asynchronous by default: :meth:`save` returns once the state is copied to
+      host memory, and the next save, any read of the steps, :meth:`wait`, :meth:`close` and
+      the interpreter's exit wait for it to be written;
     - saves are atomic (Orbax writes a temporary directory and renames it when every process
-      is done); temporary directories left by killed saves are removed when the directory is
-      opened, and the directory is checked for writability then, before any training;
+      is done), so a kill during a save, asynchronous or not, loses only that step;
+      temporary directories left by killed saves are removed when the directory is opened,
+      and the directory is checked for writability then, before any training;
     - steps only move forward (:meth:`save` raises on a step that is not after the latest);
     - the last ``keep`` checkpoints are kept, and also the newest one whose values are all
       finite, so a run that diverged never rotates its last good state out;
@@ -105,13 +112,18 @@ class Checkpointer:
     - restoring values of another dtype is an error unless ``cast=True`` (then a warning).
     """
 
-    def __init__(self, directory: str | pathlib.Path, *, keep: int = 3):
+    def __init__(self, directory: str | pathlib.Path, *, keep: int = 3, asynchronous: bool = True):
         """Opens (or creates) a checkpoint directory and checks that it is writable.
 
         Args:
           directory: Where checkpoints go, one subdirectory per step.
           keep: How many of the latest checkpoints to keep (the newest finite one is kept
             besides).
+          asynchronous: :meth:`save` returns once the state is copied to host memory and the
+            arrays are written in the background while training goes on (one save in
+            flight: the next save, any read of the steps, :meth:`wait`, :meth:`close` and
+            the interpreter's exit wait for it). The copy holds one copy of this process's
+            state in host memory until written. False: each save returns when written.
 
         Raises:
           TypeError: If ``directory`` is not a path.
@@ -148,7 +160,10 @@ class Checkpointer:
             )
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("substrax checkpoint directory cleaned")
-        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
+        self.asynchronous = asynchronous
+        self._pending: int | None = None  # the step of a save in flight
+        atexit.register(_wait_at_exit, weakref.ref(self))
+        options = ocp.CheckpointManagerOptions(enable_async_checkpointing=asynchronous, create=True)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=options,
@@ -171,13 +186,28 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def all_steps(self) -> list[int]:
-        """Steps of every checkpoint on disk, oldest first.
+        """Steps of every checkpoint on disk, oldest first (after a save in flight is done).
 
         Returns:
           The steps.
         """
+        self.wait()
         self._manager.reload()
         return sorted(self._manager.all_steps())
+
+    def wait(self) -> None:
+        """Waits for a save in flight to be written, then records its checksums and rotates.
+
+        Raises:
+          OSError: If the disk refused it (as :meth:`save` says).
+        """
+        step, self._pending = self._pending, None
+        if step is None:
+            return
+        with self._disk_errors(step):
+            self._manager.wait_until_finished()
+            write_checksums(self.directory / str(step))
+        self._rotate()
 
     def is_finite(self, step: int) -> bool | None:
         """Whether every value saved at ``step`` was finite.
@@ -188,6 +218,7 @@ class Checkpointer:
         Returns:
           True or False, or None for a checkpoint saved without this record.
         """
+        self.wait()
         try:
             restored = self._manager.restore(
                 step, args=ocp.args.Composite(status=ocp.args.JsonRestore())
@@ -211,7 +242,9 @@ class Checkpointer:
         forward: saving at a step that is not after the latest is an error, since it would
         either keep the old data under that step or leave newer steps that a resume would pick
         up instead. ``overwrite=True`` deletes every checkpoint at or after ``step`` first (a
-        rolled-back run that trains again). Whether every value is finite is recorded with the
+        rolled-back run that trains again). Asynchronous (the default): returns once the state
+        is copied to host memory; the step counts as saved once it is written (see
+        :meth:`wait`). Whether every value is finite is recorded with the
         checkpoint; older checkpoints beyond ``keep`` are then deleted, except the newest
         finite one.
 
@@ -227,7 +260,7 @@ class Checkpointer:
           RuntimeError: If Orbax declines to save.
         """
         _check_arguments(model, optimizer, step, "save")
-        latest = self.latest_step()
+        latest = self.latest_step()  # (waits for a save in flight first)
         if latest is not None and step <= latest:
             if not overwrite:
                 raise ValueError(
@@ -244,7 +277,7 @@ class Checkpointer:
                 "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
             }
         )
-        try:
+        with self._disk_errors(step):
             saved = self._manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -253,14 +286,22 @@ class Checkpointer:
                     status=ocp.args.JsonSave({"finite": _all_finite(state)}),
                 ),
             )
-            self._manager.wait_until_finished()
             if not saved:
                 raise RuntimeError(f"Orbax did not save step {step} in {self.directory}.")
-            write_checksums(self.directory / str(step))
+        self._pending = step
+        if not self.asynchronous:
+            self.wait()
+
+    @contextlib.contextmanager
+    def _disk_errors(self, step: int):
+        """Turns the disk's refusal, buried in Orbax's errors, into one clear OSError."""
+        try:
+            yield
         except Exception as error:
             cause = _os_error(error)
             if cause is None:
                 raise
+            self._pending = None
             raise OSError(
                 cause.errno,
                 f"Saving step {step} in {self.directory} failed: {cause.strerror or cause} "
@@ -268,7 +309,6 @@ class Checkpointer:
                 f"committed; the complete steps there are {self._complete()}. Free space or "
                 "fix the directory's permissions, then resume.",
             ) from error
-        self._rotate()
 
     def _complete(self) -> list[int]:
         """The steps on disk whose files are whole (read again, after a failure)."""
@@ -322,6 +362,7 @@ class Checkpointer:
             requested ``step`` is incomplete or unreadable.
         """
         _check_arguments(model, optimizer, step, "restore")
+        self.wait()
         target = {
             "model": nnx.to_pure_dict(nnx.state(model)),
             "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
@@ -440,16 +481,29 @@ class Checkpointer:
             warn_user(f"Casting checkpoint step {step}: {'; '.join(casts)}.", CheckpointWarning)
 
     def close(self) -> None:
-        """Waits for pending work, releases the manager and the directory's lock."""
+        """Waits for a save in flight, releases the manager and the directory's lock."""
+        self.wait()
         self._manager.close()
         if self._lock is not None:
             self._lock.release()
+
+    def __del__(self) -> None:
+        # a Checkpointer dropped with a save in flight writes it first (as at exit)
+        if getattr(self, "_pending", None) is not None:
+            self.wait()
 
     def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self.close()
+
+
+def _wait_at_exit(ref: weakref.ref) -> None:
+    """At exit: a save still in flight is written before the interpreter goes."""
+    checkpointer = ref()
+    if checkpointer is not None:
+        checkpointer.wait()
 
 
 def _check_arguments(model: Any, optimizer: Any, step: Any, method: str) -> None:
