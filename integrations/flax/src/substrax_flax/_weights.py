@@ -200,6 +200,17 @@ class WeightsPlan:
     """
 
     def __init__(self, model, checkpoint, sources, initialised, ignored, problems, dtype):
+        """Holds what :func:`plan_weights` decided; use that function rather than this.
+
+        Args:
+          model: The :class:`ModelPlan`.
+          checkpoint: The checkpoint (its headers read, no tensor).
+          sources: ``{variable path: lazy array}``.
+          initialised: Paths that keep their initialisers.
+          ignored: Checkpoint tensors the key map ignores.
+          problems: Every mismatch found.
+          dtype: The dtype loaded variables are stored in, or None.
+        """
         self.model, self.checkpoint, self.sources = model, checkpoint, sources
         self.initialised, self.ignored = tuple(initialised), tuple(ignored)
         self.problems, self.dtype = tuple(problems), dtype
@@ -220,7 +231,11 @@ class WeightsPlan:
         return "\n".join(lines)
 
     def check(self) -> None:
-        """Raises :class:`WeightsMismatch` listing every problem, if there are any."""
+        """Raises if the checkpoint does not fit the model.
+
+        Raises:
+          WeightsMismatch: Listing every problem, if there are any.
+        """
         if self.problems:
             raise WeightsMismatch(
                 f"The checkpoint at {self.checkpoint.source} does not fit the model "
