@@ -96,3 +96,16 @@ def test_stopping_the_launcher_stops_its_processes(signum):
         if signum != signal.SIGKILL:
             assert status == 128 + signum
             assert f"the launcher received {signum.name}" in launcher.stderr.read()
+
+
+def test_jax_waits_longer_than_the_launcher_for_a_silent_process(monkeypatch):
+    """Else jax's coordination service aborts the healthy process first, and gets it blamed."""
+    from substrax import _worker
+    from substrax.distributed import _jax_heartbeat
+
+    monkeypatch.setenv(_worker.ENV_HEARTBEAT_TIMEOUT, "30")
+    assert _jax_heartbeat(30) == 70
+    monkeypatch.setenv(_worker.ENV_HEARTBEAT_TIMEOUT, "4")
+    assert _jax_heartbeat(30) == 30
+    monkeypatch.delenv(_worker.ENV_HEARTBEAT_TIMEOUT)
+    assert _jax_heartbeat(30) == 30

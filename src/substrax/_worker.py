@@ -29,6 +29,7 @@ import time
 __all__ = [
     "ENV_COORDINATOR",
     "ENV_CPU_DEVICES",
+    "ENV_HEARTBEAT_TIMEOUT",
     "ENV_LAUNCH_DIR",
     "ENV_NUM_PROCESSES",
     "ENV_PROCESS_ID",
@@ -48,6 +49,8 @@ ENV_PROCESS_ID = "SUBSTRAX_PROCESS_ID"
 ENV_CPU_DEVICES = "SUBSTRAX_CPU_DEVICES"
 """Simulated CPU devices per process (set by :mod:`substrax.launch`, or by hand)."""
 ENV_LAUNCH_DIR = "SUBSTRAX_LAUNCH_DIR"
+#: The launcher's ``--heartbeat-timeout``, so jax's own heartbeat waits longer than it.
+ENV_HEARTBEAT_TIMEOUT = "SUBSTRAX_HEARTBEAT_TIMEOUT"
 """The launcher's status directory for its processes."""
 
 _guarded = False

@@ -46,6 +46,8 @@ def initialize(
         when no launcher variables are set (for SLURM, Kubernetes, TPU pods, ...).
       heartbeat_timeout_seconds: How long the coordination service waits for a silent
         process before the others fail, so a dead process stops the run in bounded time.
+        Under :mod:`substrax.launch` at least twice the launcher's ``--heartbeat-timeout``
+        (plus 10 s), so the launcher names a frozen process before jax aborts the others.
 
     In a multi-process run, an uncaught exception then ends this process at once with status 1
     (jax would otherwise keep it at its exit barrier, waiting for peers blocked in a collective
@@ -71,6 +73,9 @@ def initialize(
         )
     if all(launched):
         coordinator, num_processes, process_id = launched
+        # jax's coordination service aborts the processes of a silent peer; it waits longer
+        # than the launcher, which names the frozen process first (jax would blame another)
+        heartbeat_timeout_seconds = _jax_heartbeat(heartbeat_timeout_seconds)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
             coordinator_address=coordinator,
@@ -83,6 +88,12 @@ def initialize(
     if all(launched) or cluster:
         _worker.guard(jax.process_index())
     return jax.process_count()
+
+
+def _jax_heartbeat(asked: int) -> int:
+    """The heartbeat timeout for jax: ``asked``, and at least twice the launcher's plus 10 s."""
+    launcher = float(os.environ.get(_worker.ENV_HEARTBEAT_TIMEOUT, 0))
+    return max(asked, int(2 * launcher + 10))
 
 
 def _client():

@@ -150,6 +150,7 @@ def launch(
     _check_arguments(num_processes, devices_per_process, timeout, exit_timeout, heartbeat_timeout)
     with tempfile.TemporaryDirectory(prefix="substrax-launch-") as status_dir:
         env = _environment(num_processes, devices_per_process, status_dir)
+        env[_worker.ENV_HEARTBEAT_TIMEOUT] = str(heartbeat_timeout)
         previous = _catch_stop_signals()
         workers: list[_Worker] = []
         try:
