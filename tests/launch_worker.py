@@ -94,3 +94,20 @@ elif mode == "layouts-differ":  # process 1 was started with another layout (a t
     layout = Layout.named(name, {"data": jax.device_count()})
     model = sf.create_sharded_model(lambda: nnx.Linear(64, 64, rngs=nnx.Rngs(0)), layout=layout)
     print("created", flush=True)
+elif mode == "stall":  # process 1 stops stepping (alive, beating) at its 4th step
+    _initialize()
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import substrax_flax as sf
+    from substrax.layout import Layout
+
+    layout = Layout.named("fsdp", {"data": 2})
+    model = sf.create_sharded_model(lambda: nnx.Linear(8, 8, rngs=nnx.Rngs(0)), layout=layout)
+    optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.1))
+    step = sf.make_train_step(lambda m, x: (m(x) ** 2).mean())
+    for call in range(1, 100):
+        if process_id == 1 and call == 4:
+            time.sleep(600)  # stuck between steps: the other waits in step 4's collectives
+        step(model, optimizer, np.ones((1, 8), np.float32))

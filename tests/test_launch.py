@@ -4,6 +4,7 @@ Each test bounds its own wait; the failing process is always process 1.
 """
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -109,3 +110,21 @@ def test_jax_waits_longer_than_the_launcher_for_a_silent_process(monkeypatch):
     assert _jax_heartbeat(30) == 30
     monkeypatch.delenv(_worker.ENV_HEARTBEAT_TIMEOUT)
     assert _jax_heartbeat(30) == 30
+
+
+def test_a_run_that_stops_making_progress_is_reported_with_the_laggard_and_its_stack():
+    """Both processes beat; process 1 sleeps before its 4th step, process 0 waits in it."""
+    result, seconds = _launch("stall", "--stall-timeout", "4", "--timeout", "80")
+    assert result.returncode == 3, result.stderr[-3000:]  # launch.STALL_STATUS
+    report = result.stderr
+    assert "no process entered a new step or save for 4 s (--stall-timeout 4): the run is hung" in (
+        report
+    )
+    assert "process 0: manual step, call 4 (entered" in report
+    assert "process 1: manual step, call 3 (entered" in report
+    assert "<- behind: the others wait for it" in report.split("process 1: ")[1].splitlines()[0]
+    lines = pathlib.Path(WORKER).read_text().splitlines()
+    sleep = next(n for n, line in enumerate(lines, 1) if "stuck between steps" in line)
+    stack = report.split("Python stack of process 1:")[1]
+    assert f'launch_worker.py", line {sleep} in <module>' in stack  # where it is stuck
+    assert seconds < 3 * 4 + 30  # the stall time, the workers' start and the report

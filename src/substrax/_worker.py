@@ -10,7 +10,10 @@ has called :func:`substrax.distributed.initialize`, :func:`guard` makes it:
 - on an uncaught exception, print the traceback, write ``<id>.exit`` and leave at once with
   status 1 (130 for ``KeyboardInterrupt``) instead of waiting at jax's exit barrier for peers
   that are blocked in a collective with it;
-- leave (status 1) when its parent is gone, should the parent-death signal not reach it.
+- leave (status 1) when its parent is gone, should the parent-death signal not reach it;
+- rewrite ``<id>.progress`` each time it enters a program with collectives (substrax's steps
+  call :func:`progress`), and write its Python stacks to ``<id>.stack`` on ``SIGUSR1``
+  (``faulthandler``), so the launcher can report a run that stopped making progress.
 
 The exception hook is installed in every multi-process run, launched or not: a process that
 raised can never complete a collective again, so waiting at the barrier only hides its status.
@@ -20,8 +23,10 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import os
 import pathlib
+import signal
 import sys
 import threading
 import time
@@ -36,6 +41,9 @@ __all__ = [
     "exit_path",
     "guard",
     "heartbeat_path",
+    "progress",
+    "progress_path",
+    "stack_path",
 ]
 
 # The launcher's variables, read by substrax.distributed.initialize (defined here, without jax,
@@ -54,11 +62,39 @@ ENV_HEARTBEAT_TIMEOUT = "SUBSTRAX_HEARTBEAT_TIMEOUT"
 """The launcher's status directory for its processes."""
 
 _guarded = False
+_stacks = None  # the open stack file faulthandler writes to (kept open for it)
 
 
 def heartbeat_path(directory: str | os.PathLike, process_id: int) -> pathlib.Path:
     """The file a process touches while it is alive."""
     return pathlib.Path(directory) / f"{process_id}.heartbeat"
+
+
+def progress_path(directory: str | os.PathLike, process_id: int) -> pathlib.Path:
+    """The file a process rewrites each time it enters a program with collectives."""
+    return pathlib.Path(directory) / f"{process_id}.progress"
+
+
+def stack_path(directory: str | os.PathLike, process_id: int) -> pathlib.Path:
+    """Where a process writes its Python stacks when the launcher sends it ``SIGUSR1``."""
+    return pathlib.Path(directory) / f"{process_id}.stack"
+
+
+def progress(what: str) -> None:
+    """Records, cheaply, what this process is entering (``"train step call 12"``).
+
+    Under the launcher: one small file rewritten in place (the launcher reads how far each
+    process got when the run stops making progress). Elsewhere: nothing.
+
+    Args:
+      what: The program and step, one line.
+    """
+    if _progress is not None:
+        with contextlib.suppress(OSError):
+            os.pwrite(_progress, f"{time.time():.3f} {what}".ljust(200).encode()[:200], 0)
+
+
+_progress: int | None = None
 
 
 def exit_path(directory: str | os.PathLike, process_id: int) -> pathlib.Path:
@@ -85,6 +121,11 @@ def guard(process_id: int, *, interval: float = 1.0) -> None:
     if directory is None:
         return
     atexit.register(report, "exit")
+    global _progress, _stacks
+    with contextlib.suppress(OSError):
+        _progress = os.open(progress_path(directory, process_id), os.O_RDWR | os.O_CREAT, 0o644)
+        _stacks = stack_path(directory, process_id).open("w")
+        faulthandler.register(signal.SIGUSR1, file=_stacks, all_threads=True)
     beat = heartbeat_path(directory, process_id)
     with contextlib.suppress(OSError):
         beat.touch()  # now, not when the thread first runs: a process may freeze before that

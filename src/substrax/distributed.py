@@ -17,6 +17,7 @@ from substrax._worker import ENV_COORDINATOR as ENV_COORDINATOR
 from substrax._worker import ENV_CPU_DEVICES as ENV_CPU_DEVICES
 from substrax._worker import ENV_NUM_PROCESSES as ENV_NUM_PROCESSES
 from substrax._worker import ENV_PROCESS_ID as ENV_PROCESS_ID
+from substrax._worker import progress as progress
 
 __all__ = [
     "ENV_COORDINATOR",
@@ -25,6 +26,7 @@ __all__ = [
     "ENV_PROCESS_ID",
     "agree",
     "initialize",
+    "progress",
 ]
 
 #: Seconds :func:`agree` waits for every process's value by default.

@@ -28,6 +28,7 @@ import argparse
 import collections
 import ctypes
 import dataclasses
+import itertools
 import os
 import signal
 import socket
@@ -40,7 +41,7 @@ import time
 from substrax import _worker
 from substrax._worker import ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
-__all__ = ["launch", "main"]
+__all__ = ["STALL_STATUS", "launch", "main"]
 
 _TAIL_LINES = 10
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
@@ -120,6 +121,7 @@ def launch(
     grace: float = 10.0,
     exit_timeout: float = 30.0,
     heartbeat_timeout: float = 30.0,
+    stall_timeout: float | None = None,
     verbose: bool = False,
 ) -> int:
     """Runs ``command`` as ``num_processes`` processes of one jax program on this machine.
@@ -136,18 +138,26 @@ def launch(
       exit_timeout: Seconds the other processes may keep running after one started to exit.
       heartbeat_timeout: Seconds without a heartbeat after which a process counts as hung
         (heartbeats start at :func:`substrax.distributed.initialize`).
+      stall_timeout: Seconds in which no process enters a new step or checkpoint save
+        (:func:`substrax.distributed.progress`) after which the run counts as hung, though
+        every process beats (stuck in a collective, sleeping in a step): the launcher then
+        prints each process's step, which one is behind and its Python stack, and stops the
+        run with status :data:`STALL_STATUS`. None: 5 x the median time between steps, at
+        least 60 s, once three steps were seen.
       verbose: Also print gloo's per-rank connection lines.
 
     Returns:
       0 if every process succeeded; else the failed process's status (128 + the signal number
       for a signal), 1 for a process that exited early with status 0 or stopped beating, 124
-      on timeout, and 128 + the signal number when the launcher itself was stopped.
+      on timeout, :data:`STALL_STATUS` for a run that stopped making progress, and 128 + the
+      signal number when the launcher itself was stopped.
 
     Raises:
       ValueError: If ``num_processes`` or ``devices_per_process`` is not positive, or a
         timeout is not positive.
     """
-    _check_arguments(num_processes, devices_per_process, timeout, exit_timeout, heartbeat_timeout)
+    _check_arguments(num_processes, devices_per_process, timeout, exit_timeout, heartbeat_timeout,
+                     stall_timeout)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="substrax-launch-") as status_dir:
         env = _environment(num_processes, devices_per_process, status_dir)
         env[_worker.ENV_HEARTBEAT_TIMEOUT] = str(heartbeat_timeout)
@@ -160,8 +170,9 @@ def launch(
                 thread.start()
             try:
                 status, failure = _watch(
-                    workers, status_dir, timeout, exit_timeout, heartbeat_timeout
-                )
+                    workers, status_dir, timeout, exit_timeout, heartbeat_timeout,
+                    _Stalls(stall_timeout),
+                )  # fmt: skip
             except _Stopped as stopped:
                 name = signal.Signals(stopped.signum).name
                 status = 128 + stopped.signum
@@ -177,14 +188,15 @@ def launch(
     return status
 
 
-def _check_arguments(num_processes, devices_per_process, timeout, exit_timeout, heartbeat):
+def _check_arguments(num_processes, devices_per_process, timeout, exit_timeout, heartbeat,
+                     stall=None):  # fmt: skip
     if num_processes < 1 or (devices_per_process is not None and devices_per_process < 1):
         raise ValueError(
             f"num_processes and devices_per_process must be positive, got {num_processes} "
             f"and {devices_per_process}."
         )
     for name, value in (("timeout", timeout), ("exit_timeout", exit_timeout),
-                        ("heartbeat_timeout", heartbeat)):  # fmt: skip
+                        ("heartbeat_timeout", heartbeat), ("stall_timeout", stall)):  # fmt: skip
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be a positive number of seconds, got {value}.")
 
@@ -233,7 +245,74 @@ def _restore_signals(previous: dict) -> None:
         signal.signal(number, handler)
 
 
-def _watch(workers, status_dir, timeout, exit_timeout, heartbeat_timeout):
+#: The launcher's status for a run whose processes all beat but none made progress.
+STALL_STATUS = 3
+
+
+class _Stalls:
+    """Watches the processes' progress records for a run that stopped moving."""
+
+    def __init__(self, timeout: float | None):
+        self.timeout = timeout
+        self.seen: dict[int, list[float]] = {}
+
+    def threshold(self) -> float | None:
+        """The stall time: as given, or 5 x the median interval between steps (>= 60 s)."""
+        if self.timeout is not None:
+            return self.timeout
+        gaps = sorted(b - a for times in self.seen.values() for a, b in itertools.pairwise(times))
+        return max(60.0, 5 * gaps[len(gaps) // 2]) if len(gaps) >= 3 else None
+
+    def check(self, workers, status_dir, now):
+        """``(status, failure)`` when nothing moved for the stall time, else None."""
+        records = {w.index: _read_progress(status_dir, w.index) for w in workers}
+        for index, record in records.items():
+            times = self.seen.setdefault(index, [])
+            if record is not None and (not times or record[0] != times[-1]):
+                times.append(record[0])
+        known = [r for r in records.values() if r is not None]
+        threshold = self.threshold()
+        if not known or threshold is None or now - max(t for t, _ in known) <= threshold:
+            return None
+        return STALL_STATUS, _failure(None, _stall_report(workers, status_dir, now, records,
+                                                          threshold, self.timeout))  # fmt: skip
+
+
+def _read_progress(status_dir: str, index: int) -> tuple[float, str] | None:
+    try:
+        text = _worker.progress_path(status_dir, index).read_text().strip()
+        stamp, what = text.split(" ", 1)
+        return float(stamp), what
+    except (OSError, ValueError):
+        return None
+
+
+def _stall_report(workers, status_dir, now, records, threshold, asked) -> str:
+    """Each process's step and age, which one is behind, and its Python stack."""
+    for worker in workers:  # faulthandler writes every thread's stack
+        if worker.process.poll() is None:
+            worker.process.send_signal(signal.SIGUSR1)
+    time.sleep(1.0)
+    known = {i: r for i, r in records.items() if r is not None}
+    behind = min(known, key=lambda i: known[i][0]) if known else None
+    setting = f"--stall-timeout {asked:g}" if asked is not None else "5 x the median step"
+    lines = [f"no process entered a new step or save for {threshold:.0f} s ({setting}): the run "
+             "is hung"]  # fmt: skip
+    for index, record in sorted(records.items()):
+        where = f"{record[1]} (entered {now - record[0]:.0f} s ago)" if record else "no step yet"
+        mark = "  <- behind: the others wait for it" if index == behind else ""
+        lines.append(f"  process {index}: {where}{mark}")
+    if behind is not None:
+        try:
+            stack = _worker.stack_path(status_dir, behind).read_text().strip().splitlines()
+        except OSError:
+            stack = []
+        lines.append(f"  Python stack of process {behind}:")
+        lines += [f"  | {line}" for line in stack[-40:]] or ["  | (none written)"]
+    return "\n".join(lines)
+
+
+def _watch(workers, status_dir, timeout, exit_timeout, heartbeat_timeout, stalls=None):
     """Polls until every process succeeded or one failed.
 
     Returns:
@@ -251,6 +330,7 @@ def _watch(workers, status_dir, timeout, exit_timeout, heartbeat_timeout):
             _failed(workers, status_dir)
             or _exited_early(workers, status_dir, now, exit_timeout)
             or _frozen(workers, status_dir, now, heartbeat_timeout)
+            or (stalls.check(workers, status_dir, now) if stalls is not None else None)
         )
         if verdict is not None:
             return verdict
@@ -338,7 +418,10 @@ def _how(worker: _Worker, status_dir: str) -> str:
 
 def _report(worker: _Worker | None, text: str, tail: list[str], others: list[int]) -> None:
     if worker is None:
-        print(f"substrax.launch: {text}; stopped processes {others}.", file=sys.stderr)
+        first, _, rest = text.partition("\n")
+        print(f"substrax.launch: {first}; stopped processes {others}.", file=sys.stderr)
+        if rest:
+            print(rest, file=sys.stderr)
         return
     print(f"substrax.launch: process {worker.index} {text}.", file=sys.stderr)
     if tail:
@@ -369,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds the others may run after one started to exit")  # fmt: skip
     parser.add_argument("--heartbeat-timeout", type=float, default=30.0,
                         help="seconds without a heartbeat before a process is hung")  # fmt: skip
+    parser.add_argument("--stall-timeout", type=float, default=None,
+                        help="seconds in which no process enters a new step before the run is "
+                        "hung (default: 5 x the median step, at least 60)")  # fmt: skip
     parser.add_argument("--grace", type=float, default=10.0,
                         help="seconds between SIGTERM and SIGKILL when stopping")  # fmt: skip
     parser.add_argument("--verbose", action="store_true", help="print gloo's connection lines")
@@ -384,6 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             grace=args.grace,
             exit_timeout=args.exit_timeout,
             heartbeat_timeout=args.heartbeat_timeout,
+            stall_timeout=args.stall_timeout,
             verbose=args.verbose,
         )
     except (ValueError, OSError) as error:  # bad arguments, or a command that cannot start

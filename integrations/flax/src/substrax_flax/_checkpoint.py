@@ -18,6 +18,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from substrax import warn_user
+from substrax.distributed import progress
 from substrax_flax._checkpoint_files import (
     DirectoryLock,
     DirectoryLocked,
@@ -277,6 +278,7 @@ class Checkpointer:
                 "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),
             }
         )
+        progress(f"checkpoint save of step {step}")
         with self._disk_errors(step):
             saved = self._manager.save(
                 step,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax.distributed import agree
+from substrax.distributed import agree, progress
 from substrax.spmd import check_batch, shard_batch
 from substrax_flax._cache import ProgramKey, StepCache
 from substrax_flax._nonfinite import Guard, NonFinite, all_finite
@@ -282,6 +282,7 @@ class JittedStep:
         """
 
         def run(built):
+            progress(f"{built.path} step, call {self._guard.calls + 1}")  # for the launcher
             with jax.set_mesh(built.mesh):  # model code may use bare PartitionSpecs
                 args = built.enter((nnx.state(model), nnx.state(optimizer)))
                 out = built.jitted(*args, self._batch(batch, built))

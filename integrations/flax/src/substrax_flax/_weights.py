@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from substrax_flax._create import plan_model
-from substrax_flax._plan import LayoutLike
+from substrax_flax._plan import LayoutLike, ModelPlan
 from substrax_flax._rearrange import Lazy, Pattern, Source, Stack, Take, arrange, lazy_arrange
 from substrax_flax._rearrange import normalize as normalize_index
 from substrax_flax._resolve import Rules, Strategy
@@ -199,7 +199,16 @@ class WeightsPlan:
       dtype: The dtype loaded variables are stored in (None: the checkpoint's).
     """
 
-    def __init__(self, model, checkpoint, sources, initialised, ignored, problems, dtype):
+    def __init__(
+        self,
+        model: ModelPlan,
+        checkpoint: Checkpoint,
+        sources: dict[str, Lazy],
+        initialised: Sequence[str],
+        ignored: Sequence[str],
+        problems: Sequence[str],
+        dtype: Any,
+    ):
         """Holds what :func:`plan_weights` decided; use that function rather than this.
 
         Args:
