@@ -1,4 +1,8 @@
-"""Saves checkpoint 1 of a large state, then starts checkpoint 2 (the test kills it mid-save)."""
+"""Saves checkpoint 1 of a large state, then starts checkpoint 2 (the test kills it mid-save).
+
+Saves are asynchronous (the default): save 2 first waits for save 1 to be written, then
+writes in the background, where the test kills it.
+"""
 
 import os
 import sys
@@ -28,7 +32,7 @@ mesh = DeviceMeshManager.create_device_mesh({"data": 8})
 rules = MeshRules(embed="data")
 model = sf.create_sharded_model(lambda: Big(nnx.Rngs(0)), mesh, rules)
 optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.1), mesh, rules)
-checkpointer = sf.Checkpointer(sys.argv[1], keep=3)
+checkpointer = sf.Checkpointer(sys.argv[1], keep=3, asynchronous=True)
 checkpointer.save(model, optimizer, 1, {"step": 1})
 np.save(sys.argv[2], np.asarray(model.w[...][:4]))
 print("saved 1", flush=True)

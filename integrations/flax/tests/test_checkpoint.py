@@ -104,6 +104,7 @@ def test_only_the_last_k_are_kept(tmp_path):
 
 
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
+    """A kill -9 while an asynchronous save writes in the background loses only that step."""
     directory, first = tmp_path / "ckpt", tmp_path / "first.npy"
     worker = pathlib.Path(__file__).with_name("checkpoint_worker.py")
     process = subprocess.Popen(
