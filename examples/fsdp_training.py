@@ -450,8 +450,12 @@ def write_loss_plot(path: pathlib.Path, steps: list[int], losses: list[float]) -
 
 
 def train(args) -> dict:
+    accumulation_given = args.microbatches is not None
     mesh, layout, config = build(args)
     primary = jax.process_index() == 0
+    checkpointer = open_checkpoints(args)
+    if checkpointer is not None and not accumulation_given and args.strategy != "pp":
+        keep_slices(args, checkpointer, layout.batch_degree, primary)
     step_fn = make_step(args, mesh)
     model_class = gpt.StackedGPT if args.stacked or args.strategy == "pp" else gpt.GPT
     stored = config  # a pipeline stores an uneven stack padded to its slots (masked)
@@ -476,7 +480,7 @@ def train(args) -> dict:
     optimizer = sf.create_sharded_optimizer(
         model, gpt.optimizer(args.learning_rate), wrt=trained(args)
     )
-    checkpointer = resume(args, model, optimizer, primary)
+    resume(args, checkpointer, model, optimizer, primary)
     start_step = int(optimizer.step[...])
     losses, skipped, progress = [], [], Progress(args.steps, start_step)
     tokens = args.batch_size * args.seq
@@ -517,7 +521,7 @@ def train(args) -> dict:
             if board is not None:
                 board.write(record, tokens)
         if checkpointer and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            save(checkpointer, model, optimizer, step + 1, args.seed)
+            save(checkpointer, model, optimizer, step + 1, args, layout.batch_degree)
             if primary:
                 how = "saved" if args.synchronous_saves else "saving (in the background)"
                 print(f"{how} a checkpoint of step {step + 1} in {args.checkpoint_dir}")
@@ -633,12 +637,48 @@ class SaveFailed(Exception):
     """A checkpoint could not be written (disk full, permissions): the run stops, saying so."""
 
 
-def save(checkpointer, model, optimizer, step, seed) -> None:
-    """Saves checkpoint ``step``; a disk that refuses it stops the run with its message."""
+def save(checkpointer, model, optimizer, step, args, data_devices) -> None:
+    """Saves checkpoint ``step`` with the data position and the batch's slicing.
+
+    The data is a function of (seed, step, global row), so the step is the data position;
+    the rows per device per accumulation slice let a resume on another number of data
+    devices keep them (:func:`keep_slices`). A disk that refuses the save stops the run with
+    its message.
+    """
+    rows = args.batch_size // (data_devices * args.microbatches)
+    metadata = {"step": step, "seed": args.seed, "batch_size": args.batch_size,
+                "rows_per_slice": rows}  # fmt: skip
     try:
-        checkpointer.save(model, optimizer, step, {"step": step, "seed": seed})
+        checkpointer.save(model, optimizer, step, metadata)
     except OSError as error:
         raise SaveFailed(str(error)) from None
+
+
+def keep_slices(args, checkpointer, data_devices, primary) -> None:
+    """On resume, sets --microbatches so each device's slices keep the checkpoint's rows.
+
+    A run resumed on fewer (more) data devices than it saved on raises (lowers) gradient
+    accumulation, so the global batch and the rows a device computes at once stay as they
+    were, and the examples of each step are the same; it says so.
+    """
+    if not (args.resume or args.resume_if_present) or checkpointer.latest_step() is None:
+        return
+    saved = checkpointer.metadata()
+    if "batch_size" in saved and saved["batch_size"] != args.batch_size:
+        raise UsageError(
+            f"--batch-size {args.batch_size} differs from the checkpoint's run "
+            f"({saved['batch_size']}): pass --batch-size {saved['batch_size']} to continue it"
+        )
+    rows = saved.get("rows_per_slice")
+    if not rows or args.batch_size % (data_devices * rows):
+        return
+    slices = args.batch_size // (data_devices * rows)
+    if slices != args.microbatches:
+        args.microbatches = slices
+        if primary:
+            print(f"resuming on {data_devices} data devices: --microbatches {slices} keeps the "
+                  f"checkpoint's {rows} rows per device per slice and its global batch of "
+                  f"{args.batch_size} rows")  # fmt: skip
 
 
 def wait_for(checkpointer) -> None:
@@ -649,16 +689,22 @@ def wait_for(checkpointer) -> None:
         raise SaveFailed(str(error)) from None
 
 
-def resume(args, model, optimizer, primary):
-    """The run's Checkpointer (None without --checkpoint-dir), after restoring if asked."""
+def open_checkpoints(args):
+    """The run's Checkpointer (None without --checkpoint-dir); it holds the directory."""
     if args.checkpoint_dir is None:
         return None
     try:
-        checkpointer = sf.Checkpointer(
+        return sf.Checkpointer(
             args.checkpoint_dir, keep=args.keep, asynchronous=not args.synchronous_saves
         )
     except sf.DirectoryLocked as error:
         raise UsageError(f"--checkpoint-dir: {error}") from None
+
+
+def resume(args, checkpointer, model, optimizer, primary) -> None:
+    """Restores the latest checkpoint into the model and optimizer if asked (and checks)."""
+    if checkpointer is None:
+        return
     if not (args.resume or args.resume_if_present):
         if checkpointer.latest_step() is not None:
             raise UsageError(
@@ -666,20 +712,19 @@ def resume(args, model, optimizer, primary):
                 f"{checkpointer.all_steps()}): pass --resume to continue that run, or use another "
                 "directory"
             )
-        return checkpointer
+        return
     if checkpointer.latest_step() is None:
         if args.resume:
             raise UsageError(
                 f"--resume: no checkpoint in {args.checkpoint_dir} (use --resume-if-present to "
                 "start fresh)"
             )
-        return checkpointer
+        return
     metadata = checkpointer.restore(model, optimizer)
     if metadata.get("seed", args.seed) != args.seed:
         raise UsageError(f"--seed {args.seed} differs from the checkpoint's {metadata['seed']}")
     if primary:
         print(f"resumed from step {metadata['step']} in {args.checkpoint_dir}")
-    return checkpointer
 
 
 def main(argv=None) -> int:

@@ -222,6 +222,32 @@ def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path):
     ]
 
 
+def test_a_resume_on_fewer_data_devices_keeps_the_batch_and_the_losses(tmp_path):
+    """Saved on 8 data devices, resumed on 4: accumulation doubles (announced), so each step
+    sees the same rows, and the next 5 losses are the uninterrupted run's."""
+    size = [*TINY, "--batch-size", "16"]
+    full = _run(*size, "--steps", "7", "--mesh", "data=8", "--output-dir", str(tmp_path / "full"),
+                tmp_path=tmp_path)  # fmt: skip
+    assert full.returncode == 0, full.stderr[-2000:]
+    ckpt = str(tmp_path / "ckpt")
+    first = _run(*size, "--steps", "2", "--mesh", "data=8", "--checkpoint-dir", ckpt,
+                 "--output-dir", str(tmp_path / "a"), tmp_path=tmp_path)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    second = _run(*size, "--steps", "7", "--mesh", "data=4,model=2", "--strategy", "fsdp+tp",
+                  "--checkpoint-dir", ckpt, "--resume", "--output-dir", str(tmp_path / "b"),
+                  tmp_path=tmp_path)  # fmt: skip
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert ("resuming on 4 data devices: --microbatches 2 keeps the checkpoint's 2 rows per "
+            "device per slice and its global batch of 16 rows") in second.stdout  # fmt: skip
+    want = json.loads((tmp_path / "full" / "metrics.json").read_text())["losses"]
+    resumed = json.loads((tmp_path / "b" / "metrics.json").read_text())
+    assert resumed["microbatches"] == 2 and resumed["start_step"] == 2
+    np.testing.assert_allclose(resumed["losses"], want[2:], rtol=1e-5)
+    changed = _run(*TINY, "--batch-size", "32", "--steps", "8", "--mesh", "data=8",
+                   "--checkpoint-dir", ckpt, "--resume", tmp_path=tmp_path)  # fmt: skip
+    assert changed.returncode == 2 and "pass --batch-size 16 to continue it" in changed.stderr
+
+
 def test_runs_of_different_layouts_write_different_directories(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     import fsdp_training

@@ -210,6 +210,27 @@ class Checkpointer:
             write_checksums(self.directory / str(step))
         self._rotate()
 
+    def metadata(self, step: int | None = None) -> dict:
+        """The run metadata saved with a checkpoint, without reading its arrays.
+
+        Args:
+          step: The step; the latest when None.
+
+        Returns:
+          The metadata (a data position, settings), as given to :meth:`save`.
+
+        Raises:
+          FileNotFoundError: If there is no such checkpoint.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None or step not in self.all_steps():
+            raise FileNotFoundError(
+                f"No checkpoint for step {step} in {self.directory}; steps there: "
+                f"{self.all_steps()}."
+            )
+        args = ocp.args.Composite(metadata=ocp.args.JsonRestore())
+        return dict(self._manager.restore(step, args=args).metadata)
+
     def is_finite(self, step: int) -> bool | None:
         """Whether every value saved at ``step`` was finite.
 
