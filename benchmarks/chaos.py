@@ -91,14 +91,14 @@ def run(kills: int, seed: int, steps: int, save_every: int, directory: pathlib.P
     if done["status"] != 0:
         raise RuntimeError(f"the uninterrupted run failed: {done['errors']}")
     chaos, log = directory / "chaos", []
-    while True:  # killed at a random time until `kills` kills, then run to the end
+    while max(_steps(chaos / "ckpt"), default=0) < steps:  # until the last step is saved
         processes = 2 if len(log) % 2 == 0 else 1
         killed = sum(entry["killed"] for entry in log)
         command = _command(processes, steps, save_every, str(chaos / "ckpt"), str(chaos))
         start = max(_steps(chaos / "ckpt"), default=0)
         # every other kill comes at a random time after the attempt's first new save (a
         # step, or the next asynchronous save), the others at a random time from its start
-        # (start-up, a restore, the first steps)
+        # (start-up, a restore, the first steps); a kill after the last save ends the run
         if killed >= kills:
             entry = attempt(command, None)
         elif killed % 2 == 0:
