@@ -57,11 +57,12 @@ ENV_PROCESS_ID = "SUBSTRAX_PROCESS_ID"
 ENV_CPU_DEVICES = "SUBSTRAX_CPU_DEVICES"
 """Simulated CPU devices per process (set by :mod:`substrax.launch`, or by hand)."""
 ENV_LAUNCH_DIR = "SUBSTRAX_LAUNCH_DIR"
-#: The launcher's ``--heartbeat-timeout``, so jax's own heartbeat waits longer than it.
-ENV_HEARTBEAT_TIMEOUT = "SUBSTRAX_HEARTBEAT_TIMEOUT"
 """The launcher's status directory for its processes."""
+ENV_HEARTBEAT_TIMEOUT = "SUBSTRAX_HEARTBEAT_TIMEOUT"
+"""The launcher's ``--heartbeat-timeout``, so jax's own heartbeat waits longer than it."""
 
 _guarded = False
+_progress: int | None = None  # the open progress file (under the launcher)
 _stacks = None  # the open stack file faulthandler writes to (kept open for it)
 
 
@@ -92,9 +93,6 @@ def progress(what: str) -> None:
     if _progress is not None:
         with contextlib.suppress(OSError):
             os.pwrite(_progress, f"{time.time():.3f} {what}".ljust(200).encode()[:200], 0)
-
-
-_progress: int | None = None
 
 
 def exit_path(directory: str | os.PathLike, process_id: int) -> pathlib.Path:

@@ -159,8 +159,7 @@ def launch(
     _check_arguments(num_processes, devices_per_process, timeout, exit_timeout, heartbeat_timeout,
                      stall_timeout)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="substrax-launch-") as status_dir:
-        env = _environment(num_processes, devices_per_process, status_dir)
-        env[_worker.ENV_HEARTBEAT_TIMEOUT] = str(heartbeat_timeout)
+        env = _environment(num_processes, devices_per_process, status_dir, heartbeat_timeout)
         previous = _catch_stop_signals()
         workers: list[_Worker] = []
         try:
@@ -201,12 +200,15 @@ def _check_arguments(num_processes, devices_per_process, timeout, exit_timeout, 
             raise ValueError(f"{name} must be a positive number of seconds, got {value}.")
 
 
-def _environment(num_processes: int, devices_per_process: int | None, status_dir: str) -> dict:
+def _environment(
+    num_processes: int, devices_per_process: int | None, status_dir: str, heartbeat: float
+) -> dict:
     env = {**os.environ, ENV_COORDINATOR: f"127.0.0.1:{_free_port()}"}
     env[ENV_NUM_PROCESSES] = str(num_processes)
     if devices_per_process is not None:
         env[ENV_CPU_DEVICES] = str(devices_per_process)
     env[_worker.ENV_LAUNCH_DIR] = status_dir
+    env[_worker.ENV_HEARTBEAT_TIMEOUT] = str(heartbeat)  # jax's heartbeat then waits longer
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

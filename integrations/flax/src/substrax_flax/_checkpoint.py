@@ -222,11 +222,11 @@ class Checkpointer:
         Raises:
           FileNotFoundError: If there is no such checkpoint.
         """
-        step = self.latest_step() if step is None else step
-        if step is None or step not in self.all_steps():
+        steps = self.all_steps()
+        step = (steps[-1] if steps else None) if step is None else step
+        if step not in steps:
             raise FileNotFoundError(
-                f"No checkpoint for step {step} in {self.directory}; steps there: "
-                f"{self.all_steps()}."
+                f"No checkpoint for step {step} in {self.directory}; steps there: {steps}."
             )
         args = ocp.args.Composite(metadata=ocp.args.JsonRestore())
         return dict(self._manager.restore(step, args=args).metadata)

@@ -141,16 +141,13 @@ class Guard:
         if bool(metrics["finite"]):
             return
         loss = float(metrics["loss"])
-        what = (
-            f"loss ({loss})"
-            if not jnp.isfinite(loss)
-            else (
-                "gradient or updated state (the loss was finite; float16 state overflows past "
-                "65504)"
-                if self.state_checked
-                else "gradient (the loss was finite)"
-            )
-        )
+        if not jnp.isfinite(loss):
+            what = f"loss ({loss})"
+        elif self.state_checked:
+            what = "gradient or updated state (the loss was finite; float16 state overflows "
+            what += "past 65504)"
+        else:
+            what = "gradient (the loss was finite)"
         done = (
             "it was applied (on_nonfinite='apply')"
             if self.on_nonfinite == "apply"
