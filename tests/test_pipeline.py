@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from substrax.hlo import collectives, while_bodies
+from substrax.hlo import collectives, dot_flops, while_bodies
 from substrax.mesh import DeviceMeshManager, PipelineParallelStrategy
 from substrax.pipeline import Pipeline, microbatch_index
+from substrax.pipeline._schedule import Schedule
 
 D = 16
 
@@ -59,21 +60,32 @@ def _check(pipe, params, rows):
     return grads, mask
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "circular"])
+ALL = ["gpipe", "1f1b", "circular", "interleaved", "zb-h1"]
+SPLIT = ["1f1b", "interleaved", "zb-h1"]
+
+
+def _repeats(schedule):
+    return 2 if schedule in ("circular", "interleaved") else 1
+
+
+@pytest.mark.parametrize("schedule", ALL)
 @pytest.mark.parametrize("factor", [1, 2, 4])
 def test_schedules_match_no_pipeline(mesh, schedule, factor):
-    repeats = 2 if schedule == "circular" else 1
-    pipe = _pipeline(mesh, schedule, micro=4 * factor, repeats=repeats)
+    pipe = _pipeline(mesh, schedule, micro=4 * factor, repeats=_repeats(schedule))
     _check(pipe, _params(8), rows=2 * 4 * factor * 2)
 
 
-def test_remat_matches_too(mesh):
-    _check(_pipeline(mesh, "gpipe", micro=4, remat=True), _params(8), rows=16)
+@pytest.mark.parametrize(("schedule", "remat"), [("gpipe", True), ("1f1b", "full"),
+                                                 ("zb-h1", "selective")])  # fmt: skip
+def test_remat_matches_too(mesh, schedule, remat):
+    _check(_pipeline(mesh, schedule, micro=4, remat=remat), _params(8), rows=16)
 
 
 def test_three_axis_mesh_with_an_auto_model_axis():
+    """The model axis stays Auto inside a stage: XLA shards the layers' products over it,
+    inside the split schedules' per-stage branches too."""
     mesh = DeviceMeshManager.create_device_mesh({"pipe": 2, "data": 2, "model": 2})
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
         _check(_pipeline(mesh, schedule, micro=4), _params(6), rows=16)
 
 
@@ -108,9 +120,9 @@ def test_a_stack_stored_padded_is_placed_by_a_reshape_and_round_trips(mesh, sche
         pipe.stack(_params(11), 10)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "circular"])
+@pytest.mark.parametrize("schedule", ALL)
 def test_hlo_reduces_gradients_after_the_loop_and_permutes_inside(mesh, schedule):
-    pipe = _pipeline(mesh, schedule, micro=4, repeats=2 if schedule == "circular" else 1)
+    pipe = _pipeline(mesh, schedule, micro=4, repeats=_repeats(schedule))
     padded, mask = pipe.stack(_params(8))
     x, t = _batch(16)
     text = jax.jit(pipe.loss_and_grads).lower(padded, mask, x, t).compile().as_text()
@@ -122,7 +134,8 @@ def test_hlo_reduces_gradients_after_the_loop_and_permutes_inside(mesh, schedule
     assert any(op.kind == "all-reduce" and op.computation not in bodies for op in ops)
 
 
-@pytest.mark.parametrize(("schedule", "repeats"), [("gpipe", 1), ("1f1b", 1), ("circular", 2)])
+@pytest.mark.parametrize(("schedule", "repeats"),
+                         [("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved", 2)])  # fmt: skip
 def test_gradients_reduce_scatter_along_their_grad_dims(mesh, schedule, repeats):
     pipe = _pipeline(mesh, schedule, micro=4, repeats=repeats)
     params = _params(8)
@@ -159,45 +172,97 @@ def test_gradients_reduce_scatter_along_their_grad_dims(mesh, schedule, repeats)
         fsdp.value_and_grad(padded, mask, x, t, grad_dims=dims)
 
 
-def _temp_bytes(pipe, micro, rows_per_microbatch=4):
-    padded, mask = pipe.stack(_params(8))
-    x, t = _batch(micro * rows_per_microbatch)
-    xs, ts = pipe.microbatch(x), pipe.microbatch(t)
+def _temp_bytes(pipe, micro, rows_per_microbatch=4, width=64):
+    """Temp bytes of a compiled step; wide enough that activations, not the loop's
+    per-tick tables (a few bytes per tick), are what grows with the microbatches."""
+    params = {"w": jax.random.normal(jax.random.key(0), (8, width, width)) / width,
+              "b": jnp.zeros((8, width))}  # fmt: skip
+    padded, mask = pipe.stack(params)
+    x = jax.random.normal(jax.random.key(1), (micro * rows_per_microbatch, width))
+    xs, ts = pipe.microbatch(x), pipe.microbatch(jnp.sin(x))
     lowered = jax.jit(pipe.loss_and_grads, static_argnames="microbatched").lower(
         padded, mask, xs, ts, microbatched=True
     )
     return lowered.compile().memory_analysis().temp_size_in_bytes
 
 
-def test_1f1b_memory_is_flat_in_microbatches_and_gpipe_is_not(mesh):
-    one_f = [_temp_bytes(_pipeline(mesh, "1f1b", micro=m), m) for m in (4, 32)]
-    gpipe = [_temp_bytes(_pipeline(mesh, "gpipe", micro=m), m) for m in (4, 32)]
-    assert one_f[1] <= 1.1 * one_f[0], one_f
-    assert gpipe[1] > 2 * gpipe[0], gpipe
+def test_split_schedules_hold_memory_flat_in_microbatches_and_gpipe_does_not(mesh):
+    temps = {
+        (schedule, m): _temp_bytes(_pipeline(mesh, schedule, micro=m, repeats=_repeats(schedule)), m)
+        for schedule in ("gpipe", *SPLIT)
+        for m in (4, 32)
+    }
+    for schedule in SPLIT:
+        assert temps[(schedule, 32)] <= 1.1 * temps[(schedule, 4)], temps
+    assert temps[("gpipe", 32)] > 2 * temps[("gpipe", 4)], temps
+    # ZB-H1 holds one microbatch more than 1F1B (and its deferred weights' cotangents)
+    assert temps[("zb-h1", 32)] <= 1.2 * temps[("1f1b", 32)], temps
+    # interleaved: chunks of half the layers, at most v x 1F1B's
+    assert temps[("interleaved", 32)] <= 2 * temps[("1f1b", 32)], temps
     remat = _temp_bytes(_pipeline(mesh, "gpipe", micro=32, remat=True), 32)
-    assert remat < gpipe[1]
+    assert remat < temps[("gpipe", 32)]
+    full = _temp_bytes(_pipeline(mesh, "1f1b", micro=32, remat="full"), 32)
+    assert full < temps[("1f1b", 32)]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "circular"])
+@pytest.mark.parametrize("schedule", ALL)
 def test_schedule_is_valid(mesh, schedule):
-    micro, repeats = 8, 2 if schedule == "circular" else 1
+    micro, repeats = 8, _repeats(schedule)
     pipe = _pipeline(mesh, schedule, micro=micro, repeats=repeats)
     table = pipe.schedule_table()
     ops = [(s.stage, s.op, s.microbatch, s.repeat) for s in table]
     assert len(ops) == len(set(ops))  # each op exactly once
-    kinds = ("forward", "backward") if schedule == "1f1b" else ("forward",)
+    kinds = ("forward", "backward", "weight") if schedule in SPLIT else ("forward",)
     assert len(ops) == 4 * micro * repeats * len(kinds)
+    assert len({(s.tick, s.stage) for s in table}) == len(table)  # one op per stage and tick
     when = {(s.stage, s.op, s.microbatch, s.repeat): s.tick for s in table}
-    for stage in range(4):
-        for i in range(micro):
-            for r in range(repeats):
-                if stage > 0:  # a stage works on what the stage before it sent
-                    assert when[(stage, "forward", i, r)] > when[(stage - 1, "forward", i, r)]
-                if schedule == "1f1b":
-                    assert when[(stage, "forward", i, 0)] <= when[(stage, "backward", i, 0)]
-    formula = {"gpipe": 3 / (micro + 3), "circular": 3 / (repeats * micro + 3),
-               "1f1b": 6 / (micro + 6)}[schedule]  # fmt: skip
-    assert pipe.idle_fraction() == pytest.approx(formula)
+    for i in range(micro):
+        for r in range(repeats):
+            for stage in range(4):
+                before = (stage - 1, r) if stage else (3, r - 1)  # the virtual stage before
+                if before[1] >= 0:  # a stage works on what the stage before it sent
+                    assert when[(stage, "forward", i, r)] > when[(before[0], "forward", i, before[1])]
+                    if schedule in SPLIT:  # and sends its gradient back once computed
+                        back = when[(before[0], "backward", i, before[1])]
+                        assert back > when[(stage, "backward", i, r)]
+                if schedule in SPLIT:
+                    f, b, w = (when[(stage, op, i, r)] for op in kinds)
+                    assert f < b < w
+    textbook = 3 / (repeats * micro + 3)
+    if schedule in ("gpipe", "circular"):
+        assert pipe.idle_fraction() == pytest.approx(textbook)
+    else:
+        ops_per_stage = 3 * micro * repeats
+        assert pipe.idle_fraction() == pytest.approx(1 - ops_per_stage / pipe.num_ticks)
+        assert pipe.idle_fraction() <= textbook
+
+
+def test_the_split_schedules_reach_their_bubbles():
+    """Issue 28's figures at 4 stages, M = 8: 1F1B at or under its textbook (S-1)/(M+S-1),
+    interleaved v = 2 under (S-1)/(vM+S-1), ZB-H1 about a third of 1F1B's."""
+    idle = {name: Schedule(name, 4, 8, repeats).idle_fraction()
+            for name, repeats in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))}  # fmt: skip
+    assert idle["1f1b"] <= 3 / 11 and idle["interleaved"] <= 3 / 19 and idle["zb-h1"] <= 0.12
+    assert idle["zb-h1"] == pytest.approx(3 / 27)  # (S-1)/(3M+S-1)
+    held = {name: Schedule(name, 4, 8, r).held() for name, r in (("1f1b", 1), ("zb-h1", 1))}
+    assert held == {"1f1b": 4, "zb-h1": 5}
+
+
+@pytest.mark.parametrize("schedule", ALL)
+def test_no_hidden_work_in_the_bubble(mesh, schedule):
+    """Compiled matrix FLOPs per device <= 1.05 x useful / (1 - idle), the useful FLOPs being
+    one device's gradient of the same batch over the 8 devices; and a split schedule's idle
+    tick computes nothing (its cheapest branch has no product)."""
+    pipe = _pipeline(mesh, schedule, micro=8, repeats=_repeats(schedule))
+    params = _params(8)
+    x, t = _batch(32)
+    padded, mask = pipe.stack(params)
+    text = jax.jit(pipe.loss_and_grads).lower(padded, mask, x, t).compile().as_text()
+    reference = jax.jit(jax.grad(pipe.reference_loss)).lower(params, x, t).compile().as_text()
+    useful = dot_flops(reference) / 8
+    assert dot_flops(text) <= 1.05 * useful / (1 - pipe.idle_fraction())
+    if schedule in SPLIT:
+        assert dot_flops(text, branch=min) < 0.05 * useful
 
 
 def test_bad_input(mesh):
@@ -228,10 +293,10 @@ def head_loss(y, t, head):
     return jnp.mean((y @ head["proj"] - t) ** 2)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "circular"])
+@pytest.mark.parametrize("schedule", ALL)
 def test_head_and_input_gradients_match_no_pipeline(mesh, schedule):
     strategy = PipelineParallelStrategy("pipe", 0, 4)
-    repeats = 2 if schedule == "circular" else 1
+    repeats = _repeats(schedule)
     pipe = Pipeline(layer_fn, head_loss, mesh, strategy, num_microbatches=4,
                     schedule=schedule, repeats=repeats, data_axes=("data",))  # fmt: skip
     params, head = _params(8), {"proj": jax.random.normal(jax.random.key(5), (D, D)) / 4}
@@ -254,7 +319,7 @@ def test_head_and_input_gradients_match_no_pipeline(mesh, schedule):
     assert "all-reduce" not in in_loops and "reduce-scatter" not in in_loops
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
 def test_layer_and_loss_functions_see_their_microbatch(mesh, schedule):
     """``microbatch_index()`` is the index of the microbatch being computed, in both passes."""
 
@@ -267,18 +332,19 @@ def test_layer_and_loss_functions_see_their_microbatch(mesh, schedule):
         return jnp.mean(y) + (0.0 if index is None else 10.0 * index)
 
     pipe = Pipeline(shifted, loss, mesh, PipelineParallelStrategy("pipe", 0, 4),
-                    num_microbatches=4, schedule=schedule, data_axes=("data",))  # fmt: skip
-    params = {"w": jnp.ones((4, D, D))}
+                    num_microbatches=4, schedule=schedule, data_axes=("data",),
+                    repeats=_repeats(schedule))  # fmt: skip
+    params = {"w": jnp.ones((8, D, D))}
     x, t = _batch(16)
     padded, mask = pipe.stack(params)
     value = jax.jit(pipe.loss_and_grads)(padded, mask, x, t)[0]
-    # four layers each add m to microbatch m, the loss 10 m: the mean over m = 0..3 adds
-    # 4 x 1.5 + 10 x 1.5
-    assert float(value) == pytest.approx(float(jnp.mean(x)) + 21.0, abs=1e-4)
+    # eight layers each add m to microbatch m, the loss 10 m: the mean over m = 0..3 adds
+    # 8 x 1.5 + 10 x 1.5
+    assert float(value) == pytest.approx(float(jnp.mean(x)) + 27.0, abs=1e-4)
     assert microbatch_index() is None  # outside a pipeline's calls
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_fsdp_inside_the_pipeline_gathers_before_and_scatters_after_the_loop(mesh, schedule):
     pipe = _pipeline(mesh, schedule, micro=4, fsdp_axis="data")
     params = _params(8)
@@ -305,11 +371,13 @@ def _loss_and_aux(y, t):
     return jnp.mean((y - t) ** 2), {"y2": jnp.mean(y**2), "t": jnp.mean(t)}
 
 
-@pytest.mark.parametrize(("schedule", "grad_dims"), [("gpipe", None), ("gpipe", 0), ("1f1b", None)])
+@pytest.mark.parametrize(("schedule", "grad_dims"),
+                         [("gpipe", None), ("gpipe", 0), ("1f1b", None), ("interleaved", 0)])  # fmt: skip
 def test_aux_is_the_mean_over_every_microbatch(mesh, schedule, grad_dims):
     strategy = PipelineParallelStrategy("pipe", 0, 4)
     pipe = Pipeline(layer_fn, _loss_and_aux, mesh, strategy, num_microbatches=4,
-                    schedule=schedule, data_axes=("data",), has_aux=True)  # fmt: skip
+                    schedule=schedule, data_axes=("data",), has_aux=True,
+                    repeats=_repeats(schedule))  # fmt: skip
     params = _params(8)
     x, t = _batch(16)
     padded, mask = pipe.stack(params)
@@ -328,7 +396,8 @@ def _layer_with_frozen(pair, x):
     return jnp.tanh(x @ (trained["w"] + frozen["w0"]) + frozen["b"])
 
 
-@pytest.mark.parametrize(("schedule", "fsdp"), [("gpipe", False), ("1f1b", False), ("gpipe", True)])
+@pytest.mark.parametrize(("schedule", "fsdp"),
+                         [("gpipe", False), ("1f1b", False), ("gpipe", True), ("zb-h1", True)])  # fmt: skip
 def test_frozen_layer_parameters_are_used_but_not_differentiated(mesh, schedule, fsdp):
     strategy = PipelineParallelStrategy("pipe", 0, 4)
     pipe = Pipeline(_layer_with_frozen, loss_fn, mesh, strategy, num_microbatches=4,

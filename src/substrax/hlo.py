@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "KINDS", "Collective", "collectives", "loop_runs", "peak_bytes", "traffic_by_kind",
-    "while_bodies",
+    "KINDS", "Collective", "collectives", "dot_flops", "loop_runs", "peak_bytes",
+    "traffic_by_kind", "while_bodies",
 ]  # fmt: skip
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -275,3 +276,92 @@ def peak_bytes(memory: Any) -> int:
         - memory.alias_size_in_bytes
         + memory.temp_size_in_bytes
     )
+
+
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\([^()]*\)|[a-z]+[0-9]*[a-z0-9]*"
+    r"\[[0-9,]*\](?:\{[^}]*\})?)\s+(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)(?P<attrs>.*)$"
+)
+_PARAM = re.compile(r"([\w.\-]+):\s*([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_CALLED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_BODY = re.compile(r"body=%?([\w.\-]+)")
+_CONDITION = re.compile(r"condition=%?([\w.\-]+)")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+
+
+def _dims(text: str) -> list[int]:
+    return [int(d) for d in text.split(",") if d]
+
+
+def _parse(hlo_text: str) -> tuple[dict[str, list], str]:
+    """``({computation: [(op, result dims, operand dims, attrs)]}, entry name)``."""
+    computations: dict[str, list] = {}
+    entry, shapes, current = "", {}, None
+    for line in hlo_text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+            entry = header.group(1) if line.startswith("ENTRY") else entry
+            shapes = {name: _dims(dims) for name, _, dims in _PARAM.findall(line)}
+            continue
+        found = _INSTRUCTION.match(line)
+        if current is None or not found:
+            continue
+        shape = _SHAPE.match(found.group("shape"))
+        result = _dims(shape.group(2)) if shape else []
+        shapes[found.group("name")] = result
+        operands = [shapes.get(o.strip().lstrip("%"), []) for o in found.group("operands").split(",")]
+        current.append((found.group("op"), result, operands, found.group("attrs")))
+    return computations, entry
+
+
+def dot_flops(hlo_text: str, *, branch: Callable[..., float] = max) -> float:
+    """The matrix-product FLOPs of one execution of a compiled program, per device.
+
+    XLA's ``cost_analysis()`` counts a ``while`` body once; this counts each ``dot`` as often
+    as its loops run (their ``known_trip_count``), and of a ``conditional`` its costliest
+    branch: a static bound on what any device computes, exact where every device takes a
+    branch of the same cost (a pipeline tick with work). Elementwise work is not counted.
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of a program.
+      branch: How a ``conditional``'s branches combine: ``max`` (the most a device can
+        compute), ``min`` (the least: a pipeline's idle ticks).
+
+    Returns:
+      ``2 x`` the multiply-adds of the program's ``dot`` ops.
+    """
+    computations, entry = _parse(hlo_text)
+    memo: dict[str, float] = {}
+
+    def cost(name: str) -> float:
+        if name not in memo:
+            memo[name] = 0.0  # a cycle (none in valid HLO) counts nothing
+            memo[name] = sum(one(*item) for item in computations.get(name, []))
+        return memo[name]
+
+    def one(op, result, operands, attrs) -> float:
+        if op == "dot":
+            contracting = _CONTRACTING.search(attrs)
+            lhs = operands[0] if operands else []
+            size = 1
+            for d in _dims(contracting.group(1)) if contracting else []:
+                size *= lhs[d] if d < len(lhs) else 1
+            out = 1
+            for d in result:
+                out *= d
+            return 2.0 * out * size
+        if op == "while":
+            trips = _TRIPS.search(attrs)
+            body, condition = _BODY.search(attrs), _CONDITION.search(attrs)
+            inner = cost(body.group(1)) + (cost(condition.group(1)) if condition else 0.0)
+            return (int(trips.group(1)) if trips else 1) * inner
+        if op == "conditional":
+            branches = _BRANCHES.search(attrs)
+            names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
+            return branch([cost(b) for b in names]) if names else 0.0
+        called = _CALLED.findall(attrs)
+        return sum(cost(c) for c in called)
+
+    return cost(entry)

@@ -1,13 +1,45 @@
-"""Pipeline schedules: which stage does what at each tick, for GPipe, 1F1B and circular."""
+"""Pipeline schedules: which stage does what at each tick.
+
+GPipe and circular are differentiated by ``jax.grad`` through their forward loop, so their
+table lists forward ticks. The other schedules run their own backward, split in two as
+zero-bubble pipelines split it: ``"backward"`` (the input's gradient, which the stage before
+waits for) and ``"weight"`` (the parameters' gradient, which nobody waits for). A tick runs at
+most one of forward, backward or weight on each stage; their tables are built by
+:func:`_simulate`, a list scheduler that gives each stage, at each tick, the ready op its
+schedule prefers:
+
+* ``"1f1b"``: weight straight after its backward, then backward, then forward, with at most
+  ``S - s`` microbatches held on stage ``s`` (PipeDream-Flush): idle ``(S-1)/(M+S-1)``.
+* ``"interleaved"``: 1F1B over ``v = repeats`` chunks per stage (virtual stage ``r S + s`` on
+  stage ``s``), forwards in groups of ``S`` microbatches chunk by chunk (Megatron's order),
+  at most ``2 (S - s - 1) + (v - 1) S + 1`` chunks held, weight ops deferred into the
+  bubbles: idle at most the textbook ``(S-1)/(v M+S-1)``.
+* ``"zb-h1"``: backward before forward before weight, 1F1B's ``S - s`` microbatches between
+  forward and backward and at most ``S + 1`` held: the weight ops fill the bubbles, idle
+  ``(S-1)/(3 M+S-1)`` (Qi et al., Zero Bubble Pipeline Parallelism, 2024).
+
+The split schedules' idle is at most the textbook 1F1B ``(S-1)/(M+S-1)``: a stage sends its
+input's gradient back before computing its weights' gradient, so the backward's critical path
+is the backward ops alone.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-__all__ = ["SCHEDULES", "Schedule", "ScheduleSlot"]
+import numpy as np
 
-SCHEDULES = ("gpipe", "1f1b", "circular")
+__all__ = ["SCHEDULES", "SPLIT", "Schedule", "ScheduleSlot", "Tables"]
+
+SCHEDULES = ("gpipe", "1f1b", "circular", "interleaved", "zb-h1")
 """The schedules :class:`~substrax.pipeline.Pipeline` runs."""
+
+SPLIT = ("1f1b", "interleaved", "zb-h1")
+"""The schedules that run their own backward, one op per stage and tick."""
+
+OPS = ("idle", "forward", "backward", "weight")
+"""Op codes of :class:`Tables` (their index)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,9 +49,10 @@ class ScheduleSlot:
     Attributes:
       tick: The tick (time step) of the loop.
       stage: The stage.
-      op: ``"forward"`` or ``"backward"``.
+      op: ``"forward"``, ``"backward"`` (the input's gradient) or ``"weight"`` (the
+        parameters' gradient).
       microbatch: The microbatch.
-      repeat: The round of the ring (circular schedules; 0 otherwise).
+      repeat: The round of the ring: the chunk of layers (circular, interleaved; 0 otherwise).
     """
 
     tick: int
@@ -30,14 +63,49 @@ class ScheduleSlot:
 
 
 @dataclasses.dataclass(frozen=True)
+class Tables:
+    """A split schedule as ``[ticks, stages]`` integer arrays, for the loop to index.
+
+    Buffers are ring slots allocated per stage from the table, so their depth is what the
+    schedule holds at once, not the microbatch count. Slot ``depth`` of each buffer is a
+    spare one that writes with nothing to keep go to.
+
+    Attributes:
+      op: Index into :data:`OPS`.
+      microbatch: The op's microbatch (0 when idle).
+      chunk: The op's chunk of layers (its round).
+      stash: Forward: the slot its residuals go to; backward and weight: where they are.
+      cotangent: Backward: the slot its layers' output cotangents go to; weight: where.
+      take: Forward: the activation slot it reads (-1: the batch's microbatch);
+        backward: the gradient slot it reads.
+      loss_slot: Forward of the last virtual stage: the gradient slot its loss's cotangent goes
+        to (the spare slot otherwise).
+      receive: The activation slot the forward value arriving this tick goes to.
+      receive_grad: The gradient slot the input gradient arriving this tick goes to.
+      depths: Slots of each buffer: ``{"stash", "cotangent", "activation", "gradient"}``.
+    """
+
+    op: np.ndarray
+    microbatch: np.ndarray
+    chunk: np.ndarray
+    stash: np.ndarray
+    cotangent: np.ndarray
+    take: np.ndarray
+    loss_slot: np.ndarray
+    receive: np.ndarray
+    receive_grad: np.ndarray
+    depths: dict
+
+
+@dataclasses.dataclass(frozen=True)
 class Schedule:
     """A schedule of ``num_microbatches`` microbatches over ``num_stages`` stages.
 
     Attributes:
-      name: ``"gpipe"``, ``"1f1b"`` or ``"circular"``.
+      name: One of :data:`SCHEDULES`.
       num_stages: Stages.
       num_microbatches: Microbatches per batch.
-      repeats: Rounds of the ring (circular; 1 otherwise).
+      repeats: Chunks of layers per stage (circular, interleaved; 1 otherwise).
     """
 
     name: str
@@ -53,9 +121,10 @@ class Schedule:
                 f"num_microbatches and repeats must be positive, got {self.num_microbatches} "
                 f"and {self.repeats}."
             )
-        if self.repeats != 1 and self.name != "circular":
+        if self.repeats != 1 and self.name not in ("circular", "interleaved"):
             raise ValueError(
-                f"repeats={self.repeats} needs schedule='circular', not {self.name!r}."
+                f"repeats={self.repeats} needs schedule='circular' or 'interleaved', not "
+                f"{self.name!r}."
             )
         if self.name == "circular" and self.repeats > 1 and self.num_microbatches < self.num_stages:
             raise ValueError(
@@ -64,12 +133,16 @@ class Schedule:
             )
 
     @property
+    def split(self) -> bool:
+        """Whether the schedule runs its own split backward (see :data:`SPLIT`)."""
+        return self.name in SPLIT
+
+    @property
     def num_ticks(self) -> int:
         """Ticks of the pipeline loop."""
-        stages, micro = self.num_stages, self.num_microbatches
-        if self.name == "1f1b":
-            return micro + 2 * (stages - 1)
-        return self.repeats * micro + stages - 1
+        if self.split:
+            return _simulate(self.name, self.num_stages, self.num_microbatches, self.repeats)[0]
+        return self.repeats * self.num_microbatches + self.num_stages - 1
 
     def table(self) -> list[ScheduleSlot]:
         """Every unit of work, in tick order (GPipe and circular: their forward ticks).
@@ -77,26 +150,215 @@ class Schedule:
         Returns:
           The slots.
         """
+        if self.split:
+            slots = _simulate(self.name, self.num_stages, self.num_microbatches, self.repeats)[1]
+            return list(slots)
         stages, micro = self.num_stages, self.num_microbatches
-        slots = []
-        for tick in range(self.num_ticks):
-            for stage in range(stages):
-                if self.name == "1f1b":
-                    if 0 <= tick - stage < micro:
-                        slots.append(ScheduleSlot(tick, stage, "forward", tick - stage))
-                    back = tick - 2 * (stages - 1) + stage
-                    if 0 <= back < micro:
-                        slots.append(ScheduleSlot(tick, stage, "backward", back))
-                elif 0 <= tick - stage < self.repeats * micro:
-                    item = tick - stage
-                    slots.append(ScheduleSlot(tick, stage, "forward", item % micro, item // micro))
-        return slots
+        return [
+            ScheduleSlot(tick, stage, "forward", (tick - stage) % micro, (tick - stage) // micro)
+            for tick in range(self.num_ticks)
+            for stage in range(stages)
+            if 0 <= tick - stage < self.repeats * micro
+        ]
 
     def idle_fraction(self) -> float:
-        """The share of (stage, tick, op) slots with no work, counted from :meth:`table`.
+        """The share of (stage, tick) slots with no work, counted from :meth:`table`.
+
+        Split schedules count a tick per forward, backward and weight op (about the same
+        work each for matrix products); GPipe and circular a tick per forward, their backward
+        being the reverse of their loop.
 
         Returns:
           The idle fraction.
         """
-        per_tick = 2 if self.name == "1f1b" else 1
-        return 1 - len(self.table()) / (self.num_ticks * self.num_stages * per_tick)
+        return 1 - len(self.table()) / (self.num_ticks * self.num_stages)
+
+    def held(self) -> int:
+        """The most microbatches' residuals one stage holds at once, in chunks (split schedules).
+
+        Returns:
+          The stash depth (GPipe and circular: every microbatch and round).
+        """
+        if not self.split:
+            return self.num_microbatches * self.repeats
+        return self.tables().depths["stash"]
+
+    def tables(self) -> Tables:
+        """The split schedule as arrays for the loop (see :class:`Tables`).
+
+        Returns:
+          The tables.
+
+        Raises:
+          ValueError: For GPipe and circular, which ``jax.grad`` differentiates.
+        """
+        if not self.split:
+            raise ValueError(f"Schedule {self.name!r} has no split tables; one of {SPLIT} has.")
+        return _tables(self.name, self.num_stages, self.num_microbatches, self.repeats)
+
+
+def _room(name: str, stages: int, stage: int, repeats: int, held: int, open_: int) -> bool:
+    """Whether stage ``stage`` may start another forward.
+
+    ``held``: chunks of microbatches whose forward ran and weight op has not (their residuals
+    are stashed); ``open_``: those whose backward has not run either. 1F1B holds at most
+    ``S - s``; interleaved Megatron's ``2 (S - s - 1) + (v - 1) S + 1`` chunks; ZB-H1 keeps
+    1F1B's ``S - s`` open and holds at most ``S + 1`` (its deferred weight ops fill the tail).
+    """
+    if name == "zb-h1":
+        return open_ < stages - stage and held < stages + 1
+    if name == "interleaved":
+        return held < 2 * (stages - stage - 1) + (repeats - 1) * stages + 1
+    return held < stages - stage
+
+
+def _order(name: str, stages: int, micro: int, repeats: int, stage: int, op: str) -> list:
+    """The order a stage runs its forwards (or backwards) in: ``[(microbatch, chunk)]``.
+
+    Interleaved takes groups of ``S`` microbatches chunk by chunk (Megatron's order; the
+    backwards take the chunks in reverse); the others take the microbatches in order.
+    """
+    chunks = range(repeats) if op == "forward" else range(repeats - 1, -1, -1)
+    group = stages if name == "interleaved" else micro
+    return [(m, c) for start in range(0, micro, group) for c in chunks
+            for m in range(start, min(start + group, micro))]  # fmt: skip
+
+
+@functools.cache
+def _simulate(name: str, stages: int, micro: int, repeats: int):
+    """``(ticks, slots)`` of a split schedule: each stage runs its preferred ready op.
+
+    Forwards and backwards run in their stage's :func:`_order`, within :func:`_room`; a weight
+    op may run once its backward has. 1F1B prefers weight, then backward, then forward (a
+    weight op straight after its backward); interleaved and ZB-H1 prefer backward, then
+    forward, then weight (the weight ops fill the bubbles).
+    """
+    last = stages * repeats - 1
+    done: dict[tuple[str, int, int], int] = {}
+    held, open_ = [0] * stages, [0] * stages  # forward done and weight (backward) not
+    queues = {(stage, op): [(m, c * stages + stage)
+                            for m, c in _order(name, stages, micro, repeats, stage, op)]
+              for stage in range(stages) for op in ("forward", "backward")}  # fmt: skip
+    weights: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
+    rank = ("weight", "backward", "forward") if name == "1f1b" else (
+        "backward", "forward", "weight")
+    slots, tick, total = [], 0, 3 * micro * (last + 1)
+    while len(slots) < total:
+        chosen = []
+        for stage in range(stages):
+            for op in rank:
+                if op == "weight":
+                    ready = [w for w in weights[stage] if done[("backward", *w)] < tick]
+                    item = ready[0] if ready else None
+                else:
+                    queue = queues[(stage, op)]
+                    item = queue[0] if queue and _ready(op, *queue[0], tick, done, last) else None
+                    if op == "forward" and not _room(name, stages, stage, repeats, held[stage],
+                                                     open_[stage]):
+                        item = None
+                if item is not None:
+                    chosen.append((stage, op, item))
+                    break
+        if tick > 4 * total + 8:
+            raise AssertionError(f"schedule {name!r} deadlocked at tick {tick}")
+        for stage, op, (m, k) in chosen:
+            done[(op, m, k)] = tick
+            if op == "weight":
+                weights[stage].remove((m, k))
+                held[stage] -= 1
+            else:
+                queues[(stage, op)].pop(0)
+                held[stage] += op == "forward"
+                open_[stage] += {"forward": 1, "backward": -1}[op]
+                if op == "backward":
+                    weights[stage].append((m, k))
+            slots.append(ScheduleSlot(tick, stage, op, m, k // stages))
+        tick += 1
+    return tick, tuple(slots)
+
+
+def _ready(op: str, m: int, k: int, tick: int, done: dict, last: int) -> bool:
+    """Whether op ``op`` of microbatch ``m`` on virtual stage ``k`` can run at ``tick``."""
+
+    def before(*key):
+        return done.get(key, tick) < tick
+
+    if op == "forward":
+        return k == 0 or before("forward", m, k - 1)
+    if op == "backward":
+        return before("forward", m, k) and (k == last or before("backward", m, k + 1))
+    return before("backward", m, k)
+
+
+class _Slots:
+    """Ring slots of one buffer on one stage: the lowest free one, freed after its last read."""
+
+    def __init__(self):
+        self.free_after: list[int] = []
+
+    def take(self, start: int, end: int) -> int:
+        for slot, free in enumerate(self.free_after):
+            if free < start:
+                self.free_after[slot] = end
+                return slot
+        self.free_after.append(end)
+        return len(self.free_after) - 1
+
+
+@functools.cache
+def _tables(name: str, stages: int, micro: int, repeats: int) -> Tables:
+    ticks, slots = _simulate(name, stages, micro, repeats)
+    last = stages * repeats - 1
+    when = {(s.op, s.microbatch, s.repeat * stages + s.stage): s.tick for s in slots}
+    shape = (ticks, stages)
+    arrays = {
+        f: np.zeros(shape, np.int32)
+        for f in ("op", "microbatch", "chunk", "stash", "cotangent", "take", "loss_slot",
+                  "receive", "receive_grad")
+    }  # fmt: skip
+    pools = {b: [_Slots() for _ in range(stages)]
+             for b in ("stash", "cotangent", "activation", "gradient")}  # fmt: skip
+    place: dict[tuple, int] = {}
+    for s in sorted(slots, key=lambda s: s.tick):
+        k = s.repeat * stages + s.stage
+        m, t, at = s.microbatch, s.tick, (s.tick, s.stage)
+        arrays["op"][at] = OPS.index(s.op)
+        arrays["microbatch"][at], arrays["chunk"][at] = m, s.repeat
+        if s.op == "forward":
+            stash = pools["stash"][s.stage].take(t, when[("weight", m, k)])
+            place[("stash", m, k)] = arrays["stash"][at] = stash
+            arrays["take"][at] = place.pop(("activation", m, k), -1)
+            if k == last:  # the loss's cotangent waits for this stage's backward
+                grad = pools["gradient"][s.stage].take(t, when[("backward", m, k)])
+                place[("gradient", m, k)] = arrays["loss_slot"][at] = grad
+            else:
+                arrays["loss_slot"][at] = -1
+                receiver = (k + 1) % stages
+                slot = pools["activation"][receiver].take(t + 1, when[("forward", m, k + 1)])
+                place[("activation", m, k + 1)] = slot
+                arrays["receive"][t + 1, receiver] = slot + 1  # 0: nothing arrives
+        elif s.op == "backward":
+            arrays["stash"][at] = place[("stash", m, k)]
+            arrays["take"][at] = place.pop(("gradient", m, k))
+            cot = pools["cotangent"][s.stage].take(t, when[("weight", m, k)])
+            place[("cotangent", m, k)] = arrays["cotangent"][at] = cot
+            if k > 0:
+                sender_to = (k - 1) % stages
+                slot = pools["gradient"][sender_to].take(t + 1, when[("backward", m, k - 1)])
+                place[("gradient", m, k - 1)] = slot
+                arrays["receive_grad"][t + 1, sender_to] = slot + 1
+        else:
+            arrays["stash"][at] = place.pop(("stash", m, k))
+            arrays["cotangent"][at] = place.pop(("cotangent", m, k))
+    depths = {b: max(len(p.free_after) for p in pool) for b, pool in pools.items()}
+    spare = {"stash": "stash", "cotangent": "cotangent", "take": "activation",
+             "loss_slot": "gradient"}  # fmt: skip
+    for field, buffer in spare.items():  # -1 and idle ticks write to the spare slot
+        idle = arrays["op"] == 0
+        arrays[field] = np.where(arrays[field] < 0, depths[buffer], arrays[field])
+        if field != "take":
+            arrays[field] = np.where(idle, depths[buffer], arrays[field])
+    for field, buffer in (("receive", "activation"), ("receive_grad", "gradient")):
+        arrays[field] = np.where(arrays[field] == 0, depths[buffer] + 1, arrays[field]) - 1
+    return Tables(**arrays, depths=depths)
+

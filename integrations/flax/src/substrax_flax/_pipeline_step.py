@@ -446,15 +446,19 @@ def make_pipeline_train_step(
       microbatches: Microbatches per batch (as ``make_train_step`` and the planner's
         ``Workload`` name them): the step's gradient accumulation, as ``make_train_step``'s
         ``microbatches`` are. Their gradients are summed in one pass, reduced once; with
-        ``"1f1b"`` activation memory is bounded by the stages, not by ``microbatches``, and
-        more of them shrink the bubble, so a larger batch takes more microbatches rather
-        than several passes (each would pay the bubble and the reduction again).
-      schedule: ``"gpipe"``, ``"1f1b"`` or ``"circular"``.
-      repeats: Rounds of the ring for ``"circular"``.
+        a split schedule (``"1f1b"``, ``"interleaved"``, ``"zb-h1"``) activation memory is
+        bounded by the stages, not by ``microbatches``, and more of them shrink the bubble,
+        so a larger batch takes more microbatches rather than several passes (each would
+        pay the bubble and the reduction again).
+      schedule: One of :data:`substrax.pipeline.SCHEDULES`: ``"gpipe"``, ``"1f1b"``,
+        ``"circular"``, ``"interleaved"`` or ``"zb-h1"`` (see
+        :class:`substrax.pipeline.Pipeline`; the plan's ``schedule`` line shows its idle
+        share and the activations it holds).
+      repeats: Chunks of layers per stage: rounds of the ring for ``"circular"``, virtual
+        stages per device for ``"interleaved"``.
       remat: ``"none"``, ``"selective"`` or ``"full"``, as :func:`make_train_step` takes
-        them (a stage is the block): which of a stage's activations the backward pass keeps
-        (GPipe, circular; 1F1B always recomputes). True and False still mean ``"full"`` and
-        ``"none"``.
+        them: which activations the backward pass keeps, per stage (GPipe, circular) or per
+        layer (the split schedules). True and False still mean ``"full"`` and ``"none"``.
       batch_axes: Mesh axes of the batch; by default the layout's (or the model's plan's)
         batch axes but ``stage_axis``, or every axis
         but ``stage_axis`` that the rules' ``data`` names.
@@ -529,17 +533,18 @@ def make_pipeline_train_step(
     options = dict(num_microbatches=microbatches, schedule=schedule, repeats=repeats,
                    remat=remat)  # fmt: skip
     # validate now
-    Pipeline(
+    timetable = Pipeline(
         lambda p, x: x, lambda y, t: 0.0, mesh, strategy, data_axes=batch_axes or (), **options
-    )
+    ).timetable
 
     def make_pipeline(layer_fn, loss_fn, **extra):
         return Pipeline(layer_fn, loss_fn, mesh, strategy, **options, **extra)
 
     settings = (
         ("stages", f"{strategy.num_stages} on {stage_axis!r}", "the mesh's stage axis"),
-        ("schedule", f"{schedule}" + (f" x {repeats} rounds" if repeats > 1 else ""),
-         "as asked"),
+        ("schedule", f"{schedule}" + (f" x {repeats} chunks" if repeats > 1 else ""),
+         f"as asked: idle {timetable.idle_fraction():.3f} of the stages' ticks, "
+         f"{timetable.held()} microbatch chunks of activations held per stage"),
         ("microbatches", str(microbatches), "as asked"),
     )  # fmt: skip
     return PipelineTrainStep(make_pipeline, embed_fn, layer_fn, head_fn, mesh=mesh, rules=rules,

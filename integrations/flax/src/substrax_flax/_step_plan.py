@@ -407,9 +407,9 @@ def pipeline_plan(
     decisions = (
         Decision("path", "pipeline", f"the layer stack {stack!r} runs as a pipeline"),
         *(Decision(*line) for line in settings),
-        Decision("remat", "full" if pipeline.schedule == "1f1b" else pipeline.remat,
-                 "1F1B recomputes each stage" if pipeline.schedule == "1f1b"
-                 else "as asked, per stage"),
+        Decision("remat", pipeline.remat,
+                 "as asked, per layer: both halves of the split backward recompute what it "
+                 "leaves out" if pipeline.timetable.split else "as asked, per stage"),
         Decision("batch axes", str(tuple(batch_axes)), "split each microbatch"),
         Decision("fsdp", repr(fsdp) if fsdp else "none",
                  "each stage gathers its layers once and reduce-scatters their gradients"
