@@ -1,13 +1,16 @@
-"""Pipeline schedules side by side: idle fraction, permutes, step memory and time.
+"""Pipeline schedules side by side: idle fraction, hidden work, permutes, step memory and time.
 
-For GPipe (with and without stage remat), 1F1B and circular (2 rounds), on 4 stages x 2 data
-devices, with microbatches of a fixed size and M = S, 2S, 4S, 8S, it reports the idle fraction
-counted from the schedule next to its formula, the collective-permutes of one step (ops in the
-compiled loop bodies x loop trips, and their bytes per device), the compiled step's temp bytes
-per device, whether any gradient reduction sits inside a loop body, and the median step time.
+For GPipe (with and without stage remat), circular (2 rounds), 1F1B, interleaved 1F1B (2
+chunks) and ZB-H1, on 4 stages x 2 data devices, with microbatches of a fixed size and M = S,
+2S, 4S, 8S, it reports the idle fraction counted from the schedule's table next to the textbook
+formula, the compiled step's matrix FLOPs per device against the useful ones (one device's
+gradient of the same batch over the 8 devices: a ratio of ``1 / (1 - idle)`` means no hidden
+work in the bubble), the collective-permutes of one step (ops in the compiled loop bodies x
+loop trips, and their bytes per device), the compiled step's temp bytes per device, whether any
+gradient reduction sits inside a loop body, and the median step time.
 
-Run: ``python benchmarks/pipeline.py [--size tiny] [--output-dir DIR]``; writes
-``pipeline.json`` and ``pipeline.md``.
+Run: ``python benchmarks/pipeline.py [--size tiny] [--plot FILE] [--output-dir DIR]``; writes
+``pipeline.json`` and ``pipeline.md`` (and, with ``--plot``, idle against temp memory).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import time
 
 import jax.numpy as jnp
 
-from substrax.hlo import collectives, while_bodies
+from substrax.hlo import collectives, dot_flops, while_bodies
 from substrax.mesh import DeviceMeshManager, PipelineParallelStrategy
 from substrax.pipeline import Pipeline
 
@@ -40,8 +43,10 @@ SIZES = {
 SCHEDULES = {
     "gpipe": {"schedule": "gpipe"},
     "gpipe + remat": {"schedule": "gpipe", "remat": True},
-    "1f1b": {"schedule": "1f1b"},
     "circular x2": {"schedule": "circular", "repeats": 2},
+    "1f1b": {"schedule": "1f1b"},
+    "interleaved x2": {"schedule": "interleaved", "repeats": 2},
+    "zb-h1": {"schedule": "zb-h1"},
 }
 
 
@@ -54,8 +59,9 @@ def loss_fn(y, t):
 
 
 def formula(schedule: str, stages: int, micro: int, repeats: int) -> float:
-    if schedule == "1f1b":
-        return 2 * (stages - 1) / (micro + 2 * (stages - 1))
+    """The textbook idle: (S-1)/(vM+S-1) (1F1B and GPipe: v = 1), ZB-H1 (S-1)/(3M+S-1)."""
+    if schedule == "zb-h1":
+        return (stages - 1) / (3 * micro + stages - 1)
     return (stages - 1) / (repeats * micro + stages - 1)
 
 
@@ -71,6 +77,8 @@ def measure(mesh, label, options, micro, size, repeats_timing):
     step = jax.jit(pipe.loss_and_grads, static_argnames="microbatched")
     compiled = step.lower(padded, mask, xs, ts, microbatched=True).compile()
     text = compiled.as_text()
+    reference = jax.jit(jax.grad(pipe.reference_loss)).lower(params, x, jnp.sin(x)).compile()
+    useful = dot_flops(reference.as_text()) / mesh.size
     bodies, ops = while_bodies(text), collectives(text)
     permutes = [op for op in ops if op.kind == "collective-permute" and op.computation in bodies]
     trips = pipe.num_ticks
@@ -84,6 +92,8 @@ def measure(mesh, label, options, micro, size, repeats_timing):
         "microbatches": micro,
         "idle_measured": pipe.idle_fraction(),
         "idle_formula": formula(pipe.schedule, stages, micro, pipe.repeats),
+        "flops_over_useful": dot_flops(text) / useful,
+        "idle_flops_over_useful": dot_flops(text, branch=min) / useful,
         "permutes_per_step": len(permutes) * trips,
         "permute_bytes_per_step": sum(op.traffic_bytes for op in permutes) * trips,
         "reductions_in_loops": sum(
@@ -96,21 +106,51 @@ def measure(mesh, label, options, micro, size, repeats_timing):
 
 def markdown(rows, stages) -> str:
     lines = [
-        "| schedule | M | idle (formula) | permutes / step | permute KiB / step | "
-        "reductions in loops | step temp KiB | step ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| schedule | M | idle (textbook) | FLOPs / useful (1/(1-idle)) | permutes / step | "
+        "permute KiB / step | reductions in loops | step temp KiB | step ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['schedule']} | {r['microbatches']} | {r['idle_measured']:.3f} "
-            f"({r['idle_formula']:.3f}) | {r['permutes_per_step']} | "
+            f"({r['idle_formula']:.3f}) | {r['flops_over_useful']:.3f} "
+            f"({1 / (1 - r['idle_measured']):.3f}) | {r['permutes_per_step']} | "
             f"{r['permute_bytes_per_step'] / 1024:.1f} | {r['reductions_in_loops']} | "
             f"{r['temp_bytes'] / 1024:.1f} | {1000 * r['median_step_s']:.1f} |"
         )
     return "\n".join(lines) + (
         f"\n\n{stages} stages x 2 data devices (8 simulated CPU devices), jax {jax.__version__}; "
-        "microbatches of a fixed size, so the batch grows with M.\n"
+        "microbatches of a fixed size, so the batch grows with M. Idle counts a tick per op "
+        "(split schedules: forward, backward, weight); FLOPs are the compiled step's matrix "
+        "products per device (a conditional's costliest branch) over one device's gradient of "
+        "the same batch / 8; the split schedules' idle ticks run no product "
+        "(`dot_flops(text, branch=min)` is 0 in the loop). Step times are CPU times of 8 "
+        "simulated devices on 2 cores, where every device's work is serialised: they show "
+        "overheads, not the bubble.\n"
     )
+
+
+def plot(rows, path: pathlib.Path) -> None:
+    """Idle fraction against step temp memory, one line per schedule over M."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for label in dict.fromkeys(r["schedule"] for r in rows):
+        mine = [r for r in rows if r["schedule"] == label]
+        axes.plot([r["temp_bytes"] / 2**20 for r in mine], [r["idle_measured"] for r in mine],
+                  "o-", label=label)  # fmt: skip
+        for r in mine:
+            axes.annotate(f"M={r['microbatches']}", (r["temp_bytes"] / 2**20, r["idle_measured"]),
+                          fontsize=6)  # fmt: skip
+    axes.set(xlabel="step temp memory (MiB / device)", ylabel="idle share of the ticks",
+             xscale="log", title="Pipeline schedules: bubble against memory")  # fmt: skip
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
 
 
 def main(argv=None):
@@ -122,6 +162,7 @@ def main(argv=None):
         help="microbatches per configuration, as multiples of the 4 stages",
     )  # fmt: skip
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks"))
+    parser.add_argument("--plot", type=pathlib.Path, default=None, help="write a PNG here")
     args = parser.parse_args(argv)
     mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
     rows = [
@@ -133,6 +174,8 @@ def main(argv=None):
     (args.output_dir / "pipeline.json").write_text(json.dumps(rows, indent=2))
     table = markdown(rows, 4)
     (args.output_dir / "pipeline.md").write_text(table)
+    if args.plot:
+        plot(rows, args.plot)
     print(table)
     return rows
 

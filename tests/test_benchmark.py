@@ -49,14 +49,31 @@ def test_pipeline_benchmark_runs_at_a_tiny_size(tmp_path):
     import pipeline as pipeline_benchmark
 
     rows = pipeline_benchmark.main(
-        ["--size", "tiny", "--steps", "1", "--factors", "1", "4", "--output-dir", str(tmp_path)]
+        [
+            "--size",
+            "tiny",
+            "--steps",
+            "1",
+            "--factors",
+            "1",
+            "4",
+            "--output-dir",
+            str(tmp_path),
+            "--plot",
+            str(tmp_path / "pipeline.png"),
+        ]
     )
-    assert (tmp_path / "pipeline.md").exists() and len(rows) == 8
+    assert (tmp_path / "pipeline.md").exists() and (tmp_path / "pipeline.png").exists()
+    assert len(rows) == 12
     for row in rows:
-        assert row["idle_measured"] == pytest.approx(row["idle_formula"])
+        if row["schedule"].startswith(("gpipe", "circular")):
+            assert row["idle_measured"] == pytest.approx(row["idle_formula"])
+        else:  # at or under the textbook, and nothing computed in an idle tick
+            assert row["idle_measured"] <= row["idle_formula"] + 1e-9
+            assert row["idle_flops_over_useful"] < 0.05
+        if "remat" not in row["schedule"]:  # remat's recomputation is asked-for work
+            assert row["flops_over_useful"] <= 1.05 / (1 - row["idle_measured"])
         assert row["reductions_in_loops"] == 0
-    one_f = [r["temp_bytes"] for r in rows if r["schedule"] == "1f1b"]
-    assert max(one_f) <= 1.1 * min(one_f)
 
 
 def test_zoo_benchmark_runs_on_one_model(tmp_path):

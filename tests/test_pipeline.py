@@ -134,8 +134,9 @@ def test_hlo_reduces_gradients_after_the_loop_and_permutes_inside(mesh, schedule
     assert any(op.kind == "all-reduce" and op.computation not in bodies for op in ops)
 
 
-@pytest.mark.parametrize(("schedule", "repeats"),
-                         [("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved", 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("schedule", "repeats"), [("gpipe", 1), ("1f1b", 1), ("circular", 2), ("interleaved", 2)]
+)
 def test_gradients_reduce_scatter_along_their_grad_dims(mesh, schedule, repeats):
     pipe = _pipeline(mesh, schedule, micro=4, repeats=repeats)
     params = _params(8)
@@ -188,7 +189,9 @@ def _temp_bytes(pipe, micro, rows_per_microbatch=4, width=64):
 
 def test_split_schedules_hold_memory_flat_in_microbatches_and_gpipe_does_not(mesh):
     temps = {
-        (schedule, m): _temp_bytes(_pipeline(mesh, schedule, micro=m, repeats=_repeats(schedule)), m)
+        (schedule, m): _temp_bytes(
+            _pipeline(mesh, schedule, micro=m, repeats=_repeats(schedule)), m
+        )
         for schedule in ("gpipe", *SPLIT)
         for m in (4, 32)
     }
@@ -221,7 +224,9 @@ def test_schedule_is_valid(mesh, schedule):
             for stage in range(4):
                 before = (stage - 1, r) if stage else (3, r - 1)  # the virtual stage before
                 if before[1] >= 0:  # a stage works on what the stage before it sent
-                    assert when[(stage, "forward", i, r)] > when[(before[0], "forward", i, before[1])]
+                    assert (
+                        when[(stage, "forward", i, r)] > when[(before[0], "forward", i, before[1])]
+                    )
                     if schedule in SPLIT:  # and sends its gradient back once computed
                         back = when[(before[0], "backward", i, before[1])]
                         assert back > when[(stage, "backward", i, r)]
@@ -371,8 +376,9 @@ def _loss_and_aux(y, t):
     return jnp.mean((y - t) ** 2), {"y2": jnp.mean(y**2), "t": jnp.mean(t)}
 
 
-@pytest.mark.parametrize(("schedule", "grad_dims"),
-                         [("gpipe", None), ("gpipe", 0), ("1f1b", None), ("interleaved", 0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("schedule", "grad_dims"), [("gpipe", None), ("gpipe", 0), ("1f1b", None), ("interleaved", 0)]
+)
 def test_aux_is_the_mean_over_every_microbatch(mesh, schedule, grad_dims):
     strategy = PipelineParallelStrategy("pipe", 0, 4)
     pipe = Pipeline(layer_fn, _loss_and_aux, mesh, strategy, num_microbatches=4,
@@ -396,8 +402,9 @@ def _layer_with_frozen(pair, x):
     return jnp.tanh(x @ (trained["w"] + frozen["w0"]) + frozen["b"])
 
 
-@pytest.mark.parametrize(("schedule", "fsdp"),
-                         [("gpipe", False), ("1f1b", False), ("gpipe", True), ("zb-h1", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("schedule", "fsdp"), [("gpipe", False), ("1f1b", False), ("gpipe", True), ("zb-h1", True)]
+)
 def test_frozen_layer_parameters_are_used_but_not_differentiated(mesh, schedule, fsdp):
     strategy = PipelineParallelStrategy("pipe", 0, 4)
     pipe = Pipeline(_layer_with_frozen, loss_fn, mesh, strategy, num_microbatches=4,

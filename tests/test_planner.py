@@ -151,8 +151,14 @@ def test_the_command_line_shows_a_layout_it_did_not_choose(capsys):
     assert main([*run, "--show", "pp 16  x zero1 dp 128 x tp 8"]) == 0
     out = capsys.readouterr().out.splitlines()
     shown = next(line for line in out if "fits: pp 16 x zero1 dp 128 x tp 8" in line)
-    assert shown.startswith("#") and "optimizer 0.22, activations 32.00" in shown
+    # the best schedule for the layout as trained: interleaved 4 chunks, idle 0.135 of the
+    # ticks (1F1B's textbook 0.484), its activations and deferred cotangents in 44.25 GiB
+    assert shown.startswith("#") and "schedule interleaved x4 (idle 0.135)" in shown
+    assert "optimizer 0.22, activations 44.25" in shown
     assert "stored padded to 128 slots" in out[out.index(shown) + 1]
+    table = out[out.index(shown) + 2 :]
+    assert table[0].startswith("interleaved x 4 chunks, 16 microbatches on 16 stages: ")
+    assert table[1].startswith("stage  0 FFFF") and len(table) >= 17
     assert main([*run, "--show", "pp 16 x zero3 dp 128"]) == 2
     assert "--show 'pp 16 x zero3 dp 128' is none of the 66 candidates'" in capsys.readouterr().err
 
@@ -345,7 +351,7 @@ def test_named_hardware_fills_the_time_column_and_flags_override_it(capsys):
     base = ["--model", "llama3-70b", "--devices", "512", "--batch-tokens", "4M", "--seq", "8192"]
     assert main([*base, "--memory", "80GB", "--flops", "0"]) == 0  # no speeds: no times
     out = capsys.readouterr().out
-    assert "remat and microbatches chosen by the planner" in out
+    assert "remat, microbatches and schedule chosen by the planner" in out
     assert "speeds: none given, so layouts are ranked by FLOPs, not time" in out
     first = _first_row(out)
     assert first.split()[-2] == "yes" and first.split()[-1] == "-"  # fits; no speed, no time

@@ -311,7 +311,9 @@ def _parse(hlo_text: str) -> tuple[dict[str, list], str]:
         shape = _SHAPE.match(found.group("shape"))
         result = _dims(shape.group(2)) if shape else []
         shapes[found.group("name")] = result
-        operands = [shapes.get(o.strip().lstrip("%"), []) for o in found.group("operands").split(",")]
+        operands = [
+            shapes.get(o.strip().lstrip("%"), []) for o in found.group("operands").split(",")
+        ]
         current.append((found.group("op"), result, operands, found.group("attrs")))
     return computations, entry
 
@@ -359,7 +361,9 @@ def dot_flops(hlo_text: str, *, branch: Callable[..., float] = max) -> float:
             return (int(trips.group(1)) if trips else 1) * inner
         if op == "conditional":
             branches = _BRANCHES.search(attrs)
-            names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
+            names = (
+                [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
+            )
             return branch([cost(b) for b in names]) if names else 0.0
         called = _CALLED.findall(attrs)
         return sum(cost(c) for c in called)

@@ -1,5 +1,4 @@
-"""Pipeline: runs a layer stack's schedule (GPipe, 1F1B, circular, interleaved, ZB-H1) in one
-``shard_map``.
+"""Pipeline: runs a layer stack's schedule (GPipe, 1F1B, circular, ...) in one ``shard_map``.
 
 A :class:`Pipeline` splits a stack of layers (parameters with a leading layer axis) over the
 stage axis of a :class:`~substrax.mesh.PipelineParallelStrategy`, splits each batch into
@@ -37,14 +36,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax.mesh import PipelineParallelStrategy
 from substrax.pipeline._layout import StageLayout
 from substrax.pipeline._microbatch import computing
 from substrax.pipeline._schedule import Schedule, ScheduleSlot
 from substrax.pipeline._split import run_split
-from substrax.spmd import checkpoint_policy
+from substrax.spmd import checkpoint_policy, lay_out
 
 __all__ = ["Pipeline"]
 
@@ -118,8 +117,8 @@ class Pipeline:
         Raises:
           ValueError: For an unknown schedule or remat name, a stage count that differs
             from the mesh's stage axis, ``repeats`` other than 1 outside ``"circular"`` and
-            ``"interleaved"``, a circular schedule with fewer microbatches than stages, data axes that are not mesh
-            axes, or an ``fsdp_axis`` that is not one of them.
+            ``"interleaved"``, a circular schedule with fewer microbatches than stages, data
+            axes that are not mesh axes, or an ``fsdp_axis`` that is not one of them.
         """
         stage_size = dict(mesh.shape).get(strategy.axis_name)
         if stage_size != strategy.num_stages:
@@ -355,6 +354,23 @@ class Pipeline:
         param_spec = jax.tree.map(lambda a: self.layout.param_spec(a.shape[3:]), padded)
         return param_spec, PartitionSpec(self.stage_axis), PartitionSpec(None, data or None)
 
+    def _boundary(self, x: jax.Array) -> jax.Array:
+        """An activation or cotangent about to cross a stage boundary, split over the rest.
+
+        Its last dimension is split over the mesh's other axes (tensor parallelism) where they
+        divide it. Each device of a tensor-parallel group then sends its own part, not a
+        replica of the whole (Megatron's scatter-gather): ``1 / tp`` of the boundary's bytes
+        cross the stage axis, and XLA gathers them over the model axis, within a host, where
+        they are used.
+        """
+        manual = {self.stage_axis, *self.data_axes}
+        others = tuple(a for a in self.mesh.axis_names if a not in manual)
+        size = math.prod(dict(self.mesh.shape)[a] for a in others)
+        if size == 1 or x.ndim < 2 or x.shape[-1] % size:
+            return x
+        spec = PartitionSpec(*([None] * (x.ndim - 1)), others if len(others) > 1 else others[0])
+        return lay_out(x, NamedSharding(self.mesh, spec))
+
     def _vary(self, tree: Any) -> Any:
         """Marks parameters as varying over the data axes, so gradients reduce after the loop."""
 
@@ -518,7 +534,7 @@ class Pipeline:
             loss, extra = self._loss(y, targets[index], head, index)
             total = total + jnp.where(done, loss, 0.0)
             aux = jax.tree.map(lambda a, e: a + jnp.where(done, e, 0.0), aux, extra)
-            sent = jax.lax.ppermute(y, self.stage_axis, pattern)
+            sent = jax.lax.ppermute(self._boundary(y), self.stage_axis, pattern)
             if repeats > 1:  # stage 0 keeps what comes back round the ring, by microbatch
                 back = jnp.clip(t - (stages - 1), 0, repeats * micro - 1) % micro
                 ring = jnp.where((stage == 0) & (t >= stages - 1), ring.at[back].set(sent), ring)
@@ -677,9 +693,11 @@ class Pipeline:
                          frozen_dims=frozen_dims, scatter=scatter)  # fmt: skip
 
     def _split_results(self, grads, dhead, dxs, total, aux, scatter, lead):
-        """A split schedule's sums reduced once, after its loop: over the data axes (the
-        layers' gradients reduce-scattered where FSDP or ``grad_dims`` say), and the head's and
-        inputs' gradients over the stages, which each hold their own."""
+        """A split schedule's sums, reduced once after its loop.
+
+        Over the data axes (the layers' gradients reduce-scattered where FSDP or ``grad_dims``
+        say), and the head's and inputs' gradients over the stages, which each hold their own.
+        """
         data = self.data_size
         if self.data_axes:
             grads = jax.tree.map(

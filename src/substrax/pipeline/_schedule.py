@@ -25,6 +25,7 @@ is the backward ops alone.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -181,7 +182,43 @@ class Schedule:
         """
         if not self.split:
             return self.num_microbatches * self.repeats
-        return self.tables().depths["stash"]
+        return _simulate(self.name, self.num_stages, self.num_microbatches, self.repeats)[2]
+
+    def waiting(self) -> int:
+        """The most weight ops one stage has waiting at once (their cotangents are kept).
+
+        Returns:
+          The count (0 for GPipe and circular).
+        """
+        if not self.split:
+            return 0
+        return _simulate(self.name, self.num_stages, self.num_microbatches, self.repeats)[3]
+
+    def render(self, width: int = 96) -> str:
+        """The table as text: a row per stage, a column per tick.
+
+        ``F`` is a forward, ``B`` a backward, ``W`` a weight op, ``.`` idle (GPipe and
+        circular: their forward loop).
+
+        Args:
+          width: The most ticks shown; longer tables show their first and last ticks.
+
+        Returns:
+          The text, with the idle share and the ticks.
+        """
+        grid = [["."] * self.num_ticks for _ in range(self.num_stages)]
+        for slot in self.table():
+            grid[slot.stage][slot.tick] = slot.op[0].upper()
+        rows = []
+        for stage, row in enumerate(grid):
+            text = "".join(row)
+            if len(text) > width:
+                text = text[: width // 2 - 2] + " .. " + text[-(width // 2 - 2) :]
+            rows.append(f"stage {stage:>2} {text}")
+        head = (f"{self.name}" + (f" x {self.repeats} chunks" if self.repeats > 1 else "")
+                + f", {self.num_microbatches} microbatches on {self.num_stages} stages: "
+                f"{self.num_ticks} ticks, idle {self.idle_fraction():.3f}")  # fmt: skip
+        return "\n".join([head, *rows])
 
     def tables(self) -> Tables:
         """The split schedule as arrays for the loop (see :class:`Tables`).
@@ -226,35 +263,43 @@ def _order(name: str, stages: int, micro: int, repeats: int, stage: int, op: str
 
 @functools.cache
 def _simulate(name: str, stages: int, micro: int, repeats: int):
-    """``(ticks, slots)`` of a split schedule: each stage runs its preferred ready op.
+    """``(ticks, slots, most held, most waiting)`` of a split schedule.
 
-    Forwards and backwards run in their stage's :func:`_order`, within :func:`_room`; a weight
-    op may run once its backward has. 1F1B prefers weight, then backward, then forward (a
-    weight op straight after its backward); interleaved and ZB-H1 prefer backward, then
-    forward, then weight (the weight ops fill the bubbles).
+    Each stage runs its preferred ready op. Forwards and backwards run in their stage's
+    :func:`_order`, within :func:`_room`; a weight op may run once its backward has. 1F1B
+    prefers weight, then backward, then forward (a weight op straight after its backward);
+    interleaved and ZB-H1 prefer backward, then forward, then weight (the weight ops fill the
+    bubbles).
     """
     last = stages * repeats - 1
     done: dict[tuple[str, int, int], int] = {}
     held, open_ = [0] * stages, [0] * stages  # forward done and weight (backward) not
-    queues = {(stage, op): [(m, c * stages + stage)
-                            for m, c in _order(name, stages, micro, repeats, stage, op)]
-              for stage in range(stages) for op in ("forward", "backward")}  # fmt: skip
-    weights: list[list[tuple[int, int]]] = [[] for _ in range(stages)]
-    rank = ("weight", "backward", "forward") if name == "1f1b" else (
-        "backward", "forward", "weight")
-    slots, tick, total = [], 0, 3 * micro * (last + 1)
+    queues = {
+        (stage, op): collections.deque(
+            (m, c * stages + stage) for m, c in _order(name, stages, micro, repeats, stage, op)
+        )
+        for stage in range(stages)
+        for op in ("forward", "backward")
+    }
+    # weight ops in their backward's order: the oldest is the first that may be ready
+    weights = [collections.deque() for _ in range(stages)]
+    rank = (
+        ("weight", "backward", "forward") if name == "1f1b" else ("backward", "forward", "weight")
+    )
+    slots, tick, total, most, waiting = [], 0, 3 * micro * (last + 1), 0, 0
     while len(slots) < total:
         chosen = []
         for stage in range(stages):
             for op in rank:
                 if op == "weight":
-                    ready = [w for w in weights[stage] if done[("backward", *w)] < tick]
-                    item = ready[0] if ready else None
+                    first = weights[stage][0] if weights[stage] else None
+                    item = first if first and done[("backward", *first)] < tick else None
                 else:
                     queue = queues[(stage, op)]
                     item = queue[0] if queue and _ready(op, *queue[0], tick, done, last) else None
-                    if op == "forward" and not _room(name, stages, stage, repeats, held[stage],
-                                                     open_[stage]):
+                    if op == "forward" and not _room(
+                        name, stages, stage, repeats, held[stage], open_[stage]
+                    ):
                         item = None
                 if item is not None:
                     chosen.append((stage, op, item))
@@ -264,30 +309,30 @@ def _simulate(name: str, stages: int, micro: int, repeats: int):
         for stage, op, (m, k) in chosen:
             done[(op, m, k)] = tick
             if op == "weight":
-                weights[stage].remove((m, k))
+                weights[stage].popleft()
                 held[stage] -= 1
             else:
-                queues[(stage, op)].pop(0)
+                queues[(stage, op)].popleft()
                 held[stage] += op == "forward"
                 open_[stage] += {"forward": 1, "backward": -1}[op]
                 if op == "backward":
                     weights[stage].append((m, k))
             slots.append(ScheduleSlot(tick, stage, op, m, k // stages))
+        most = max(most, *held)
+        waiting = max(waiting, *(len(w) for w in weights))
         tick += 1
-    return tick, tuple(slots)
+    return tick, tuple(slots), most, waiting
 
 
 def _ready(op: str, m: int, k: int, tick: int, done: dict, last: int) -> bool:
     """Whether op ``op`` of microbatch ``m`` on virtual stage ``k`` can run at ``tick``."""
-
-    def before(*key):
-        return done.get(key, tick) < tick
-
     if op == "forward":
-        return k == 0 or before("forward", m, k - 1)
+        return k == 0 or done.get(("forward", m, k - 1), tick) < tick
     if op == "backward":
-        return before("forward", m, k) and (k == last or before("backward", m, k + 1))
-    return before("backward", m, k)
+        if done.get(("forward", m, k), tick) >= tick:
+            return False
+        return k == last or done.get(("backward", m, k + 1), tick) < tick
+    return done.get(("backward", m, k), tick) < tick
 
 
 class _Slots:
@@ -307,7 +352,7 @@ class _Slots:
 
 @functools.cache
 def _tables(name: str, stages: int, micro: int, repeats: int) -> Tables:
-    ticks, slots = _simulate(name, stages, micro, repeats)
+    ticks, slots, _, _ = _simulate(name, stages, micro, repeats)
     last = stages * repeats - 1
     when = {(s.op, s.microbatch, s.repeat * stages + s.stage): s.tick for s in slots}
     shape = (ticks, stages)
@@ -361,4 +406,3 @@ def _tables(name: str, stages: int, micro: int, repeats: int) -> Tables:
     for field, buffer in (("receive", "activation"), ("receive_grad", "gradient")):
         arrays[field] = np.where(arrays[field] == 0, depths[buffer] + 1, arrays[field]) - 1
     return Tables(**arrays, depths=depths)
-

@@ -18,7 +18,6 @@ slots the tables assign, so memory follows what the schedule holds, not the micr
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -63,7 +62,7 @@ class _Layer:
             self.treedef, self.sources = treedef, sources
         elif sources != self.sources or treedef.num_leaves != self.treedef.num_leaves:
             raise AssertionError("a layer's pullback changed structure between traces")
-        return y, [leaf for leaf, (kind, _) in zip(leaves, sources) if kind == "stash"]
+        return y, [leaf for leaf, (kind, _) in zip(leaves, sources, strict=True) if kind == "stash"]
 
     def pullback(self, params, frozen, residuals):
         """The layer's pullback, its parameters put back among the stashed residuals."""
@@ -216,8 +215,8 @@ def run_split(pipe, params, mask, xs, targets, head, frozen=None, *, dims, froze
         dxs = dxs.at[jnp.where(is_backward & (k == 0), m, micro)].set(dx)
         total, dhead = total + loss, jax.tree.map(jnp.add, dhead, dh)
         aux = jax.tree.map(jnp.add, aux, extra)
-        sent = jax.lax.ppermute(y, pipe.stage_axis, forward_pattern)
-        sent_back = jax.lax.ppermute(dx, pipe.stage_axis, backward_pattern)
+        sent = jax.lax.ppermute(pipe._boundary(y), pipe.stage_axis, forward_pattern)
+        sent_back = jax.lax.ppermute(pipe._boundary(dx), pipe.stage_axis, backward_pattern)
         return (sent, sent_back, acts, grad_in, stash, cots, grads, dhead, dxs, total, aux), None
 
     zero = jnp.zeros_like(sample)

@@ -20,8 +20,9 @@ import pathlib
 import sys
 from collections.abc import Callable, Sequence
 
+from substrax.pipeline import SCHEDULES
 from substrax.planner._architectures import ARCHITECTURES, Leaf, config_from_leaves
-from substrax.planner._estimate import PRECISION_BYTES, Hardware, Workload
+from substrax.planner._estimate import PRECISION_BYTES, Hardware, Workload, schedule_of
 from substrax.planner._hardware import HARDWARE
 from substrax.planner._layouts import STRATEGIES
 from substrax.planner._rank import plan
@@ -81,19 +82,27 @@ def _table(result, top: int, timed: bool) -> str:
     shown = result.candidates[:top]
     width = max([len("layout"), *(len(c.layout.label) for c in shown)])
     head = (
-        f"{'#':>3}  {'layout':{width}} {'remat':>9} {'micro':>5} {'params/dev':>14} "
-        f"{'peak GiB':>9} {'fits':>5} {'time s':>8}"
+        f"{'#':>3}  {'layout':{width}} {'remat':>9} {'micro':>5} {'schedule':>14} {'idle':>5} "
+        f"{'params/dev':>14} {'peak GiB':>9} {'fits':>5} {'time s':>8}"
     )
     lines = [head, "-" * len(head)]
     for rank, c in enumerate(shown, 1):
         time = f"{c.time_s:>8.3f}" if timed else f"{'-':>8}"
         lines.append(
             f"{rank:>3}  {c.layout.label:{width}} {c.workload.remat:>9} "
-            f"{c.workload.microbatches:>5} "
+            f"{c.workload.microbatches:>5} {_schedule_name(c):>14} {c.bubble:>5.2f} "
             f"{c.params_per_device:>14,} {_gib(c.bytes_per_device['peak']):>9} "
             f"{'yes' if c.fits else 'no':>5} {time}"
         )
     return "\n".join(lines)
+
+
+def _schedule_name(candidate) -> str:
+    """The candidate's pipeline schedule as the table shows it (``-`` without a pipeline)."""
+    work = candidate.workload
+    if candidate.layout.pp == 1:
+        return "-"
+    return work.schedule + (f" x{work.chunks}" if work.chunks > 1 else "")
 
 
 def _leaf_table(candidate, workload) -> str:
@@ -112,8 +121,12 @@ def _breakdown(candidate, searched: list[str], what: str = "chosen") -> str:
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in candidate.bytes_per_device.items())
     work = candidate.workload
     setting = f"remat {work.remat}, {work.microbatches} microbatches"
+    if candidate.layout.pp > 1:
+        setting += f", schedule {_schedule_name(candidate)} (idle {candidate.bubble:.3f})"
     if searched:
-        setting += f" ({' and '.join(searched)} chosen by the planner)"
+        named = " and ".join([", ".join(searched[:-1]), searched[-1]] if len(searched) > 1
+                             else searched)  # fmt: skip
+        setting += f" ({named} chosen by the planner)"
     return (
         f"{what}: {candidate.layout.label} (mesh {candidate.layout.shape}), {setting}; "
         f"GiB per device: {parts}"
@@ -133,7 +146,8 @@ def _inputs(args, result, hardware, workload, speeds: str) -> list[str]:
         f"{memory / 2**30:.2f} GiB",
         f"  batch: {args.batch_tokens} tokens = {tokens:,} = {rows}",
         f"  precision {workload.precision}, optimizer {workload.optimizer}, remat "
-        f"{workload.remat or 'searched'}, microbatches {workload.microbatches or 'searched'}",
+        f"{workload.remat or 'searched'}, microbatches {workload.microbatches or 'searched'}, "
+        f"schedule {workload.schedule or 'searched'}",
     ]
     if hardware.flops:
         intra, inter = hardware.intra_host_bandwidth / 1e9, hardware.inter_host_bandwidth / 1e9
@@ -211,6 +225,14 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
         "searched when left out",
     )
     parser.add_argument(
+        "--schedule", default=None, choices=SCHEDULES,
+        help="the pipeline schedule; searched (with its chunks) when left out",
+    )  # fmt: skip
+    parser.add_argument(
+        "--chunks", type=int, default=None,
+        help="chunks of layers per stage for interleaved and circular; searched when left out",
+    )  # fmt: skip
+    parser.add_argument(
         "--headroom", default="10%",
         help="device memory to keep free when a layout within 3%% of the fastest allows it, "
         "e.g. 10%% or 0.1",
@@ -218,7 +240,9 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
     parser.add_argument("--strategies", default=",".join(STRATEGIES))
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument(
-        "--show", default=None, help="a layout from the table: its breakdown and warnings too"
+        "--show",
+        default=None,
+        help="a layout from the table: its breakdown, warnings and pipeline schedule's table",
     )
     parser.add_argument("--leaves", action="store_true", help="per-parameter table of the best")
     parser.add_argument("--json", type=pathlib.Path, default=None)
@@ -318,6 +342,8 @@ def main(
             optimizer=args.optimizer,
             remat=args.remat,
             microbatches=args.microbatches,
+            schedule=args.schedule,
+            chunks=args.chunks if args.chunks is not None or args.schedule is None else 1,
         )
         strategies = tuple(args.strategies.split(","))
         model, leaves = _model(args, load_factory)
@@ -328,7 +354,8 @@ def main(
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    searched = [name for name in ("remat", "microbatches") if getattr(args, name) is None]
+    searched = [name for name in ("remat", "microbatches", "schedule")
+                if getattr(args, name) is None]  # fmt: skip
     for line in _inputs(args, result, hardware, workload, speeds):
         print(line)
     print(
@@ -348,6 +375,9 @@ def main(
         print(_breakdown(candidate, searched, f"#{rank}, fits" if candidate.fits else f"#{rank}"))
         for warning in candidate.warnings:
             print(f"warning: {warning}")
+        schedule = schedule_of(candidate.layout, candidate.workload)
+        if schedule is not None:
+            print(schedule.render())
     if args.leaves:
         print(_leaf_table(result.best, workload))
     if args.json:

@@ -20,6 +20,8 @@ from jax.sharding import AbstractMesh
 from substrax.layout import Layout
 from substrax.mesh import PipelineParallelStrategy
 from substrax.mesh._resolve import as_axes, resolve_names
+from substrax.pipeline import SCHEDULES
+from substrax.pipeline._schedule import Schedule
 from substrax.planner._architectures import Leaf, TransformerConfig
 from substrax.spmd import REMAT, region_obstacle
 
@@ -31,6 +33,9 @@ __all__ = [
     "evaluate",
     "leaf_plans",
 ]
+
+CHUNKED = ("interleaved", "circular")
+"""The schedules that take more than one chunk of layers per stage."""
 
 _OPTIMIZER_BYTES = {"adam": 8, "adamw": 8, "sgd": 0, "momentum": 4}
 _UPDATE_FLOPS = {"adam": 12, "adamw": 14, "sgd": 2, "momentum": 4}
@@ -57,9 +62,14 @@ class Workload:
         only); None lets :func:`~substrax.planner.plan` choose per layout.
       gather: FSDP parameters gathered once per step and kept for the backward pass
         (``"keep"``, substrax's default) or gathered again there (``"regather"``).
-      microbatches: Pipeline microbatches (1F1B), or gradient-accumulation steps without a
+      microbatches: Pipeline microbatches, or gradient-accumulation steps without a
         pipeline: each device holds one microbatch's activations at a time (0: the pipeline
         depth, or 1); None lets :func:`~substrax.planner.plan` choose per layout.
+      schedule: The pipeline schedule, a name of :data:`substrax.pipeline.SCHEDULES`; its
+        idle share and the activations it holds are read off its table, as the step runs it.
+        None lets :func:`~substrax.planner.plan` choose per layout (with ``chunks``).
+      chunks: Chunks of layers per stage for ``"interleaved"`` and ``"circular"`` (1
+        otherwise); None lets :func:`~substrax.planner.plan` choose.
     """
 
     batch_tokens: int
@@ -69,10 +79,23 @@ class Workload:
     remat: str | None = "selective"
     microbatches: int | None = 0
     gather: str = "keep"
+    schedule: str | None = "1f1b"
+    chunks: int | None = 1
 
     def __post_init__(self) -> None:
         if self.microbatches is not None and self.microbatches < 0:
             raise ValueError(f"microbatches must be >= 0, got {self.microbatches}.")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"Unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}."
+            )
+        if self.chunks is not None and not (isinstance(self.chunks, int) and self.chunks >= 1):
+            raise ValueError(f"chunks must be a positive integer, got {self.chunks!r}.")
+        if self.chunks not in (None, 1) and self.schedule not in (None, *CHUNKED):
+            raise ValueError(
+                f"chunks={self.chunks} needs schedule 'interleaved' or 'circular', not "
+                f"{self.schedule!r}."
+            )
         if not (isinstance(self.seq, int) and self.seq >= 1):
             raise ValueError(f"seq must be a positive number of tokens, got {self.seq!r}.")
         if self.batch_tokens < self.seq:
@@ -171,8 +194,8 @@ class Candidate:
       headroom_bytes: Device memory left at the peak (negative when it does not fit).
       fits: Whether the peak fits the device memory.
       warnings: Indivisible dimensions, uneven stages, large replicated parameters.
-      workload: The workload estimated, with the remat policy and microbatch count that
-        :func:`~substrax.planner.plan` chose when it searched them.
+      workload: The workload estimated, with the remat policy, microbatch count and schedule
+        that :func:`~substrax.planner.plan` chose when it searched them.
     """
 
     layout: Layout
@@ -194,13 +217,16 @@ class Candidate:
         Returns:
           ``mesh``, ``strategy``, ``bytes_per_device``, ``params_per_device``,
           ``traffic_bytes_per_step``, ``flops_per_device``, ``time_s``, ``bubble``,
-          ``headroom_bytes``, ``fits``, ``warnings``, ``remat`` and ``microbatches``.
+          ``headroom_bytes``, ``fits``, ``warnings``, ``remat``, ``microbatches``,
+          ``schedule`` and ``chunks``.
         """
         return {
             "mesh": self.layout.shape,
             "strategy": self.layout.label,
             "remat": self.workload.remat if self.workload else None,
             "microbatches": self.workload.microbatches if self.workload else None,
+            "schedule": self.workload.schedule if self.workload else None,
+            "chunks": self.workload.chunks if self.workload else None,
             "bytes_per_device": self.bytes_per_device,
             "params_per_device": self.params_per_device,
             "traffic_bytes_per_step": self.traffic_bytes_per_step,
@@ -275,7 +301,7 @@ def _activations(c: TransformerConfig, w: Workload, layout: Layout, act: int) ->
     """
     rows = w.batch / layout.batch_degree
     micro = w.microbatches or (layout.pp if layout.pp > 1 else 1)
-    in_flight = min(layout.pp, micro) if layout.pp > 1 else 1
+    in_flight, waiting = _held(layout, w)
     b, s, h, a, t = rows / micro, w.seq / layout.cp, c.d_model, c.heads, layout.tp
     if w.remat == "full":
         per_layer = 2 * s * b * h
@@ -283,7 +309,36 @@ def _activations(c: TransformerConfig, w: Workload, layout: Layout, act: int) ->
         per_layer = 34 * s * b * h / t
     else:
         per_layer = s * b * h * (34 / t + 5 * a * s / (h * t))
-    return per_layer * act / 2 * math.ceil(c.layers / layout.pp) * in_flight
+    # a deferred weight op keeps its layers' output cotangents as well (s b h each)
+    per_layer_all = per_layer * in_flight + s * b * h * waiting
+    return per_layer_all * act / 2 * math.ceil(c.layers / layout.pp)
+
+
+def schedule_of(layout: Layout, w: Workload) -> Schedule | None:
+    """The pipeline schedule ``w`` runs on ``layout`` (None without a pipeline).
+
+    Raises:
+      ValueError: For a schedule the layout cannot run (see :class:`Workload`).
+    """
+    if layout.pp == 1:
+        return None
+    micro = w.microbatches or layout.pp
+    return Schedule(w.schedule or "1f1b", layout.pp, micro, w.chunks or 1)
+
+
+def _held(layout: Layout, w: Workload) -> tuple[float, float]:
+    """``(microbatches of activations held, of deferred weight ops' cotangents)`` per stage.
+
+    GPipe and circular hold every microbatch (circular's rounds are chunks of a stage);
+    the split schedules what their table holds at most, a chunk being ``1 / chunks`` stage.
+    """
+    schedule = schedule_of(layout, w)
+    if schedule is None:
+        return 1.0, 0.0
+    chunks = schedule.repeats
+    if not schedule.split:
+        return float(schedule.num_microbatches), 0.0
+    return schedule.held() / chunks, schedule.waiting() / chunks
 
 
 def leaf_plans(leaves: Sequence[Leaf], layout: Layout) -> tuple[LeafPlan, ...]:
@@ -405,8 +460,8 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
         flops += _attention_flops_per_token(config, workload.seq) / 3 * tokens
     flops /= layout.devices
     flops += per_device * _UPDATE_FLOPS[workload.optimizer]
-    micro = workload.microbatches or layout.pp
-    bubble = (layout.pp - 1) / (micro + layout.pp - 1) if layout.pp > 1 else 0.0
+    schedule = schedule_of(layout, workload)
+    bubble = schedule.idle_fraction() if schedule is not None else 0.0
     return Candidate(
         layout=layout,
         leaves=plans,
@@ -482,7 +537,7 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
     parameters are whole on every device and their gradients are all-reduced over every
     stage and replica at once (``pipe/all-reduce``, with the stack inputs' gradients summed
     over the stages); the stage boundary moves each microbatch's activations forward and its
-    cotangents back on every tick, idle ticks included (``M + S - 1`` of them, GPipe).
+    cotangents back on every tick of the schedule's table, idle ticks included.
     """
     state_bytes, dense_bytes, head_bytes, shared = state
     ep = layout.ep
@@ -531,8 +586,15 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
         traffic["pipe/all-reduce"] = (
             2 * whole * (n - 1) / n + 2 * activation * (layout.pp - 1) / layout.pp
         )
-        ticks = micro + layout.pp - 1  # forward; the backward loop has as many
-        traffic["pipe/collective-permute"] = 2 * activation * ticks / micro
+        schedule = schedule_of(layout, w)
+        # two permutes a tick, idle ticks included: a split schedule's forward and backward,
+        # GPipe's and circular's one in their forward loop and one in its transpose; each
+        # device of a tensor-parallel group sends its 1/tp and gathers the rest over the model
+        # axis where it is used (Pipeline._boundary), once per chunk and microbatch each way
+        split = layout.tp if layout.tp > 1 and c.d_model % layout.tp == 0 else 1
+        traffic["pipe/collective-permute"] = 2 * activation * schedule.num_ticks / micro / split
+        if split > 1:
+            traffic["model/all-gather"] = 2 * schedule.repeats * activation * (split - 1) / split
     return traffic
 
 

@@ -13,6 +13,7 @@ from substrax.planner._architectures import (
     transformer_leaves,
 )
 from substrax.planner._estimate import (
+    CHUNKED,
     Candidate,
     Hardware,
     Workload,
@@ -22,10 +23,19 @@ from substrax.planner._estimate import (
 from substrax.planner._layouts import STRATEGIES, layouts
 from substrax.spmd import REMAT
 
-__all__ = ["CLOSE_TIMES", "HEADROOM", "MICROBATCH_CHOICES", "Plan", "plan"]
+__all__ = [
+    "CHUNK_CHOICES", "CLOSE_TIMES", "HEADROOM", "MICROBATCH_CHOICES", "SCHEDULE_CHOICES", "Plan",
+    "plan",
+]  # fmt: skip
 
 MICROBATCH_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)
 """Microbatch counts :func:`plan` tries when the workload leaves them open."""
+
+SCHEDULE_CHOICES = ("gpipe", "1f1b", "zb-h1", "interleaved")
+"""Pipeline schedules :func:`plan` tries when the workload leaves the schedule open."""
+
+CHUNK_CHOICES = (2, 4, 8)
+"""Chunks per stage :func:`plan` tries for ``"interleaved"`` when the workload leaves them open."""
 
 HEADROOM = 0.10
 """The share of device memory :func:`plan` keeps free when a layout almost as fast allows."""
@@ -118,7 +128,8 @@ def plan(
     Layouts with more data-parallel devices than the batch has sequences are left out.
     Candidates that fit come first, then by estimated time when the hardware's speeds are
     known, else by FLOPs per device over the pipeline's busy fraction. Each candidate's remat
-    policy and microbatch count are ``workload``'s, or, where it leaves
+    policy, microbatch count and pipeline schedule (with its chunks) are ``workload``'s, or,
+    where it leaves
     them None, searched: per layout, the cheapest setting that fits (by estimated time when
     the hardware's speeds are known, else by FLOPs over the pipeline's busy fraction; then less
     recomputation, fewer microbatches), or the one with the smallest peak when none fits.
@@ -221,7 +232,7 @@ def _why(candidates: list[Candidate], timed: bool) -> str:
             f"busy fraction; {second.layout.label} is next (no speeds: no times).")  # fmt: skip
 
 
-def _settings(workload: Workload, layout) -> list[Workload]:
+def _settings(workload: Workload, layout, layers: int) -> list[Workload]:
     """The workloads to try on ``layout``: ``workload`` with each open choice filled in."""
     remats = REMAT if workload.remat is None else (workload.remat,)
     if workload.microbatches is None:
@@ -229,13 +240,40 @@ def _settings(workload: Workload, layout) -> list[Workload]:
         micros = tuple(m for m in MICROBATCH_CHOICES if m <= rows) or (1,)
     else:
         micros = (workload.microbatches,)
-    return [dataclasses.replace(workload, remat=r, microbatches=m) for r in remats for m in micros]
+    return [
+        dataclasses.replace(workload, remat=r, microbatches=m, schedule=name, chunks=chunks)
+        for r in remats
+        for m in micros
+        for name, chunks in _schedules(workload, layout, layers, m)
+    ]
+
+
+def _schedules(workload: Workload, layout, layers: int, micro: int) -> list[tuple[str, int]]:
+    """The ``(schedule, chunks)`` pairs to try: the workload's, or :data:`SCHEDULE_CHOICES`.
+
+    Chunks come from :data:`CHUNK_CHOICES` where they leave every chunk a layer.
+    """
+    if layout.pp == 1:
+        return [(workload.schedule or "1f1b", workload.chunks or 1)]
+    names = SCHEDULE_CHOICES if workload.schedule is None else (workload.schedule,)
+    micro = micro or layout.pp
+    pairs = []
+    for name in names:
+        if name not in CHUNKED:
+            pairs.append((name, 1))
+            continue
+        options = CHUNK_CHOICES if workload.chunks is None else (workload.chunks,)
+        pairs += [(name, v) for v in options if layout.pp * v <= layers
+                  and (name != "circular" or micro >= layout.pp)]  # fmt: skip
+    return pairs or [("1f1b", 1)]
 
 
 def _cheapest(config, leaves, layout, workload, hardware, timed: bool) -> Candidate:
     """The cheapest setting of ``layout`` that fits, else the one with the smallest peak."""
     pre = prepare(config, leaves, layout)
-    options = [evaluate_prepared(pre, w, hardware) for w in _settings(workload, layout)]
+    options = [
+        evaluate_prepared(pre, w, hardware) for w in _settings(workload, layout, config.layers)
+    ]
     fitting = [c for c in options if c.fits]
     if not fitting:
         return min(options, key=lambda c: c.bytes_per_device["peak"])
@@ -246,4 +284,5 @@ def _cheapest(config, leaves, layout, workload, hardware, timed: bool) -> Candid
 def _cost(c: Candidate, timed: bool) -> tuple:
     """Estimated time (else FLOPs over the pipeline's busy fraction), then less recompute."""
     work = c.time_s if timed else c.flops_per_device / (1 - c.bubble)
-    return (work, REMAT.index(c.workload.remat), c.workload.microbatches)
+    peak = c.bytes_per_device["peak"]
+    return (work, REMAT.index(c.workload.remat), c.workload.microbatches, peak)
