@@ -10,8 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from substrax.hlo import collectives, dot_flops, while_bodies
 from substrax.mesh import DeviceMeshManager, PipelineParallelStrategy
-from substrax.pipeline import Pipeline, microbatch_index
-from substrax.pipeline._schedule import Schedule
+from substrax.pipeline import Pipeline, Schedule, microbatch_index
 
 D = 16
 

@@ -201,7 +201,9 @@ def test_constrain_inside_a_stage_resolves_through_the_rules():
         step = sf.make_pipeline_train_step(embed, fn, head, mesh, rules, stack="blocks",
                                            microbatches=2)  # fmt: skip
         counts[name] = _constraints_on_model(step, model, optimizer, tokens())
-    assert counts["constrained"] >= 1 and counts["plain"] == 0  # forward (and its transpose)
+    # the plain block's are the stage boundary's (each device sends its 1/tp of an
+    # activation); the constrained block adds its own, forward (and its transpose)
+    assert counts["plain"] >= 1 and counts["constrained"] >= counts["plain"] + 1
 
 
 def test_a_pp_x_fsdp_layout_trains_from_create_sharded_model_like_the_flat_step(reference):

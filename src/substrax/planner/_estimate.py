@@ -20,8 +20,7 @@ from jax.sharding import AbstractMesh
 from substrax.layout import Layout
 from substrax.mesh import PipelineParallelStrategy
 from substrax.mesh._resolve import as_axes, resolve_names
-from substrax.pipeline import SCHEDULES
-from substrax.pipeline._schedule import Schedule
+from substrax.pipeline import SCHEDULES, Schedule
 from substrax.planner._architectures import Leaf, TransformerConfig
 from substrax.spmd import REMAT, region_obstacle
 
