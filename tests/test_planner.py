@@ -469,3 +469,35 @@ def test_device_kinds_name_their_profiles():
     assert profile_of("TPU v5") == "tpu-v5p" and profile_of("TPU v5p") == "tpu-v5p"
     assert profile_of("TPU v5 lite") is None  # a v5e: not v5p's peak
     assert profile_of("cpu") is None
+
+
+def test_each_schedule_is_estimated_from_its_table():
+    """Llama 3 405B as trained (TP8 x PP16 x ZeRO-1 DP128, 16 microbatches): the bubble, the
+    activations held and the boundary's permutes follow each schedule's table."""
+    from substrax.pipeline import Schedule
+    from substrax.planner import HARDWARE
+
+    config = architecture("llama3-405b")
+    layout = Layout.from_degrees(pp=16, dp=128, tp=8, zero=1)
+    found = {}
+    for name, chunks in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 4)):
+        work = Workload(batch_tokens=16 * 2**20, seq=8192, remat="full", microbatches=16,
+                        schedule=name, chunks=chunks)  # fmt: skip
+        found[name] = evaluate(config, transformer_leaves(config), layout, work, HARDWARE["h100"])
+        table = Schedule(name, 16, 16, chunks)
+        assert found[name].bubble == table.idle_fraction()
+        activation = 16 * 8192 * 16_384 * 2  # one replica's 16 sequences, bf16
+        permutes = found[name].traffic_bytes_per_step["pipe/collective-permute"]
+        assert permutes == pytest.approx(2 * activation * table.num_ticks / 16 / 8)
+    assert found["gpipe"].bubble == pytest.approx(15 / 31)  # the textbook 48%
+    assert found["1f1b"].bubble < found["zb-h1"].bubble + 0.15 < found["gpipe"].bubble + 0.15
+    assert found["interleaved"].bubble < 0.15
+    # remat full keeps each layer's input: 1F1B holds 16 microbatches on stage 0, as GPipe
+    # holds all 16; ZB-H1 one more and the cotangents of its deferred weight ops
+    act = {k: c.bytes_per_device["activations"] for k, c in found.items()}
+    assert act["1f1b"] == pytest.approx(act["gpipe"] * (1 + 1 / 32))
+    assert act["zb-h1"] > act["1f1b"]
+    with pytest.raises(ValueError, match="Unknown schedule 'zb'; choose one of gpipe, 1f1b"):
+        Workload(batch_tokens=8192, seq=8192, schedule="zb")
+    with pytest.raises(ValueError, match="chunks=2 needs schedule 'interleaved' or 'circular'"):
+        Workload(batch_tokens=8192, seq=8192, schedule="zb-h1", chunks=2)
