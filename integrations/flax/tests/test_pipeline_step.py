@@ -399,13 +399,13 @@ def test_batch_statistics_in_a_stage_are_refused_with_the_reason():
 SPLIT = (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))
 
 
-def _schedule_run(layout, schedule, repeats, factory, precision=None, steps=2):
+def _schedule_run(layout, schedule, repeats, factory, precision=None, remat="none", steps=2):
     """Losses, aux and parameters after ``steps`` sgd steps (a step's update is its gradient)."""
     model = sf.create_sharded_model(factory, layout=layout)
     optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.5))
     step = sf.make_pipeline_train_step(embed, block, _spread, layout.make_mesh(), layout=layout,
                                        stack="blocks", microbatches=2, schedule=schedule,
-                                       repeats=repeats, precision=precision,
+                                       repeats=repeats, precision=precision, remat=remat,
                                        has_aux=True)  # fmt: skip
     metrics = [step(model, optimizer, tokens(seed=i)) for i in range(steps)]
     losses = [(float(m["loss"]), float(m["square"])) for m in metrics]
@@ -413,22 +413,26 @@ def _schedule_run(layout, schedule, repeats, factory, precision=None, steps=2):
 
 
 @pytest.mark.parametrize(
-    ("degrees", "dropout", "precision"),
-    [({"pp": 2, "fsdp": 4}, False, None), ({"pp": 2, "dp": 4, "zero": 1}, True, "mixed")],
-    ids=["pp-x-fsdp", "pp-x-zero1-dropout-mixed"],
+    ("degrees", "dropout", "precision", "remat", "schedules"),
+    [
+        ({"pp": 2, "fsdp": 4}, False, None, "none", SPLIT),
+        ({"pp": 2, "dp": 4, "zero": 1}, True, "mixed", "none", SPLIT),
+        ({"pp": 2, "dp": 2, "tp": 2}, False, None, "selective", SPLIT[2:]),
+    ],
+    ids=["pp-x-fsdp", "pp-x-zero1-dropout-mixed", "pp-x-tp-selective"],
 )
-def test_every_schedule_trains_like_gpipe(degrees, dropout, precision):
+def test_every_schedule_trains_like_gpipe(degrees, dropout, precision, remat, schedules):
     """Losses, aux and the gradients (sgd's updates) of the split schedules equal GPipe's on
-    pp x fsdp, and on pp x zero1 with dropout and bf16 compute, and each plan names its
-    schedule's idle share."""
+    pp x fsdp, on pp x zero1 with dropout and bf16 compute, and on pp x tp with selective
+    remat; each plan names its schedule's idle share."""
     layout = Layout.from_degrees(**degrees)
     factory = (lambda: _DropoutStack(nnx.Rngs(0), rate=0.3)) if dropout else _factory(4)
-    want, want_params, _ = _schedule_run(layout, "gpipe", 1, factory, precision)
+    want, want_params, _ = _schedule_run(layout, "gpipe", 1, factory, precision, remat)
     # f32: gradients to float tolerance; bf16 compute: the weight gradients' products round
     # in bf16 (an ulp is 3.9e-3) in another fusion than GPipe's transpose, 3e-4 apart
     tolerance = 5e-5 if precision is None else 1e-3
-    for schedule, repeats in SPLIT:
-        got, params, step = _schedule_run(layout, schedule, repeats, factory, precision)
+    for schedule, repeats in schedules:
+        got, params, step = _schedule_run(layout, schedule, repeats, factory, precision, remat)
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=schedule)
         for a, b in zip(params, want_params, strict=True):
             assert relative_error(a, b) < tolerance, schedule
