@@ -48,6 +48,7 @@ import substrax_flax as sf
 from substrax.hlo import peak_bytes
 from substrax.layout import LAYOUTS, Layout
 from substrax.mesh import DeviceMeshManager
+from substrax.pipeline import SCHEDULES
 from substrax.planner import HARDWARE, profile_of
 from substrax.spmd import PRECISIONS, REMAT
 
@@ -121,8 +122,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--remat", default="none", choices=REMAT, help="recompute blocks in the backward pass"
     )
-    parser.add_argument("--schedule", default="1f1b", help="pipeline: gpipe, 1f1b or circular")
-    parser.add_argument("--repeats", type=int, default=1, help="circular pipeline rounds")
+    parser.add_argument(
+        "--schedule", default="zb-h1", choices=SCHEDULES,
+        help="pipeline schedule (the step plan shows its idle share and what it holds)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--repeats", type=int, default=1,
+        help="chunks of layers per stage for the interleaved and circular schedules",
+    )  # fmt: skip
     parser.add_argument(
         "--init-from", type=pathlib.Path, default=None,
         help="a Hugging Face Llama checkpoint directory (config.json + safetensors) to "
@@ -299,7 +306,7 @@ def check_writable(directory: pathlib.Path, flag: str) -> None:
 
 def check_pipeline(args, stages: int, data_devices: int) -> None:
     """One-line errors for a pipeline that cannot run."""
-    chunks = stages * (args.repeats if args.schedule == "circular" else 1)
+    chunks = stages * (args.repeats if args.schedule in ("circular", "interleaved") else 1)
     if args.layers < chunks:
         raise UsageError(f"--layers {args.layers} is fewer than the {chunks} pipeline chunks")
     if args.batch_size % (args.microbatches * data_devices):

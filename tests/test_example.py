@@ -101,7 +101,7 @@ def unpipelined_losses(tmp_path_factory):
     return json.loads((directory / "metrics.json").read_text())["losses"]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
 def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelined_losses):
     pipelined = _run(*PIPELINE_SIZE, "--strategy", "pp", "--mesh", "pipe=4,data=2", "--schedule",
                      schedule, "--microbatches", "2", tmp_path=tmp_path)  # fmt: skip

@@ -410,7 +410,7 @@ def make_pipeline_train_step(
     stack: str,
     stage_axis: str = "pipe",
     microbatches: int,
-    schedule: str = "gpipe",
+    schedule: str = "zb-h1",
     repeats: int = 1,
     remat: bool | str = "none",
     batch_axes: Sequence[str] | None = None,
@@ -453,7 +453,9 @@ def make_pipeline_train_step(
       schedule: One of :data:`substrax.pipeline.SCHEDULES`: ``"gpipe"``, ``"1f1b"``,
         ``"circular"``, ``"interleaved"`` or ``"zb-h1"`` (see
         :class:`substrax.pipeline.Pipeline`; the plan's ``schedule`` line shows its idle
-        share and the activations it holds).
+        share and the activations it holds). The default, ZB-H1, idles least of the
+        schedules with one chunk per stage (about a third of 1F1B's bubble) and holds one
+        microbatch more than 1F1B, flat in ``microbatches``; GPipe holds every microbatch.
       repeats: Chunks of layers per stage: rounds of the ring for ``"circular"``, virtual
         stages per device for ``"interleaved"``.
       remat: ``"none"``, ``"selective"`` or ``"full"``, as :func:`make_train_step` takes
