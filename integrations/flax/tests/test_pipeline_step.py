@@ -416,15 +416,15 @@ def _schedule_run(layout, schedule, repeats, factory, precision=None, remat="non
     ("degrees", "dropout", "precision", "remat", "schedules"),
     [
         ({"pp": 2, "fsdp": 4}, False, None, "none", SPLIT),
-        ({"pp": 2, "dp": 4, "zero": 1}, True, "mixed", "none", SPLIT),
-        ({"pp": 2, "dp": 2, "tp": 2}, False, None, "selective", SPLIT[2:]),
+        ({"pp": 2, "dp": 4, "zero": 1}, True, None, "none", SPLIT),
+        ({"pp": 2, "dp": 2, "tp": 2}, False, "mixed", "selective", SPLIT[2:]),
     ],
-    ids=["pp-x-fsdp", "pp-x-zero1-dropout-mixed", "pp-x-tp-selective"],
+    ids=["pp-x-fsdp", "pp-x-zero1-dropout", "pp-x-tp-selective-mixed"],
 )
 def test_every_schedule_trains_like_gpipe(degrees, dropout, precision, remat, schedules):
     """Losses, aux and the gradients (sgd's updates) of the split schedules equal GPipe's on
-    pp x fsdp, on pp x zero1 with dropout and bf16 compute, and on pp x tp with selective
-    remat; each plan names its schedule's idle share."""
+    pp x fsdp, on pp x zero1 with dropout, and on pp x tp with selective remat and bf16
+    compute; each plan names its schedule's idle share."""
     layout = Layout.from_degrees(**degrees)
     factory = (lambda: _DropoutStack(nnx.Rngs(0), rate=0.3)) if dropout else _factory(4)
     want, want_params, _ = _schedule_run(layout, "gpipe", 1, factory, precision, remat)

@@ -423,6 +423,17 @@ class Pipeline:
             out = self.loss_fn(y, target) if head is None else self.loss_fn(y, target, head)
         return out if self.has_aux else (out, ())
 
+    def _read_by_loss(self, x: jax.Array, target: jax.Array, head: Any) -> Any:
+        """A tree like ``head`` of bools: whether ``loss_fn`` reads each leaf at all."""
+        leaves, tree = jax.tree.flatten(head)
+        closed = jax.make_jaxpr(lambda h: self._loss(x, target, jax.tree.unflatten(tree, h)))(
+            leaves
+        )
+        jaxpr = closed.jaxpr
+        read = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
+        read |= {id(v) for v in jaxpr.outvars}
+        return jax.tree.unflatten(tree, [id(v) in read for v in jaxpr.invars])
+
     def _aux_zeros(self, x: jax.Array, target: jax.Array, head: Any) -> Any:
         """Zeros shaped like a microbatch's aux: the start of its sum."""
         shapes = jax.eval_shape(self._loss, x, target, head)[1]
@@ -692,7 +703,7 @@ class Pipeline:
         return run_split(self, params, mask, xs, targets, head, frozen, dims=dims,
                          frozen_dims=frozen_dims, scatter=scatter)  # fmt: skip
 
-    def _split_results(self, grads, dhead, dxs, total, aux, scatter, lead):
+    def _split_results(self, grads, dhead, dxs, total, aux, scatter, lead, used):
         """A split schedule's sums, reduced once after its loop.
 
         Over the data axes (the layers' gradients reduce-scattered where FSDP or ``grad_dims``
@@ -703,8 +714,14 @@ class Pipeline:
             grads = jax.tree.map(
                 lambda g, d: self._reduce_grad(g, d, lead=lead) / data, grads, scatter
             )
-            dhead = jax.tree.map(lambda g: jax.lax.psum(g, self.data_axes), dhead)
-        dhead = jax.tree.map(lambda g: jax.lax.psum(g, self.stage_axis) / data, dhead)
+        # one all-reduce over every stage and replica (the last stage holds the sums); a
+        # parameter the loss never reads (an embedding passed with the head) has none to reduce
+        everywhere = (*self.data_axes, self.stage_axis)
+
+        def reduce(g, read):
+            return jax.lax.psum(g, everywhere) / data if read else jnp.zeros(g.shape, g.dtype)
+
+        dhead = jax.tree.map(reduce, dhead, used)
         dxs = jax.lax.psum(dxs, self.stage_axis) / data
         grads = jax.tree.map(lambda g: g[None], grads)
         return (self._mean(total), jax.tree.map(self._mean, aux)), grads, dhead, dxs

@@ -229,4 +229,5 @@ def run_split(pipe, params, mask, xs, targets, head, frozen=None, *, dims, froze
     rows = {f: jnp.asarray(getattr(tables, f)) for f in _FIELDS}
     final, _ = jax.lax.scan(tick, pipe._varying(carry), rows)
     grads, dhead, dxs, total, aux = final[6:]
-    return pipe._split_results(grads, dhead, dxs[:micro], total, aux, scatter, lead=2)
+    used = pipe._read_by_loss(sample, targets[0], head)
+    return pipe._split_results(grads, dhead, dxs[:micro], total, aux, scatter, lead=2, used=used)

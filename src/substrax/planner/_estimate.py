@@ -66,7 +66,8 @@ class Workload:
         depth, or 1); None lets :func:`~substrax.planner.plan` choose per layout.
       schedule: The pipeline schedule, a name of :data:`substrax.pipeline.SCHEDULES`; its
         idle share and the activations it holds are read off its table, as the step runs it.
-        None lets :func:`~substrax.planner.plan` choose per layout (with ``chunks``).
+        The default is ``make_pipeline_train_step``'s; None lets :func:`~substrax.planner.plan`
+        choose per layout (with ``chunks``).
       chunks: Chunks of layers per stage for ``"interleaved"`` and ``"circular"`` (1
         otherwise); None lets :func:`~substrax.planner.plan` choose.
     """
@@ -78,7 +79,7 @@ class Workload:
     remat: str | None = "selective"
     microbatches: int | None = 0
     gather: str = "keep"
-    schedule: str | None = "1f1b"
+    schedule: str | None = "zb-h1"
     chunks: int | None = 1
 
     def __post_init__(self) -> None:

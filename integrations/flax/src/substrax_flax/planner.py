@@ -233,7 +233,9 @@ class _StackedTwin(nnx.Module):
         })  # fmt: skip
 
 
-def _pipeline_step(config: TransformerConfig, layout: Layout, microbatches: int) -> Any:
+def _pipeline_step(
+    config: TransformerConfig, layout: Layout, microbatches: int, schedule: str
+) -> Any:
     """The pipelined twin's step: embedding, one stacked layer, and the head's loss."""
 
     def embed(model: _StackedTwin, batch: dict) -> tuple[jax.Array, jax.Array]:
@@ -248,7 +250,7 @@ def _pipeline_step(config: TransformerConfig, layout: Layout, microbatches: int)
 
     return make_pipeline_train_step(
         embed, layer, head, layout.make_mesh(), layout=layout, stack="layers",
-        microbatches=microbatches,
+        microbatches=microbatches, schedule=schedule,
     )  # fmt: skip
 
 
@@ -303,6 +305,7 @@ def _validate_layout(
     *,
     devices: int | None = None,
     precision: str = "f32",
+    schedule: str = "zb-h1",
 ) -> dict[str, Any]:
     """The comparison of :func:`validate` for one layout of ``config``.
 
@@ -316,13 +319,14 @@ def _validate_layout(
     leaves = leaves_of(small)
     batch_rows = 2 * twin.batch_degree * max(micro // 2, 1)
     workload = Workload(batch_tokens=batch_rows * 16, seq=16, precision=precision,
-                        optimizer="adamw", remat="none", microbatches=micro)  # fmt: skip
+                        optimizer="adamw", remat="none", microbatches=micro,
+                        schedule=schedule)  # fmt: skip
     estimate = evaluate(small, leaves, twin, workload, Hardware(memory_bytes=2**40))
     kind = _StackedTwin if twin.pp > 1 else _Twin
     model = create_sharded_model(lambda: kind(small, nnx.Rngs(0)), layout=twin)
     optimizer = create_sharded_optimizer(model, optax.adamw(1e-3))
     if twin.pp > 1:
-        step = _pipeline_step(small, twin, micro)
+        step = _pipeline_step(small, twin, micro, workload.schedule)
     else:
         step = make_train_step(_loss, precision=precision)
     rows = np.zeros((batch_rows, 16), np.int32)  # shifted targets: the sequence may be split
