@@ -295,7 +295,9 @@ def validate(plan: Plan, rank: int = 0, *, devices: int | None = None) -> dict[s
     if not 0 <= rank < len(plan.candidates):
         raise ValueError(f"rank {rank} is out of range: the plan has {len(plan.candidates)}.")
     candidate = plan.candidates[rank]
-    result = _validate_layout(architecture(plan.model), candidate.layout, devices=devices)
+    schedule = (candidate.workload.schedule if candidate.workload else None) or "zb-h1"
+    result = _validate_layout(architecture(plan.model), candidate.layout, devices=devices,
+                              schedule=schedule)  # fmt: skip
     return {"candidate": candidate.layout.label, **result}
 
 
@@ -310,7 +312,8 @@ def _validate_layout(
     """The comparison of :func:`validate` for one layout of ``config``.
 
     With ``precision="mixed"`` the twin's step runs ``precision="mixed"``, and its traffic is
-    read off the lowered program (XLA's CPU compiler widens bf16 collectives to f32).
+    read off the lowered program (XLA's CPU compiler widens bf16 collectives to f32). A
+    pipelined twin runs ``schedule`` with one chunk per stage (its stages hold 2 layers).
     """
     devices = devices or jax.device_count()
     twin, small = _twin_layout(layout, devices), _twin_config(config)
