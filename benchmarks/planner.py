@@ -1,4 +1,5 @@
-"""How fast the planner is: Llama-3 sweeps, with the workload fixed and with remat searched.
+"""How fast the planner is: Llama-3 sweeps, with the workload fixed and with remat, microbatches
+and pipeline schedule searched.
 
 Run: ``python benchmarks/planner.py [--repeats N] [--output-dir DIR]``; writes ``planner.json``.
 """
@@ -23,7 +24,8 @@ def main(argv=None):
     hardware = Hardware(memory_bytes=80 * 10**9, flops=989e12, intra_host_bandwidth=450e9,
                         inter_host_bandwidth=50e9)  # fmt: skip
     fixed = Workload(batch_tokens=16 * 2**20, seq=8192, microbatches=16)
-    searched = dataclasses.replace(fixed, remat=None, microbatches=None)
+    searched = dataclasses.replace(fixed, remat=None, microbatches=None, schedule=None,
+                                   chunks=None)  # fmt: skip
     rows = {}
     sweeps = [(m, d, w) for m, d in (("llama3-405b", 4096), ("llama3-70b", 512),
                                      ("llama3-8b", 64)) for w in (fixed, searched)]  # fmt: skip

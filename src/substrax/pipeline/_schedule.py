@@ -172,7 +172,9 @@ class Schedule:
         Returns:
           The idle fraction.
         """
-        return 1 - len(self.table()) / (self.num_ticks * self.num_stages)
+        ops = 3 if self.split else 1  # forward, backward and weight; or the forward
+        work = ops * self.num_microbatches * self.repeats * self.num_stages
+        return 1 - work / (self.num_ticks * self.num_stages)
 
     def held(self) -> int:
         """The most microbatches' residuals one stage holds at once, in chunks (split schedules).
