@@ -73,6 +73,10 @@ class _Layer:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
+def _add(grads: Any, chunk: jax.Array, dp: Any) -> Any:
+    return jax.tree.map(lambda g, d: g.at[chunk].add(d), grads, dp)
+
+
 def _chunk(tree: Any, chunk: jax.Array) -> Any:
     return jax.tree.map(lambda a: a[chunk], tree)
 
@@ -144,6 +148,9 @@ def run_split(pipe, params, mask, xs, targets, head, frozen=None, *, dims, froze
     cot_like = jax.ShapeDtypeStruct((mask.shape[1], *sample.shape), sample.dtype)
     aux_zero = pipe._aux_zeros(sample, targets[0], head)
 
+    def no_grads():
+        return pipe._varying(jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), params))
+
     def outputs(y=None, residuals=None, loss=None, aux=None, dhead=None, dy=None, dx=None,
                 cotangents=None):  # fmt: skip
         """A branch's results, zeros where the branch has none (every branch returns all)."""
@@ -169,10 +176,10 @@ def run_split(pipe, params, mask, xs, targets, head, frozen=None, *, dims, froze
         acts = acts.at[receive].set(arrived)
         grad_in = grad_in.at[receive_grad].set(arrived_grad)
 
-        def idle(grads):
-            return outputs(), grads
+        def idle():
+            return outputs(), no_grads()
 
-        def forward(grads):
+        def forward():
             x = jnp.where(k == 0, xs[m], acts[take])
             y, res = _stage_forward(layer, _chunk(params, c), mask[c], x, _chunk(frozen, c), m)
 
@@ -189,22 +196,26 @@ def run_split(pipe, params, mask, xs, targets, head, frozen=None, *, dims, froze
                 )
 
             loss, extra, dh, dy = jax.lax.cond(k == last, with_loss, without, y)
-            return outputs(y=y, residuals=res, loss=loss, aux=extra, dhead=dh, dy=dy), grads
+            return outputs(y=y, residuals=res, loss=loss, aux=extra, dhead=dh, dy=dy), no_grads()
 
-        def backward(grads):
+        def backward():
             res = [r[slot] for r in stash]
             dx, cotangents = _stage_backward(
                 layer, _chunk(params, c), _chunk(frozen, c), res, grad_in[take]
             )
-            return outputs(dx=dx, cotangents=cotangents), grads
+            return outputs(dx=dx, cotangents=cotangents), no_grads()
 
-        def weight(grads):
+        def weight():
             res = [r[slot] for r in stash]
             dp = _stage_weights(layer, _chunk(params, c), _chunk(frozen, c), res, cots[cot_slot])
-            return outputs(), jax.tree.map(lambda g, d: g.at[c].add(d), grads, dp)
+            return outputs(), pipe._varying(dp)
 
         branches = {"idle": idle, "forward": forward, "backward": backward, "weight": weight}
-        out, grads = jax.lax.switch(op, [branches[name] for name in OPS], grads)
+        out, dp = jax.lax.switch(op, [branches[name] for name in OPS])
+        # added only on a weight tick: the accumulator stays out of the switch, which would
+        # copy it (a stage's parameters' bytes of temp memory)
+        grads = jax.lax.cond(op == OPS.index("weight"), lambda g: _add(g, c, dp), lambda g: g,
+                             grads)  # fmt: skip
         y, res, loss, extra, dh, dy, dx, cotangents = out
         is_forward, is_backward = op == OPS.index("forward"), op == OPS.index("backward")
         spare = {name: depth for name, depth in depths.items()}
