@@ -86,8 +86,7 @@ def _stage_forward(layer: _Layer, params, mask, x, frozen, index):
 
     def body(h, item):
         p, keep, fr = item
-        y, residuals = layer.forward(p, keep, h, fr, index)
-        return y, residuals
+        return layer.forward(p, keep, h, fr, index)
 
     return jax.lax.scan(body, layer.pipe._varying(x), (params, mask, frozen))
 
@@ -117,8 +116,20 @@ def _stage_weights(layer: _Layer, params, frozen, residuals, cotangents):
 def run_split(pipe, params, mask, xs, targets, head, frozen=None, *, dims, frozen_dims, scatter):
     """A split schedule's loss and gradients, inside the pipeline's ``shard_map``.
 
+    Args:
+      pipe: The :class:`~substrax.pipeline.Pipeline`.
+      params: This stage's layers ``[1, R, Lc, ...]``, FSDP-sharded as stored.
+      mask: Which of its slots are real layers.
+      xs: The microbatches ``[M, rows, ...]``.
+      targets: Their targets.
+      head: The loss's parameters (or None).
+      frozen: Layer parameters not differentiated (or None).
+      dims: Each parameter's FSDP dimension (-1: none), to gather it once.
+      frozen_dims: The same for ``frozen``.
+      scatter: Each parameter's ``grad_dims`` entry (-1: all-reduce).
+
     Returns:
-      ``((loss, aux), grads, head_grads, input_grads)`` as ``Pipeline._one_f_one_b`` did.
+      ``((loss, aux), grads, head_grads, input_grads)``, each reduced once after the loop.
     """
     tables = pipe.timetable.tables()
     stages, micro, repeats = pipe.num_stages, pipe.num_microbatches, pipe.repeats
@@ -218,11 +229,11 @@ def run_split(pipe, params, mask, xs, targets, head, frozen=None, *, dims, froze
                              grads)  # fmt: skip
         y, res, loss, extra, dh, dy, dx, cotangents = out
         is_forward, is_backward = op == OPS.index("forward"), op == OPS.index("backward")
-        spare = {name: depth for name, depth in depths.items()}
-        stash_at = jnp.where(is_forward, slot, spare["stash"])
+        # writes with nothing to keep go to each buffer's spare slot (its last)
+        stash_at = jnp.where(is_forward, slot, depths["stash"])
         stash = [r.at[stash_at].set(v) for r, v in zip(stash, res, strict=True)]
-        grad_in = grad_in.at[jnp.where(is_forward, loss_slot, spare["gradient"])].set(dy)
-        cots = cots.at[jnp.where(is_backward, cot_slot, spare["cotangent"])].set(cotangents)
+        grad_in = grad_in.at[jnp.where(is_forward, loss_slot, depths["gradient"])].set(dy)
+        cots = cots.at[jnp.where(is_backward, cot_slot, depths["cotangent"])].set(cotangents)
         dxs = dxs.at[jnp.where(is_backward & (k == 0), m, micro)].set(dx)
         total, dhead = total + loss, jax.tree.map(jnp.add, dhead, dh)
         aux = jax.tree.map(jnp.add, aux, extra)
