@@ -417,19 +417,20 @@ def _schedule_run(layout, schedule, repeats, factory, precision=None, remat="non
     [
         ({"pp": 2, "fsdp": 4}, False, None, "none", SPLIT),
         ({"pp": 2, "dp": 4, "zero": 1}, True, None, "none", SPLIT),
-        ({"pp": 2, "dp": 2, "tp": 2}, False, "mixed", "selective", SPLIT[2:]),
+        ({"pp": 2, "dp": 2, "tp": 2}, False, None, "selective", SPLIT[2:]),
     ],
-    ids=["pp-x-fsdp", "pp-x-zero1-dropout", "pp-x-tp-selective-mixed"],
+    ids=["pp-x-fsdp", "pp-x-zero1-dropout", "pp-x-tp-selective"],
 )
 def test_every_schedule_trains_like_gpipe(degrees, dropout, precision, remat, schedules):
     """Losses, aux and the gradients (sgd's updates) of the split schedules equal GPipe's on
-    pp x fsdp, on pp x zero1 with dropout, and on pp x tp with selective remat and bf16
-    compute; each plan names its schedule's idle share."""
+    pp x fsdp, on pp x zero1 with dropout, and on pp x tp with selective remat; each plan
+    names its schedule's idle share. (bf16 compute: test_precision's pipeline test runs the
+    default ZB-H1; pp x tp with bf16 aborts XLA:CPU's all-reduce promotion, GPipe too.)"""
     layout = Layout.from_degrees(**degrees)
     factory = (lambda: _DropoutStack(nnx.Rngs(0), rate=0.3)) if dropout else _factory(4)
     want, want_params, _ = _schedule_run(layout, "gpipe", 1, factory, precision, remat)
-    # f32: gradients to float tolerance; bf16 compute: the weight gradients' products round
-    # in bf16 (an ulp is 3.9e-3) in another fusion than GPipe's transpose, 3e-4 apart
+    # gradients to float tolerance (bf16 compute would round the weight gradients' products
+    # in another fusion than GPipe's transpose: 3e-4 apart, measured on pp x zero1)
     tolerance = 5e-5 if precision is None else 1e-3
     for schedule, repeats in schedules:
         got, params, step = _schedule_run(layout, schedule, repeats, factory, precision, remat)
