@@ -315,7 +315,15 @@ def _activations(c: TransformerConfig, w: Workload, layout: Layout, act: int) ->
 
 
 def schedule_of(layout: Layout, w: Workload) -> Schedule | None:
-    """The pipeline schedule ``w`` runs on ``layout`` (None without a pipeline).
+    """The pipeline schedule ``w`` runs on ``layout``.
+
+    Args:
+      layout: The layout.
+      w: The workload; a schedule it leaves open (None, outside :func:`plan`'s search) is
+        the step's default, ``"zb-h1"``.
+
+    Returns:
+      The :class:`~substrax.pipeline.Schedule`, or None without a pipeline.
 
     Raises:
       ValueError: For a schedule the layout cannot run (see :class:`Workload`).
@@ -323,7 +331,7 @@ def schedule_of(layout: Layout, w: Workload) -> Schedule | None:
     if layout.pp == 1:
         return None
     micro = w.microbatches or layout.pp
-    return Schedule(w.schedule or "1f1b", layout.pp, micro, w.chunks or 1)
+    return Schedule(w.schedule or "zb-h1", layout.pp, micro, w.chunks or 1)
 
 
 def _held(layout: Layout, w: Workload) -> tuple[float, float]:

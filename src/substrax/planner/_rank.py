@@ -254,7 +254,7 @@ def _schedules(workload: Workload, layout, layers: int, micro: int) -> list[tupl
     Chunks come from :data:`CHUNK_CHOICES` where they leave every chunk a layer.
     """
     if layout.pp == 1:
-        return [(workload.schedule or "1f1b", workload.chunks or 1)]
+        return [(workload.schedule or "zb-h1", workload.chunks or 1)]
     names = SCHEDULE_CHOICES if workload.schedule is None else (workload.schedule,)
     micro = micro or layout.pp
     pairs = []
@@ -265,7 +265,7 @@ def _schedules(workload: Workload, layout, layers: int, micro: int) -> list[tupl
         options = CHUNK_CHOICES if workload.chunks is None else (workload.chunks,)
         pairs += [(name, v) for v in options if layout.pp * v <= layers
                   and (name != "circular" or micro >= layout.pp)]  # fmt: skip
-    return pairs or [("1f1b", 1)]
+    return pairs or [("zb-h1", 1)]
 
 
 def _cheapest(config, leaves, layout, workload, hardware, timed: bool) -> Candidate:
