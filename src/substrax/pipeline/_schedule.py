@@ -358,11 +358,12 @@ def _tables(name: str, stages: int, micro: int, repeats: int) -> Tables:
     last = stages * repeats - 1
     when = {(s.op, s.microbatch, s.repeat * stages + s.stage): s.tick for s in slots}
     shape = (ticks, stages)
-    arrays = {
-        f: np.zeros(shape, np.int32)
-        for f in ("op", "microbatch", "chunk", "stash", "cotangent", "take", "loss_slot",
-                  "receive", "receive_grad")
-    }  # fmt: skip
+    # fields that may name no slot (-1) and the buffer whose spare slot then stands in
+    spare = {"take": "activation", "loss_slot": "gradient", "receive": "activation",
+             "receive_grad": "gradient"}  # fmt: skip
+    arrays = {f: np.zeros(shape, np.int32) for f in ("op", "microbatch", "chunk", "stash",
+                                                     "cotangent")}  # fmt: skip
+    arrays.update({f: np.full(shape, -1, np.int32) for f in spare})
     pools = {b: [_Slots() for _ in range(stages)]
              for b in ("stash", "cotangent", "activation", "gradient")}  # fmt: skip
     place: dict[tuple, int] = {}
@@ -374,16 +375,15 @@ def _tables(name: str, stages: int, micro: int, repeats: int) -> Tables:
         if s.op == "forward":
             stash = pools["stash"][s.stage].take(t, when[("weight", m, k)])
             place[("stash", m, k)] = arrays["stash"][at] = stash
-            arrays["take"][at] = place.pop(("activation", m, k), -1)
+            arrays["take"][at] = place.pop(("activation", m, k), -1)  # -1: the batch
             if k == last:  # the loss's cotangent waits for this stage's backward
                 grad = pools["gradient"][s.stage].take(t, when[("backward", m, k)])
                 place[("gradient", m, k)] = arrays["loss_slot"][at] = grad
             else:
-                arrays["loss_slot"][at] = -1
                 receiver = (k + 1) % stages
                 slot = pools["activation"][receiver].take(t + 1, when[("forward", m, k + 1)])
                 place[("activation", m, k + 1)] = slot
-                arrays["receive"][t + 1, receiver] = slot + 1  # 0: nothing arrives
+                arrays["receive"][t + 1, receiver] = slot
         elif s.op == "backward":
             arrays["stash"][at] = place[("stash", m, k)]
             arrays["take"][at] = place.pop(("gradient", m, k))
@@ -393,18 +393,11 @@ def _tables(name: str, stages: int, micro: int, repeats: int) -> Tables:
                 sender_to = (k - 1) % stages
                 slot = pools["gradient"][sender_to].take(t + 1, when[("backward", m, k - 1)])
                 place[("gradient", m, k - 1)] = slot
-                arrays["receive_grad"][t + 1, sender_to] = slot + 1
+                arrays["receive_grad"][t + 1, sender_to] = slot
         else:
             arrays["stash"][at] = place.pop(("stash", m, k))
             arrays["cotangent"][at] = place.pop(("cotangent", m, k))
     depths = {b: max(len(p.free_after) for p in pool) for b, pool in pools.items()}
-    spare = {"stash": "stash", "cotangent": "cotangent", "take": "activation",
-             "loss_slot": "gradient"}  # fmt: skip
-    for field, buffer in spare.items():  # -1 and idle ticks write to the spare slot
-        idle = arrays["op"] == 0
+    for field, buffer in spare.items():
         arrays[field] = np.where(arrays[field] < 0, depths[buffer], arrays[field])
-        if field != "take":
-            arrays[field] = np.where(idle, depths[buffer], arrays[field])
-    for field, buffer in (("receive", "activation"), ("receive_grad", "gradient")):
-        arrays[field] = np.where(arrays[field] == 0, depths[buffer] + 1, arrays[field]) - 1
     return Tables(**arrays, depths=depths)

@@ -343,7 +343,7 @@ def main(
             remat=args.remat,
             microbatches=args.microbatches,
             schedule=args.schedule,
-            chunks=args.chunks if args.chunks is not None or args.schedule is None else 1,
+            chunks=args.chunks,
         )
         strategies = tuple(args.strategies.split(","))
         model, leaves = _model(args, load_factory)

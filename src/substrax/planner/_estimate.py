@@ -292,7 +292,9 @@ def _sums(config: TransformerConfig, leaves: tuple, layout: Layout, plans: tuple
     return per_device, sharded, dense, head, shared, layer_params
 
 
-def _activations(c: TransformerConfig, w: Workload, layout: Layout, act: int) -> float:
+def _activations(
+    c: TransformerConfig, w: Workload, layout: Layout, act: int, schedule: Schedule | None
+) -> float:
     """Korthikanti et al. 2022 activation bytes of one device's live microbatches.
 
     Context parallelism divides the sequence (ring attention holds one key/value block at a
@@ -301,7 +303,7 @@ def _activations(c: TransformerConfig, w: Workload, layout: Layout, act: int) ->
     """
     rows = w.batch / layout.batch_degree
     micro = w.microbatches or (layout.pp if layout.pp > 1 else 1)
-    in_flight, waiting = _held(layout, w)
+    in_flight, waiting = _held(schedule)
     b, s, h, a, t = rows / micro, w.seq / layout.cp, c.d_model, c.heads, layout.tp
     if w.remat == "full":
         per_layer = 2 * s * b * h
@@ -334,13 +336,12 @@ def schedule_of(layout: Layout, w: Workload) -> Schedule | None:
     return Schedule(w.schedule or "zb-h1", layout.pp, micro, w.chunks or 1)
 
 
-def _held(layout: Layout, w: Workload) -> tuple[float, float]:
+def _held(schedule: Schedule | None) -> tuple[float, float]:
     """``(microbatches of activations held, of deferred weight ops' cotangents)`` per stage.
 
     GPipe and circular hold every microbatch (circular's rounds are chunks of a stage);
     the split schedules what their table holds at most, a chunk being ``1 / chunks`` stage.
     """
-    schedule = schedule_of(layout, w)
     if schedule is None:
         return 1.0, 0.0
     chunks = schedule.repeats
@@ -441,12 +442,13 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
     per_device, sharded, dense, head, shared, layer_params = pre.sums
     stored, width = PRECISION_BYTES[workload.precision]
     rows = workload.batch / layout.batch_degree
+    schedule = schedule_of(layout, workload)
     layer_shard = layer_params / (layout.tp * layout.fsdp) * width
     memory = {
         "params": per_device * stored,
         "grads": (sharded if layout.zero == 2 else per_device) * stored,
         "optimizer": sharded * _OPTIMIZER_BYTES[workload.optimizer],
-        "activations": _activations(config, workload, layout, width),
+        "activations": _activations(config, workload, layout, width, schedule),
         "gathered": 2 * layer_shard * layout.fsdp if layout.fsdp > 1 else 0.0,
         "unreduced": layer_shard * layout.fsdp if layout.fsdp > 1 else 0.0,
         "logits": rows
@@ -459,7 +461,7 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
     }
     memory["peak"] = sum(memory.values())
     state = (per_device * width, dense * width, head * width, shared * width)
-    traffic = _traffic(config, workload, layout, state, width)
+    traffic = _traffic(config, workload, layout, state, width, schedule)
     tokens = workload.batch * workload.seq
     flops = _flops_per_token(config, leaves, workload.seq) * tokens
     if workload.remat == "full":  # the forward pass again: 8 of 6
@@ -468,7 +470,6 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
         flops += _attention_flops_per_token(config, workload.seq) / 3 * tokens
     flops /= layout.devices
     flops += per_device * _UPDATE_FLOPS[workload.optimizer]
-    schedule = schedule_of(layout, workload)
     bubble = schedule.idle_fraction() if schedule is not None else 0.0
     return Candidate(
         layout=layout,
@@ -537,7 +538,7 @@ def _attention_flops_per_token(c: TransformerConfig, seq: int) -> float:
     return 12 * c.layers * c.heads * c.head_dim * seq
 
 
-def _traffic(c, w, layout, state, width) -> dict[str, float]:
+def _traffic(c, w, layout, state, width, schedule) -> dict[str, float]:
     """Ring volumes of one step, per device, keyed ``"axis/kind"``.
 
     ``state`` is ``(bytes of this device's parameters, of those that are not experts', of
@@ -594,7 +595,6 @@ def _traffic(c, w, layout, state, width) -> dict[str, float]:
         traffic["pipe/all-reduce"] = (
             2 * whole * (n - 1) / n + 2 * activation * (layout.pp - 1) / layout.pp
         )
-        schedule = schedule_of(layout, w)
         # two permutes a tick, idle ticks included: a split schedule's forward and backward,
         # GPipe's and circular's one in their forward loop and one in its transpose; each
         # device of a tensor-parallel group sends its 1/tp and gathers the rest over the model
