@@ -25,18 +25,31 @@ from substrax.spmd._constrain import constrain as constrain
 from substrax.spmd._constrain import lay_out as lay_out
 from substrax.spmd._constrain import manual_batch_axes as manual_batch_axes
 from substrax.spmd._constrain import use_rules as use_rules
+from substrax.spmd._experts import DISPATCHES as DISPATCHES
 from substrax.spmd._experts import ExpertStats as ExpertStats
 from substrax.spmd._experts import expert_capacity as expert_capacity
 from substrax.spmd._experts import experts as experts
+from substrax.spmd._grouped import Groups as Groups
+from substrax.spmd._grouped import gather_rows as gather_rows
+from substrax.spmd._grouped import group_rows as group_rows
+from substrax.spmd._grouped import grouped_matmul as grouped_matmul
+from substrax.spmd._grouped import scatter_rows as scatter_rows
 from substrax.spmd._precision import PRECISIONS as PRECISIONS
 from substrax.spmd._precision import MixedPrecision as MixedPrecision
 from substrax.spmd._precision import as_precision as as_precision
 from substrax.spmd._remat import REMAT as REMAT
 from substrax.spmd._remat import checkpoint_policy as checkpoint_policy
+from substrax.spmd._routing import ROUTINGS as ROUTINGS
+from substrax.spmd._routing import Route as Route
+from substrax.spmd._routing import route as route
 from substrax.spmd._workarounds import region_obstacle as region_obstacle
 
 __all__ = [
+    "DISPATCHES",
     "ExpertStats",
+    "Groups",
+    "ROUTINGS",
+    "Route",
     "PRECISIONS",
     "REMAT",
     "VARIANTS",
@@ -54,10 +67,15 @@ __all__ = [
     "context_positions",
     "expert_capacity",
     "experts",
+    "gather_rows",
+    "group_rows",
+    "grouped_matmul",
     "lay_out",
     "manual_batch_axes",
     "positions",
     "region_obstacle",
+    "route",
+    "scatter_rows",
     "replicate",
     "shard_batch",
     "unzigzag",

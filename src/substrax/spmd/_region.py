@@ -17,7 +17,7 @@ import jax
 from substrax.mesh._resolve import as_axes
 from substrax.spmd._constrain import active_rules
 
-__all__ = ["axes_size", "free_axes", "recomputed_region", "region_mesh"]
+__all__ = ["axes_size", "free_axes", "recomputed_region", "reduce_as", "region_mesh", "vary_as"]
 
 
 def free_axes(name: str) -> tuple[str, ...]:
@@ -92,3 +92,25 @@ def recomputed_region(
 
     run.defvjp(forward, backward)
     return run
+
+
+def vary_as(x: jax.Array, *likes: jax.Array, axes: tuple[str, ...] = ()) -> jax.Array:
+    """``x`` marked varying over the manual axes ``likes`` vary over, and over ``axes``.
+
+    A loop's initial carry (zeros) must vary as its body's output does inside ``shard_map``.
+    """
+    names = set(axes).union(*(jax.typeof(like).manual_axis_type.varying for like in likes))
+    missing = tuple(sorted(names - set(jax.typeof(x).manual_axis_type.varying)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def reduce_as(cotangent: jax.Array, primal: jax.Array) -> jax.Array:
+    """A custom VJP's cotangent summed over the manual axes it varies over and ``primal`` not.
+
+    JAX's own transposes do this (a ``pvary``'s transpose is a ``psum``); a custom backward
+    rule must do it itself, so that a weight's gradient is summed over the devices that
+    used it.
+    """
+    have = jax.typeof(primal).manual_axis_type.varying
+    extra = tuple(sorted(set(jax.typeof(cotangent).manual_axis_type.varying) - set(have)))
+    return jax.lax.psum(cotangent, extra) if extra else cotangent

@@ -17,6 +17,7 @@ from substrax_flax._create import get_shardings as get_shardings
 from substrax_flax._create import plan_model as plan_model
 from substrax_flax._create import shard_model as shard_model
 from substrax_flax._experts import MixtureOfExperts as MixtureOfExperts
+from substrax_flax._experts import RouterBias as RouterBias
 from substrax_flax._nonfinite import NonFiniteWarning as NonFiniteWarning
 from substrax_flax._optimizer import create_sharded_optimizer as create_sharded_optimizer
 from substrax_flax._pipeline_step import PipelineTrainStep as PipelineTrainStep
@@ -47,6 +48,7 @@ __all__ = [
     "DirectoryLocked",
     "KeyMap",
     "MixtureOfExperts",
+    "RouterBias",
     "ModelPlan",
     "NonFiniteWarning",
     "ParamStep",
