@@ -141,8 +141,8 @@ def experts(
       block: ``"sorted"`` on XLA:CPU: rows per block of the grouped product (each expert's
         rows are padded to whole blocks).
       chunk: ``"sorted"`` over expert axes: rows per pair of devices per round of the
-        exchange; None for a sixteenth of an even share (the rounding then costs at most
-        1/16 of the rows sent).
+        exchange; None for 1/32 of an even share (the rounding then costs at most
+        1/32 of the rows sent).
 
     Returns:
       ``(y, stats)``: the output ``[batch, length, features]`` in ``x``'s dtype and the
@@ -292,7 +292,7 @@ def _exchanged(flat, choices, source, weights, count, options: _Options):
     rows = choices.shape[0]
     order = jnp.argsort(choices, stable=True)
     per_expert = jnp.bincount(choices, length=count).reshape(devices, local)
-    chunk = options.chunk or max(1, math.ceil(rows / devices / 16))
+    chunk = options.chunk or max(1, math.ceil(rows / devices / 32))
     exchange = plan_exchange(per_expert, rows, axes, chunk)
     received = send(jnp.take(flat, source[order], axis=0), exchange, axes)
     ends = jnp.cumsum(exchange.received, axis=1)  # [sources, local experts]
