@@ -92,8 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--strategy fsdp+ep --mesh data=2,expert=4",
     )  # fmt: skip
     parser.add_argument(
-        "--capacity-factor", type=float, default=defaults.capacity_factor,
-        help="expert slots relative to an even load; 0 drops no token",
+        "--capacity-factor", type=float, default=0.0,
+        help="one-hot dispatch with this many expert slots relative to an even load; 0 (the "
+        "default): sorted dispatch, no capacity, no token dropped",
     )  # fmt: skip
     parser.add_argument("--output-dir", type=pathlib.Path, default=None,
                         help="where metrics.json and metrics.jsonl are written (default: "

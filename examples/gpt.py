@@ -34,8 +34,9 @@ class Config:
     seq: int = 64
     #: Experts per mixture-of-experts MLP (0: dense MLPs), each token routed to two.
     moe_experts: int = 0
-    #: Expert slots relative to an even load (None: no token dropped).
-    capacity_factor: float | None = 1.25
+    #: Expert slots relative to an even load for one-hot dispatch (None: sorted dispatch,
+    #: no capacity, no token dropped).
+    capacity_factor: float | None = None
     #: Dropout rate after attention and after the MLP of each block (0: no dropout layers).
     dropout: float = 0.0
 
@@ -65,9 +66,11 @@ class Block(nnx.Module):
         self.wo = _param(rngs, (h, k, d), ("heads", "kv", "embed"))
         self.mlp_norm = nnx.Param(jnp.ones((d,)), out_sharding=("embed",))
         if config.moe_experts:
+            dispatch = "sorted" if config.capacity_factor is None else "one-hot"
             self.moe = sf.MixtureOfExperts(
-                d, m, config.moe_experts, capacity_factor=config.capacity_factor, rngs=rngs
-            )
+                d, m, config.moe_experts, dispatch=dispatch,
+                capacity_factor=config.capacity_factor, rngs=rngs,
+            )  # fmt: skip
         else:
             self.up = _param(rngs, (d, m), ("embed", "mlp"))
             self.down = _param(rngs, (m, d), ("mlp", "embed"))

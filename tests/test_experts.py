@@ -14,11 +14,9 @@ from substrax.layout import Layout
 from substrax.spmd import (
     ROUTINGS,
     experts,
-    gather_rows,
     group_rows,
     grouped_matmul,
     route,
-    scatter_rows,
     use_rules,
 )
 
@@ -55,14 +53,16 @@ def test_routers_choose_and_weigh_as_published():
 
 @pytest.mark.parametrize("native", [False, True])
 def test_grouped_matmul_and_its_gradient_equal_a_gather_of_every_expert(native):
-    """Blocked (XLA:CPU) and packed (``ragged_dot``) layouts; rows of group 5 are left out."""
+    """Blocked (XLA:CPU) and packed (``ragged_dot``) layouts; rows of group 5 are left out.
+
+    The blocked loop over every block and over the blocks in use (``ragged``)."""
     keys = jax.random.split(jax.random.key(0), 3)
     x, w = jax.random.normal(keys[0], (40, 8)), jax.random.normal(keys[1], (5, 8, 6))
     group = jax.random.randint(keys[2], (40,), 0, 6)
 
-    def grouped(x, w, ragged=False):
+    def grouped(x, w, ragged=False):  # read from x's rows, added into the result's rows
         groups = group_rows(group, 5, block=4, native=native, ragged=ragged)
-        return scatter_rows(grouped_matmul(gather_rows(x, groups), w, groups), groups)
+        return grouped_matmul(x, w, groups, source=groups.slots, target=groups.slots, rows=40)
 
     def reference(x, w):
         product = jnp.einsum("nd,ndh->nh", x, w[jnp.minimum(group, 4)])

@@ -30,10 +30,8 @@ from substrax.spmd._experts import ExpertStats as ExpertStats
 from substrax.spmd._experts import expert_capacity as expert_capacity
 from substrax.spmd._experts import experts as experts
 from substrax.spmd._grouped import Groups as Groups
-from substrax.spmd._grouped import gather_rows as gather_rows
 from substrax.spmd._grouped import group_rows as group_rows
 from substrax.spmd._grouped import grouped_matmul as grouped_matmul
-from substrax.spmd._grouped import scatter_rows as scatter_rows
 from substrax.spmd._precision import PRECISIONS as PRECISIONS
 from substrax.spmd._precision import MixedPrecision as MixedPrecision
 from substrax.spmd._precision import as_precision as as_precision
@@ -67,7 +65,6 @@ __all__ = [
     "context_positions",
     "expert_capacity",
     "experts",
-    "gather_rows",
     "group_rows",
     "grouped_matmul",
     "lay_out",
@@ -75,7 +72,6 @@ __all__ = [
     "positions",
     "region_obstacle",
     "route",
-    "scatter_rows",
     "replicate",
     "shard_batch",
     "unzigzag",

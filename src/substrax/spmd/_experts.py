@@ -40,13 +40,7 @@ from jax.sharding import PartitionSpec
 from substrax.mesh._resolve import spec_entry
 from substrax.spmd._constrain import manual_batch_axes
 from substrax.spmd._exchange import plan_exchange, send, send_back
-from substrax.spmd._grouped import (
-    gather_rows,
-    group_rows,
-    grouped_matmul,
-    scatter_rows,
-    segment_of,
-)
+from substrax.spmd._grouped import group_rows, grouped_matmul, segment_of
 from substrax.spmd._region import axes_size, free_axes, recomputed_region, region_mesh
 from substrax.spmd._routing import ROUTINGS, route
 
@@ -112,7 +106,7 @@ def experts(
     dispatch: str = "sorted",
     capacity_factor: float | None = None,
     activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
-    block: int = 64,
+    block: int | None = None,
     chunk: int | None = None,
 ) -> tuple[jax.Array, ExpertStats]:
     """A mixture-of-experts feed-forward layer: ``x`` through its ``top_k`` experts.
@@ -139,7 +133,8 @@ def experts(
         drops nothing.
       activation: The experts' activation.
       block: ``"sorted"`` on XLA:CPU: rows per block of the grouped product (each expert's
-        rows are padded to whole blocks).
+        rows are padded to whole blocks); None for :func:`~substrax.spmd.group_rows`'
+        default (padding within 1/16 of the rows).
       chunk: ``"sorted"`` over expert axes: rows per pair of devices per round of the
         exchange; None for 1/32 of an even share (the rounding then costs at most
         1/32 of the rows sent).
@@ -245,8 +240,7 @@ def _group(x, router, bias, weights, options: _Options):
                    bias=bias)  # fmt: skip
     weights = tuple(w.astype(x.dtype) for w in weights)
     if options.dispatch == "sorted":
-        out, kept, sent, moved = _sorted(flat, routed.index, weights, count, options)
-        y = jnp.einsum("tk,tkd->td", routed.gates, out.astype(jnp.float32))
+        y, kept, sent, moved = _sorted(flat, routed, weights, count, options)
     else:
         y, kept, sent, moved = _one_hot(flat, routed, weights, count, options)
     chosen = jnp.zeros((count,), jnp.float32).at[routed.index.reshape(-1)].add(1.0)
@@ -257,35 +251,45 @@ def _group(x, router, bias, weights, options: _Options):
     return y.astype(x.dtype).reshape(x.shape), sums
 
 
-def _ffn(xs, weights, groups, activation):
-    """The experts' feed-forward on grouped rows."""
-    w_in, w_out, *gate = weights
-    hidden = grouped_matmul(xs, w_in, groups)
-    if gate:
-        hidden = activation(grouped_matmul(xs, gate[0], groups)) * hidden
+def _ffn(x, weights, groups, source, gate, target, rows, activation):
+    """The experts' feed-forward on grouped rows.
+
+    Each output is scaled by its choice's gate and added into ``target``'s rows (float32).
+    """
+    w_in, w_out, *w_gate = weights
+    hidden = grouped_matmul(x, w_in, groups, source=source)
+    if w_gate:
+        hidden = activation(grouped_matmul(x, w_gate[0], groups, source=source)) * hidden
     else:
         hidden = activation(hidden)
-    return grouped_matmul(hidden, w_out, groups)
+    if gate is not None:
+        hidden = (hidden.astype(jnp.float32) * gate[:, None]).astype(x.dtype)
+    return grouped_matmul(hidden, w_out, groups, target=target, rows=rows)
 
 
-def _sorted(flat, index, weights, count, options: _Options):
-    """Dropless dispatch: each choice's expert output ``[tokens, top_k, features]``."""
-    tokens, top_k = index.shape
-    choices = index.reshape(-1)
-    source = jnp.arange(tokens * top_k) // top_k
+def _sorted(flat, routed, weights, count, options: _Options):
+    """Dropless dispatch.
+
+    Returns the combined output ``[tokens, features]`` (float32), the kept choices per
+    expert, and the rows sent and moved.
+    """
+    tokens, top_k = routed.index.shape
+    choices = routed.index.reshape(-1)
+    token = jnp.arange(tokens * top_k) // top_k
     kept = jnp.zeros((count,), jnp.float32).at[choices].add(1.0)
-    if not options.expert:
-        groups = group_rows(choices, count, block=options.block)
-        out = scatter_rows(_ffn(gather_rows(flat, groups, source), weights, groups,
-                                options.activation), groups)  # fmt: skip
-        zero = jnp.zeros((), jnp.float32)
-        return out.reshape(tokens, top_k, -1), kept, zero, zero
-    out, sent, moved = _exchanged(flat, choices, source, weights, count, options)
-    return out.reshape(tokens, top_k, -1), kept, sent, moved
+    if options.expert:
+        y, sent, moved = _exchanged(flat, choices, token, routed.gates, weights, count, options)
+        return y, kept, sent, moved
+    groups = group_rows(choices, count, block=options.block)
+    at = jnp.take(token, groups.slots, mode="fill", fill_value=tokens)
+    gate = jnp.take(routed.gates.reshape(-1), groups.slots, mode="fill", fill_value=0)
+    y = _ffn(flat, weights, groups, at, gate, at, tokens, options.activation)
+    zero = jnp.zeros((), jnp.float32)
+    return y, kept, zero, zero
 
 
-def _exchanged(flat, choices, source, weights, count, options: _Options):
-    """Choices to the devices of their experts, through them, and back, in choice order."""
+def _exchanged(flat, choices, token, gates, weights, count, options: _Options):
+    """Choices to the devices of their experts, through them, back, and combined."""
     axes = spec_entry(options.expert)
     devices = axes_size(options.expert)
     local = count // devices
@@ -294,19 +298,19 @@ def _exchanged(flat, choices, source, weights, count, options: _Options):
     per_expert = jnp.bincount(choices, length=count).reshape(devices, local)
     chunk = options.chunk or max(1, math.ceil(rows / devices / 32))
     exchange = plan_exchange(per_expert, rows, axes, chunk)
-    received = send(jnp.take(flat, source[order], axis=0), exchange, axes)
-    ends = jnp.cumsum(exchange.received, axis=1)  # [sources, local experts]
-    group = segment_of(ends, exchange.capacity)
+    received = send(jnp.take(flat, token[order], axis=0), exchange, axes)
+    group = segment_of(jnp.cumsum(exchange.received, axis=1), exchange.capacity)
     groups = group_rows(group.reshape(-1), local, block=options.block, ragged=True)
     buffer = received.reshape(-1, flat.shape[-1])
-    out = scatter_rows(_ffn(gather_rows(buffer, groups), weights, groups, options.activation),
-                       groups)  # fmt: skip
-    back = send_back(out.reshape(received.shape), exchange, axes, rows)
-    inverse = jnp.zeros(rows, jnp.int32).at[order].set(jnp.arange(rows, dtype=jnp.int32))
+    out = _ffn(buffer, weights, groups, groups.slots, None, groups.slots, buffer.shape[0],
+               options.activation)  # fmt: skip
+    back = send_back(out.astype(flat.dtype).reshape(received.shape), exchange, axes, rows)
+    weighted = back.astype(jnp.float32) * gates.reshape(-1)[order][:, None]
+    y = jnp.zeros((flat.shape[0], flat.shape[1]), jnp.float32).at[token[order]].add(weighted)
     me = jax.lax.axis_index(axes)
     sent = (rows - exchange.counts[me]).astype(jnp.float32)
     moved = (exchange.rounds * chunk * (devices - 1)).astype(jnp.float32)
-    return jnp.take(back, inverse, axis=0), sent, moved
+    return y, sent, moved
 
 
 def _one_hot(flat, routed, weights, count, options: _Options):

@@ -7,6 +7,11 @@ is a dense product over every group (``groups`` times the work), each group is p
 multiple of ``block`` rows and a loop multiplies one block at a time by its group's weight:
 ``(rows + groups x (block - 1)) x d x h`` multiply-adds at most, never ``rows x groups``.
 
+The blocked loop also reads its rows from an ungrouped array (``source``: a token chosen
+``top_k`` times is read ``top_k`` times, never copied) and adds its products into an
+ungrouped result (``target``), so neither the ``[rows, d]`` input nor output of a mixture of
+experts is ever held: its memory is the experts' hidden activations, as a dense MLP's.
+
 :func:`group_rows` places the rows (:class:`Groups`); :func:`grouped_matmul` multiplies.
 """
 
@@ -19,15 +24,8 @@ import jax.numpy as jnp
 
 from substrax.spmd._region import reduce_as, vary_as
 
-__all__ = [
-    "Groups",
-    "gather_rows",
-    "group_rows",
-    "grouped_matmul",
-    "native_grouped_matmul",
-    "scatter_rows",
-    "segment_of",
-]
+__all__ = ["Groups", "auto_block", "group_rows", "grouped_matmul", "native_grouped_matmul",
+           "segment_of"]  # fmt: skip
 
 
 def native_grouped_matmul() -> bool:
@@ -41,6 +39,7 @@ class Groups(NamedTuple):
     Attributes:
       position: Each input row's place in the buffer ``[rows]``; ``size`` for a row that
         belongs to no group (it is left out).
+      slots: The input row at each place of the buffer ``[size]``; ``rows`` for padding.
       sizes: Rows per group ``[groups]``.
       block_group: The group of each block ``[size // block]`` (blocked layout), or None
         (packed layout for ``ragged_dot``).
@@ -50,6 +49,7 @@ class Groups(NamedTuple):
     """
 
     position: jax.Array
+    slots: jax.Array
     sizes: jax.Array
     block_group: jax.Array | None
     used: jax.Array | None
@@ -57,14 +57,16 @@ class Groups(NamedTuple):
     block: int
 
 
-def group_rows(group: jax.Array, groups: int, *, block: int = 64, native: bool | None = None,
-               ragged: bool = False) -> Groups:  # fmt: skip
+def group_rows(group: jax.Array, groups: int, *, block: int | None = None,
+               native: bool | None = None, ragged: bool = False) -> Groups:  # fmt: skip
     """Places rows by group: sorted, and padded to whole blocks where the kernel is blocked.
 
     Args:
       group: Each row's group ``[rows]`` (int); ``groups`` or more marks a row to leave out.
       groups: The number of groups.
-      block: Rows per block of the blocked kernel.
+      block: Rows per block of the blocked kernel; None for the largest power of two from 8
+        to 64 whose padding, ``groups x (block - 1)`` rows at most, is within 1/16 of the
+        rows.
       native: Use the packed layout for ``ragged_dot`` (default: where the backend has a
         grouped kernel, :func:`native_grouped_matmul`).
       ragged: Stop the blocked loop at the blocks in use (a traced trip count, for buffers
@@ -76,6 +78,7 @@ def group_rows(group: jax.Array, groups: int, *, block: int = 64, native: bool |
     """
     rows = group.shape[0]
     native = native_grouped_matmul() if native is None else native
+    block = auto_block(rows, groups) if block is None else block
     valid = group < groups
     key = jnp.where(valid, group, groups)
     order = jnp.argsort(key, stable=True)
@@ -95,7 +98,17 @@ def group_rows(group: jax.Array, groups: int, *, block: int = 64, native: bool |
     place = jnp.take(padded_start, sorted_group, mode="fill", fill_value=0) + rank
     place = jnp.where(sorted_group < groups, place, size)
     position = jnp.zeros(rows, jnp.int32).at[order].set(place.astype(jnp.int32))
-    return Groups(position, sizes, block_group, used, size, block)
+    slots = jnp.full(size, rows, jnp.int32).at[position].set(jnp.arange(rows, dtype=jnp.int32),
+                                                             mode="drop")  # fmt: skip
+    return Groups(position, slots, sizes, block_group, used, size, block)
+
+
+def auto_block(rows: int, groups: int) -> int:
+    """The blocked kernel's default rows per block (see :func:`group_rows`)."""
+    block = 64
+    while block > 8 and groups * (block - 1) > rows / 16:
+        block //= 2
+    return block
 
 
 def segment_of(ends: jax.Array, size: int) -> jax.Array:
@@ -114,97 +127,125 @@ def segment_of(ends: jax.Array, size: int) -> jax.Array:
     return jnp.cumsum(marks, axis=-1)
 
 
-def gather_rows(x: jax.Array, groups: Groups, source: jax.Array | None = None) -> jax.Array:
-    """The grouped buffer :func:`grouped_matmul` takes.
+def grouped_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    groups: Groups,
+    *,
+    source: jax.Array | None = None,
+    target: jax.Array | None = None,
+    rows: int | None = None,
+) -> jax.Array:
+    """``y[slot] = x[slot] @ w[group of slot]`` over grouped rows.
 
     Args:
-      x: Rows ``[n, features]``.
-      groups: The :class:`Groups` of the rows to place.
-      source: Which row of ``x`` each placed row is (``[rows]``; a token chosen ``top_k``
-        times is placed ``top_k`` times), or None for row ``i`` of ``x`` itself.
-
-    Returns:
-      ``[size, features]``: each row at its place, padding rows 0.
-    """
-    index = jnp.arange(groups.position.shape[0]) if source is None else source
-    fill = x.shape[0]
-    where = jnp.full(groups.size, fill, jnp.int32).at[groups.position].set(index, mode="drop")
-    return jnp.take(x, where, axis=0, mode="fill", fill_value=0)
-
-
-def scatter_rows(y: jax.Array, groups: Groups) -> jax.Array:
-    """The rows of a grouped buffer back in their input order.
-
-    Args:
-      y: A grouped buffer ``[size, features]`` (:func:`grouped_matmul`'s output).
-      groups: The rows' :class:`Groups`.
-
-    Returns:
-      ``[rows, features]``: each placed row's result, 0 for a row left out.
-    """
-    return jnp.take(y, groups.position, axis=0, mode="fill", fill_value=0)
-
-
-def grouped_matmul(x: jax.Array, w: jax.Array, groups: Groups) -> jax.Array:
-    """``y[r] = x[r] @ w[group of r]`` over a grouped buffer.
-
-    Args:
-      x: The grouped buffer ``[size, d]`` (:func:`gather_rows`).
+      x: The grouped buffer ``[groups.size, d]``; with ``source``, ungrouped rows ``[n, d]``.
       w: One weight per group ``[groups, d, h]``.
       groups: The rows' :class:`Groups`.
+      source: The row of ``x`` each place of the buffer reads ``[groups.size]`` (``n`` or
+        more for none: a zero row), or None.
+      target: The row of the result each place's product is added to ``[groups.size]``
+        (``rows`` or more for none), or None for the grouped buffer itself.
+      rows: The result's rows with ``target``.
 
     Returns:
-      ``[size, h]`` in ``x``'s dtype; padding rows are 0.
+      ``[groups.size, h]``, or ``[rows, h]`` with ``target`` (float32 there: sums of
+      products), in ``x``'s dtype otherwise; padding gives 0.
+
+    Raises:
+      ValueError: If ``target`` is given without ``rows``.
     """
+    if target is not None and rows is None:
+        raise ValueError("grouped_matmul with a target needs rows, the result's row count.")
     if groups.block_group is None:
-        return jax.lax.ragged_dot(x, w, groups.sizes.astype(jnp.int32))
-    return _blocked(x, w, groups.block_group, groups.used, groups.block)
+        xs = x if source is None else jnp.take(x, source, axis=0, mode="fill", fill_value=0)
+        y = jax.lax.ragged_dot(xs, w.astype(x.dtype), groups.sizes.astype(jnp.int32))
+        if target is None:
+            return y
+        out = jnp.zeros((rows, w.shape[2]), jnp.float32)
+        return out.at[target].add(y.astype(jnp.float32), mode="drop")
+    return _blocked(x, w, groups.block_group, groups.used, source, target, groups.block, rows)
 
 
-def _blocked(x, w, block_group, used, block):
-    return _blocks(x, w, block_group, used, block, transpose=False)
+def _run(x, w, block_group, used, source, target, block, rows, *, transpose=False):
+    """The blocked loop: each block's rows times its group's weight.
 
+    The rows are sliced, or read from ``source``; the products are written as blocks (``scan``
+    outputs, or a buffer updated in place over a traced trip count) or added into
+    ``target``'s rows.
+    """
+    width = w.shape[1] if transpose else w.shape[2]
+    blocks = block_group.shape[0]
 
-def _blocks(x, w, block_group, used, block, *, transpose):
-    """One block's rows times its group's weight (``w`` transposed for the input gradient)."""
-    out = jnp.zeros((x.shape[0], w.shape[1] if transpose else w.shape[2]), x.dtype)
-    out = vary_as(out, x, w, block_group)
-
-    def body(i, out):
-        rows = jax.lax.dynamic_slice_in_dim(x, i * block, block)
+    def product(i):
+        if source is None:
+            rows_in = jax.lax.dynamic_slice_in_dim(x, i * block, block)
+        else:
+            index = jax.lax.dynamic_slice_in_dim(source, i * block, block)
+            rows_in = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
         weight = jax.lax.dynamic_index_in_dim(w, block_group[i], keepdims=False)
         weight = weight.T if transpose else weight
-        product = jnp.dot(rows, weight.astype(x.dtype), preferred_element_type=jnp.float32)
-        return jax.lax.dynamic_update_slice_in_dim(out, product.astype(x.dtype), i * block, 0)
+        return jnp.dot(rows_in, weight.astype(x.dtype), preferred_element_type=jnp.float32)
 
-    return jax.lax.fori_loop(0, _trips(x, used, block), body, out)
+    if target is not None:
+
+        def add(out, i):
+            index = jax.lax.dynamic_slice_in_dim(target, i * block, block)
+            return out.at[index].add(product(i), mode="drop")
+
+        out = vary_as(jnp.zeros((rows, width), jnp.float32), x, w, block_group, target)
+        if used is None:
+            return jax.lax.scan(lambda out, i: (add(out, i), None), out, jnp.arange(blocks))[0]
+        return jax.lax.fori_loop(0, used, lambda i, out: add(out, i), out)
+    if used is None:
+        _, out = jax.lax.scan(lambda _, i: (None, product(i).astype(x.dtype)), None,
+                              jnp.arange(blocks))  # fmt: skip
+        return out.reshape(blocks * block, width)
+
+    def body(i, out):
+        return jax.lax.dynamic_update_slice_in_dim(out, product(i).astype(x.dtype), i * block, 0)
+
+    out = vary_as(jnp.zeros((blocks * block, width), x.dtype), x, w, block_group)
+    return jax.lax.fori_loop(0, used, body, out)
 
 
-def _trips(x, used, block):
-    """The loop's trips: the blocks in use (traced) or every block (static)."""
-    return x.shape[0] // block if used is None else used
+def _blocked(x, w, block_group, used, source, target, block, rows):
+    return _run(x, w, block_group, used, source, target, block, rows)
 
 
-def _blocked_forward(x, w, block_group, used, block):
-    return _blocked(x, w, block_group, used, block), (x, w, block_group, used)
+def _blocked_forward(x, w, block_group, used, source, target, block, rows):
+    out = _run(x, w, block_group, used, source, target, block, rows)
+    return out, (x, w, block_group, used, source, target)
 
 
-def _blocked_backward(block, residuals, dy):
-    x, w, block_group, used = residuals
-    dx = _blocks(dy, w, block_group, used, block, transpose=True)
+def _blocked_backward(block, rows, residuals, dy):
+    x, w, block_group, used, source, target = residuals
+    dy = dy.astype(x.dtype)
+    # the input's gradient: the same loop, reading dy where the forward wrote, writing where
+    # it read, with each weight transposed
+    dx = _run(dy, w, block_group, used, target, source, block, x.shape[0], transpose=True)
 
-    def body(i, dw):
-        rows = jax.lax.dynamic_slice_in_dim(x, i * block, block)
-        grads = jax.lax.dynamic_slice_in_dim(dy, i * block, block)
-        product = jnp.dot(rows.T, grads, preferred_element_type=jnp.float32)
+    def rows_of(array, index, i):
+        if index is None:
+            return jax.lax.dynamic_slice_in_dim(array, i * block, block)
+        at = jax.lax.dynamic_slice_in_dim(index, i * block, block)
+        return jnp.take(array, at, axis=0, mode="fill", fill_value=0)
+
+    def add(dw, i):
+        product = jnp.dot(rows_of(x, source, i).T, rows_of(dy, target, i),
+                          preferred_element_type=jnp.float32)  # fmt: skip
         group = block_group[i]
         current = jax.lax.dynamic_index_in_dim(dw, group, keepdims=False)
         return jax.lax.dynamic_update_index_in_dim(dw, current + product, group, 0)
 
     dw = vary_as(jnp.zeros(w.shape, jnp.float32), x, dy, block_group)
-    dw = jax.lax.fori_loop(0, _trips(x, used, block), body, dw)
-    return reduce_as(dx, x), reduce_as(dw.astype(w.dtype), w), None, None
+    if used is None:
+        dw = jax.lax.scan(lambda dw, i: (add(dw, i), None), dw, jnp.arange(block_group.shape[0]))[0]
+    else:
+        dw = jax.lax.fori_loop(0, used, lambda i, dw: add(dw, i), dw)
+    dx = dx.astype(x.dtype)
+    return reduce_as(dx, x), reduce_as(dw.astype(w.dtype), w), None, None, None, None
 
 
-_blocked = jax.custom_vjp(_blocked, nondiff_argnums=(4,))
+_blocked = jax.custom_vjp(_blocked, nondiff_argnums=(6, 7))
 _blocked.defvjp(_blocked_forward, _blocked_backward)
