@@ -136,8 +136,8 @@ def experts(
         rows are padded to whole blocks); None for :func:`~substrax.spmd.group_rows`'
         default (padding within 1/16 of the rows).
       chunk: ``"sorted"`` over expert axes: rows per pair of devices per round of the
-        exchange; None for 1/32 of an even share (the rounding then costs at most
-        1/32 of the rows sent).
+        exchange; None for 1/64 of an even share (the rounding then costs at most
+        1/64 of an even share per pair; the busiest pair sets the rounds).
 
     Returns:
       ``(y, stats)``: the output ``[batch, length, features]`` in ``x``'s dtype and the
@@ -296,7 +296,7 @@ def _exchanged(flat, choices, token, gates, weights, count, options: _Options):
     rows = choices.shape[0]
     order = jnp.argsort(choices, stable=True)
     per_expert = jnp.bincount(choices, length=count).reshape(devices, local)
-    chunk = options.chunk or max(1, math.ceil(rows / devices / 32))
+    chunk = options.chunk or max(1, math.ceil(rows / devices / 64))
     exchange = plan_exchange(per_expert, rows, axes, chunk)
     received = send(jnp.take(flat, token[order], axis=0), exchange, axes)
     group = segment_of(jnp.cumsum(exchange.received, axis=1), exchange.capacity)
