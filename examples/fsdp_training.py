@@ -189,8 +189,6 @@ def build(args):
     if args.export is not None:
         check_writable(args.export, "--export")
     shape = parse_mesh(args.mesh)
-    if args.moe_experts and (args.stacked or args.strategy == "pp"):
-        raise UsageError("--moe-experts runs the blocks in a loop: drop --stacked and pp")
     if args.moe_experts < 0 or args.capacity_factor < 0:
         raise UsageError("--moe-experts and --capacity-factor must not be negative")
     if args.strategy == "pp" and "pipe" not in shape:

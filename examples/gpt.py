@@ -150,15 +150,19 @@ class StackedGPT(nnx.Module):
         self.head = _param(rngs, (config.d_model, config.vocab), ("embed", "vocab"))
 
     def __call__(self, tokens):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def run(x, block):
-            return block(x)
-
-        return self.logits(run(self.embed(tokens), self.blocks))
+        return self.forward(tokens)[0]
 
     def forward(self, tokens):
-        """The logits, and no load-balancing loss (the stacked blocks have dense MLPs)."""
-        return self(tokens), jnp.zeros(())
+        """The logits and the blocks' summed load-balancing loss (0 without experts)."""
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(carry, block):
+            x, aux = carry
+            y, layer_aux = block.forward(x)
+            return y, aux + layer_aux
+
+        x, aux = run((self.embed(tokens), jnp.zeros(())), self.blocks)
+        return self.logits(x), aux
 
     def embed(self, tokens):
         return jnp.take(self.embedding[...], tokens, axis=0)

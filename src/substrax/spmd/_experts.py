@@ -180,7 +180,8 @@ def experts(
         group = recomputed_region(group, region_mesh(tokens), specs, (rows, PartitionSpec()),
                                   set(tokens))  # fmt: skip
     y, sums = group(x, router, jax.lax.stop_gradient(bias), weights)
-    outer = manual_batch_axes()
+    bound = set(jax.sharding.get_abstract_mesh().manual_axes)
+    outer = tuple(a for a in manual_batch_axes() if a in bound)
     if outer:  # the step's region: every device holds its own rows
         sums = jax.lax.psum(sums, outer)
     return y, _stats(sums, count, top_k)

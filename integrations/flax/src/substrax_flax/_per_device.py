@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from substrax_flax._experts import MixtureOfExperts
 from substrax_flax._state import variables
 from substrax_flax._traced import is_key
 
@@ -47,13 +48,17 @@ def synced_stats(model: nnx.Module) -> set[str]:
     Those of every ``nnx.BatchNorm`` without an ``axis_name`` of its own: inside the manual
     region :func:`sync_batch_norms` gives it the batch axes, so its moments are the whole
     batch's (``lax.pmean`` over the devices, each holding as many rows) and its running
-    averages are the same on every device, as on one device.
+    averages are the same on every device, as on one device. Also the router bias of a
+    :class:`~substrax_flax.MixtureOfExperts`, updated from whole-batch routing counts.
     """
     synced = set()
     for path, module in nnx.iter_modules(model):
+        prefix = "/".join(map(str, path))
         if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
-            prefix = "/".join(map(str, path))
             synced.update(f"{prefix}/{name}" if prefix else name for name in ("mean", "var"))
+        if isinstance(module, MixtureOfExperts) and hasattr(module, "router_bias"):
+            # its update reads the routing counts, summed over the batch axes by experts()
+            synced.add(f"{prefix}/router_bias" if prefix else "router_bias")
     return synced
 
 

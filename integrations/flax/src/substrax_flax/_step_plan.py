@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
 from substrax.spmd import PRECISIONS, MixedPrecision, as_precision, region_obstacle
+from substrax.spmd._workarounds import OBSERVED_ON
 from substrax_flax._per_device import batch_stat_obstacle, synced_stats
 from substrax_flax._plan import ModelPlan
 from substrax_flax._resolve import entry_axes, without_axes
@@ -212,7 +213,7 @@ def choose_path(
         if forced:
             return Path("manual", "data_parallel='manual' was asked; one replica, no region")
         return Path("xla", "one replica: no batch axis of size > 1 to split")
-    found = _obstacle(model, mesh, split, precision, traced, wrt)
+    found = _obstacle(model, mesh, split, precision, traced, wrt, plan)
     if found is None:
         return Path("manual", "each device computes its own rows; nothing needs XLA's step")
     obstacle, advice = found
@@ -239,10 +240,38 @@ def _compute_dtype(model: nnx.Module, precision: MixedPrecision) -> Any:
     return min(floats, key=lambda d: jnp.dtype(d).itemsize) if floats else None
 
 
-def _obstacle(model, mesh, split, precision, traced, wrt) -> tuple[str, str] | None:
+def stacked_experts_obstacle(plan: ModelPlan, mesh, split: tuple[str, ...]) -> str | None:
+    """Why stacked experts keep the step off the manual region, or None.
+
+    Experts in a stacked layer (an ``nnx.scan`` over the ``layers`` axis) enter their own
+    region over the expert axes inside the loop; where those axes are left to XLA by the
+    manual region (``fsdp+ep``: the region spans the data axes), this jax's Shardy rejects
+    the nested region ("manual axes must come before free axes", jax 0.10.2).
+    """
+    sizes = dict(mesh.shape)
+    for row in plan.rows:
+        names = row.logical_names or ()
+        if "layers" not in names or "expert" not in names:
+            continue
+        entry = row.spec[names.index("expert")] if names.index("expert") < len(row.spec) else None
+        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        free = tuple(a for a in axes if sizes[a] > 1 and a not in split)
+        if free:
+            return (
+                f"the stacked experts ({row.path}) enter a region over the expert axes {free} "
+                f"inside the layers' loop, which Shardy (jax {OBSERVED_ON}) rejects within a "
+                "manual region that leaves those axes out"
+            )
+    return None
+
+
+def _obstacle(model, mesh, split, precision, traced, wrt, plan) -> tuple[str, str] | None:
     platform = mesh.devices.flat[0].platform
     dtype = _compute_dtype(model, precision)
     found = region_obstacle(dict(mesh.shape), split, dtype, platform)
+    if found is not None:
+        return found, ""
+    found = stacked_experts_obstacle(plan, mesh, split)
     if found is not None:
         return found, ""
     found = batch_stat_obstacle(model)
