@@ -53,13 +53,15 @@ def loss_fn(model, batch):
 BATCHES = np.random.default_rng(0).integers(0, VOCAB, (3, 16, 17)).astype(np.int32)
 
 
-def _train(layout, capacity_factor=None, **step_args):
-    model = sf.create_sharded_model(lambda: Model(nnx.Rngs(0), capacity_factor), layout=layout)
+def _train(layout, capacity_factor=None, moe=None, **step_args):
+    factory = lambda: Model(nnx.Rngs(0), capacity_factor, **(moe or {}))  # noqa: E731
+    model = sf.create_sharded_model(factory, layout=layout)
     # SGD: a parameter's change is its gradient's; adam would blow a rounding difference in
     # a near-zero gradient up to a full step (m / sqrt(v) is +-1 whatever the gradient's size)
     optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.5))
     step = sf.make_train_step(loss_fn, has_aux=True, **step_args)
     metrics = [step(model, optimizer, batch) for batch in BATCHES]
+    model.plan = step.plan_for(model, optimizer, BATCHES[0])
     return metrics, nnx.state(model, nnx.Param), model
 
 
@@ -162,3 +164,23 @@ def test_routing_keeps_first_choices_first_and_bad_input_is_named():
         experts(x, router, jnp.ones((3, 2, 5)), w_out)
     with pytest.raises(ValueError, match="num_experts"):
         sf.MixtureOfExperts(4, 4, 2, top_k=3, rngs=nnx.Rngs(0))
+
+
+def test_shared_experts_and_a_router_bias_train_as_on_one_device():
+    """DeepSeek-V3's router: sigmoid scores, a bias that balances without a loss, a shared
+    expert. The bias moves from whole-batch counts, so the manual step keeps it, and it
+    freezes in eval mode."""
+    moe = {"routing": "sigmoid", "shared_hidden": 16, "bias_rate": 0.01}
+    reference, _, one = _train(Layout.named("dp", {"data": 1}), moe=moe)
+    metrics, _, model = _train(Layout.named("fsdp+ep", {"data": 2, "expert": 4}), moe=moe)
+    assert model.plan.path == "manual"
+    for got, want in zip(metrics, reference, strict=True):
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+    bias = np.asarray(model.moe.router_bias[...])
+    np.testing.assert_allclose(bias, np.asarray(one.moe.router_bias[...]), atol=1e-7)
+    counts = np.asarray(reference[-1]["tokens_per_expert"])
+    assert np.abs(bias).max() == pytest.approx(0.03)  # 3 steps of 0.01
+    assert bias[np.argmax(counts)] < 0 < bias[np.argmin(counts)]  # towards even loads
+    model.eval()
+    model(BATCHES[0][:, :-1])
+    np.testing.assert_array_equal(np.asarray(model.moe.router_bias[...]), bias)
