@@ -318,7 +318,9 @@ def _parse(hlo_text: str) -> tuple[dict[str, list], str]:
     return computations, entry
 
 
-def dot_flops(hlo_text: str, *, branch: Callable[..., float] = max) -> float:
+def dot_flops(
+    hlo_text: str, *, branch: Callable[..., float] = max, trips: bool = True
+) -> float:
     """The matrix-product FLOPs of one execution of a compiled program, per device.
 
     XLA's ``cost_analysis()`` counts a ``while`` body once; this counts each ``dot`` as often
@@ -330,6 +332,8 @@ def dot_flops(hlo_text: str, *, branch: Callable[..., float] = max) -> float:
       hlo_text: ``compiled.as_text()`` of a program.
       branch: How a ``conditional``'s branches combine: ``max`` (the most a device can
         compute), ``min`` (the least: a pipeline's idle ticks).
+      trips: Count each loop's body as often as it runs; False counts it once, as
+        ``cost_analysis()`` does (the difference is what that misses).
 
     Returns:
       ``2 x`` the multiply-adds of the program's ``dot`` ops.
@@ -355,10 +359,10 @@ def dot_flops(hlo_text: str, *, branch: Callable[..., float] = max) -> float:
                 out *= d
             return 2.0 * out * size
         if op == "while":
-            trips = _TRIPS.search(attrs)
+            count = _TRIPS.search(attrs)
             body, condition = _BODY.search(attrs), _CONDITION.search(attrs)
             inner = cost(body.group(1)) + (cost(condition.group(1)) if condition else 0.0)
-            return (int(trips.group(1)) if trips else 1) * inner
+            return (int(count.group(1)) if count and trips else 1) * inner
         if op == "conditional":
             branches = _BRANCHES.search(attrs)
             names = (

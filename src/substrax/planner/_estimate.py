@@ -23,6 +23,7 @@ from substrax.mesh._resolve import as_axes, resolve_names
 from substrax.pipeline import SCHEDULES, Schedule
 from substrax.planner._architectures import Leaf, TransformerConfig
 from substrax.spmd import REMAT, region_obstacle
+from substrax.spmd._grouped import auto_block
 
 __all__ = [
     "Candidate",
@@ -126,6 +127,9 @@ class Hardware:
       flops: Peak FLOP/s per device (0: no time estimate).
       intra_host_bandwidth: Bytes/s per device within a host.
       inter_host_bandwidth: Bytes/s per device across hosts.
+      blocked_experts: Whether experts' grouped products pad each expert's rows to whole
+        blocks (substrax's kernel on XLA:CPU, :func:`substrax.spmd.group_rows`); GPUs and
+        TPUs have a grouped kernel (``ragged_dot``) that does not.
     """
 
     memory_bytes: int
@@ -133,6 +137,7 @@ class Hardware:
     flops: float = 0.0
     intra_host_bandwidth: float = 0.0
     inter_host_bandwidth: float = 0.0
+    blocked_experts: bool = False
 
     def __post_init__(self) -> None:
         if not self.memory_bytes > 0:
@@ -468,6 +473,7 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
         flops *= 8 / 6
     elif workload.remat == "selective":  # attention's forward again (scores, softmax, values)
         flops += _attention_flops_per_token(config, workload.seq) / 3 * tokens
+    flops += _dispatch_flops(config, leaves, workload, layout, hardware) * tokens
     flops /= layout.devices
     flops += per_device * _UPDATE_FLOPS[workload.optimizer]
     bubble = schedule.idle_fraction() if schedule is not None else 0.0
@@ -511,6 +517,41 @@ def _flops_per_token(c: TransformerConfig, leaves: tuple[Leaf, ...], seq: int) -
     per_layer = c.heads * seq + 2 * c.d_model + c.ffn * (2 if c.gated else 1)
     elementwise = _ELEMENTWISE * (c.layers * per_layer + c.d_model + c.vocab)
     return 6 * matmul + attention + elementwise
+
+
+def _dispatch_flops(
+    c: TransformerConfig, leaves: tuple[Leaf, ...], w: Workload, layout: Layout, hw: Hardware
+) -> float:
+    """Mixture-of-experts FLOPs per token beyond the active matmuls :func:`_flops_per_token`
+    counts.
+
+    Sorted dispatch multiplies ``tokens x top_k`` rows by their experts; on a blocked kernel
+    (``hw.blocked_experts``) each expert's rows are padded to whole blocks: a device's group
+    of ``n`` rows runs the static bound ``n + experts x (block - 1)`` rounded to blocks,
+    or, over expert axes (a loop over the blocks in use), about half a block per local
+    expert more. Where the layer enters its own region (expert axes, or XLA's step over a
+    split batch) its backward recomputes the forward: the router and experts again.
+    """
+    if not c.experts:
+        return 0.0
+    share = c.top_k / c.experts
+    expert = sum(math.prod(leaf.shape) for leaf in leaves if "expert" in leaf.names)
+    router = sum(math.prod(leaf.shape) for leaf in leaves if leaf.path.endswith("router"))
+    factor = 1.0
+    if hw.blocked_experts:
+        groups = c.experts // layout.ep
+        micro = max(w.microbatches or 1, 1)
+        rows = w.batch * w.seq / (layout.batch_degree * layout.cp * micro) * c.top_k
+        block = auto_block(int(rows), groups)
+        if layout.ep > 1:
+            factor = 1 + groups * block / (2 * rows)
+        else:
+            factor = block * ((rows + groups * (block - 1)) // block) / rows
+    extra = 6 * expert * share * (factor - 1)
+    region = layout.ep > 1 or (_xla_step(layout) and layout.batch_degree > 1)
+    if region:
+        extra += 2 * (expert * share * factor + router)
+    return extra
 
 
 def _head(c: TransformerConfig, plans: Sequence[LeafPlan]) -> tuple[float, float]:
@@ -585,8 +626,10 @@ def _traffic(c, w, layout, state, width, schedule) -> dict[str, float]:
         traffic["expert/all-gather"] = dense_bytes * (ep - 1) / ep
         traffic["expert/all-reduce"] = 2 * dense_bytes * (ep - 1) / ep
     if ep > 1 and c.experts:  # dispatch and combine: forward, recomputed, backward
-        slots = CAPACITY_FACTOR * tokens * c.top_k * c.d_model * width
-        traffic["expert/all-to-all"] = 6 * layers * slots * (ep - 1) / ep
+        # sorted dispatch: each routed row once there and once back, in rounds of 1/64 of
+        # an even share per pair of devices (half a round's rounding on average)
+        rows = ROUNDING * tokens * c.top_k * c.d_model * width
+        traffic["expert/all-to-all"] = 6 * layers * rows * (ep - 1) / ep
     if layout.tp > 1:  # two activation all-reduces per layer forward, two backward
         traffic["model/all-reduce"] = 4 * layers * 2 * activation * (layout.tp - 1) / layout.tp
     if layout.pp > 1:
@@ -687,5 +730,6 @@ def _warnings(c, plans, layout, per_device) -> tuple[str, ...]:
     return tuple(found)
 
 
-#: Expert slots relative to an even load, for the all-to-all volumes (substrax's default).
-CAPACITY_FACTOR = 1.25
+#: The rows sorted dispatch's exchange moves per row routed to another device: rounds of 1/64
+#: of an even share per pair, half a round of rounding on average (a balanced router).
+ROUNDING = 1 + 1 / 128
