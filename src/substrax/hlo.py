@@ -318,9 +318,7 @@ def _parse(hlo_text: str) -> tuple[dict[str, list], str]:
     return computations, entry
 
 
-def dot_flops(
-    hlo_text: str, *, branch: Callable[..., float] = max, trips: bool = True
-) -> float:
+def dot_flops(hlo_text: str, *, branch: Callable[..., float] = max, trips: bool = True) -> float:
     """The matrix-product FLOPs of one execution of a compiled program, per device.
 
     XLA's ``cost_analysis()`` counts a ``while`` body once; this counts each ``dot`` as often

@@ -298,13 +298,18 @@ def _sums(config: TransformerConfig, leaves: tuple, layout: Layout, plans: tuple
 
 
 def _activations(
-    c: TransformerConfig, w: Workload, layout: Layout, act: int, schedule: Schedule | None
+    c: TransformerConfig,
+    w: Workload,
+    layout: Layout,
+    act: int,
+    schedule: Schedule | None,
+    hw: Hardware | None = None,
 ) -> float:
     """Korthikanti et al. 2022 activation bytes of one device's live microbatches.
 
     Context parallelism divides the sequence (ring attention holds one key/value block at a
-    time, so the score term shrinks with the square); a mixture of experts is counted as its
-    dense MLP (its dispatch buffers are left out).
+    time, so the score term shrinks with the square). A mixture of experts replaces the MLP's
+    19 ``s b h`` with its own (:func:`_expert_activations`).
     """
     rows = w.batch / layout.batch_degree
     micro = w.microbatches or (layout.pp if layout.pp > 1 else 1)
@@ -316,9 +321,52 @@ def _activations(
         per_layer = 34 * s * b * h / t
     else:
         per_layer = s * b * h * (34 / t + 5 * a * s / (h * t))
+    if c.experts and w.remat != "full":
+        per_layer += s * b * (_expert_activations(c, w, layout, act, hw) * 2 / act - 19 * h / t)
     # a deferred weight op keeps its layers' output cotangents as well (s b h each)
     per_layer_all = per_layer * in_flight + s * b * h * waiting
     return per_layer_all * act / 2 * math.ceil(c.layers / layout.pp)
+
+
+def _expert_activations(
+    c: TransformerConfig, w: Workload, layout: Layout, act: int, hw: Hardware | None
+) -> float:
+    """A mixture-of-experts MLP's bytes kept per token for the backward pass.
+
+    The router's float32 logits and probabilities (``8 x experts``), each choice's weight,
+    expert and places (``24`` per choice), the output's float32 sum (``4 h``), and per routed
+    row, padding included, ``ffn``-wide rows: ``8`` gated (both inputs, the activation, their
+    product and its gate-weighted copy, and the backward's gradients of them; one
+    mixture-of-experts layer's step compiled on XLA:CPU keeps 7.9 per routed row, as a gated
+    MLP keeps 8 per token), ``6`` plain. Over expert axes the exchange's buffers hold the
+    worst case, every device's rows routed to this one: ``ep`` times those rows and three
+    ``h``-wide ones (received, computed, sent back).
+    """
+    hidden = (8 if c.gated else 6) * c.ffn * act / layout.tp
+    if layout.ep > 1:  # buffers for the worst case: every device's rows routed to this one
+        row = layout.ep * (hidden + 3 * c.d_model * act)  # received, computed, sent back
+    else:
+        row = _padding(c, w, layout, hw) * hidden
+    return 8 * c.experts + c.top_k * (24 + row) + 4 * c.d_model
+
+
+def _padding(c: TransformerConfig, w: Workload, layout: Layout, hw: Hardware | None) -> float:
+    """Rows the grouped product runs per routed row (1 without a blocked kernel).
+
+    On a blocked kernel (``hw.blocked_experts``) each expert's rows are padded to whole
+    blocks: a device's group of ``n`` rows runs the static bound ``n + experts x (block - 1)``
+    rounded to blocks, or, over expert axes (a loop over the blocks in use), about half a
+    block per local expert more.
+    """
+    if hw is None or not hw.blocked_experts:
+        return 1.0
+    groups = c.experts // layout.ep
+    micro = max(w.microbatches or 1, 1)
+    rows = w.batch * w.seq / (layout.batch_degree * layout.cp * micro) * c.top_k
+    block = auto_block(int(rows), groups)
+    if layout.ep > 1:
+        return 1 + groups * block / (2 * rows)
+    return block * ((rows + groups * (block - 1)) // block) / rows
 
 
 def schedule_of(layout: Layout, w: Workload) -> Schedule | None:
@@ -453,7 +501,7 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
         "params": per_device * stored,
         "grads": (sharded if layout.zero == 2 else per_device) * stored,
         "optimizer": sharded * _OPTIMIZER_BYTES[workload.optimizer],
-        "activations": _activations(config, workload, layout, width, schedule),
+        "activations": _activations(config, workload, layout, width, schedule, hardware),
         "gathered": 2 * layer_shard * layout.fsdp if layout.fsdp > 1 else 0.0,
         "unreduced": layer_shard * layout.fsdp if layout.fsdp > 1 else 0.0,
         "logits": rows
@@ -522,31 +570,19 @@ def _flops_per_token(c: TransformerConfig, leaves: tuple[Leaf, ...], seq: int) -
 def _dispatch_flops(
     c: TransformerConfig, leaves: tuple[Leaf, ...], w: Workload, layout: Layout, hw: Hardware
 ) -> float:
-    """Mixture-of-experts FLOPs per token beyond the active matmuls :func:`_flops_per_token`
-    counts.
+    """Mixture-of-experts FLOPs per token beyond :func:`_flops_per_token`'s active matmuls.
 
-    Sorted dispatch multiplies ``tokens x top_k`` rows by their experts; on a blocked kernel
-    (``hw.blocked_experts``) each expert's rows are padded to whole blocks: a device's group
-    of ``n`` rows runs the static bound ``n + experts x (block - 1)`` rounded to blocks,
-    or, over expert axes (a loop over the blocks in use), about half a block per local
-    expert more. Where the layer enters its own region (expert axes, or XLA's step over a
-    split batch) its backward recomputes the forward: the router and experts again.
+    Sorted dispatch multiplies ``tokens x top_k`` rows by their experts, padded on a blocked
+    kernel (:func:`_padding`). Where the layer enters its own region (expert axes, or XLA's
+    step over a split batch) its backward recomputes the forward: the router and experts
+    again.
     """
     if not c.experts:
         return 0.0
     share = c.top_k / c.experts
     expert = sum(math.prod(leaf.shape) for leaf in leaves if "expert" in leaf.names)
     router = sum(math.prod(leaf.shape) for leaf in leaves if leaf.path.endswith("router"))
-    factor = 1.0
-    if hw.blocked_experts:
-        groups = c.experts // layout.ep
-        micro = max(w.microbatches or 1, 1)
-        rows = w.batch * w.seq / (layout.batch_degree * layout.cp * micro) * c.top_k
-        block = auto_block(int(rows), groups)
-        if layout.ep > 1:
-            factor = 1 + groups * block / (2 * rows)
-        else:
-            factor = block * ((rows + groups * (block - 1)) // block) / rows
+    factor = _padding(c, w, layout, hw)
     extra = 6 * expert * share * (factor - 1)
     region = layout.ep > 1 or (_xla_step(layout) and layout.batch_degree > 1)
     if region:

@@ -371,8 +371,11 @@ def _validate_layout(
 
 
 def _compiled_flops(cost: dict, text: str) -> float:
-    """XLA's FLOPs with each loop counted as often as it runs (``cost_analysis`` counts a
-    ``while`` body once: the blocks of a grouped product, a pipeline's ticks)."""
+    """XLA's FLOPs with each loop counted as often as it runs.
+
+    ``cost_analysis`` counts a ``while`` body once (the blocks of a grouped product, a
+    pipeline's ticks); the matrix products of the other trips are added.
+    """
     return float(cost.get("flops", 0.0)) + dot_flops(text) - dot_flops(text, trips=False)
 
 
