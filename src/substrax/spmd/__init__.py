@@ -32,6 +32,7 @@ from substrax.spmd._experts import experts as experts
 from substrax.spmd._grouped import Groups as Groups
 from substrax.spmd._grouped import group_rows as group_rows
 from substrax.spmd._grouped import grouped_matmul as grouped_matmul
+from substrax.spmd._grouped import native_grouped_matmul as native_grouped_matmul
 from substrax.spmd._precision import PRECISIONS as PRECISIONS
 from substrax.spmd._precision import MixedPrecision as MixedPrecision
 from substrax.spmd._precision import as_precision as as_precision
@@ -40,6 +41,7 @@ from substrax.spmd._remat import checkpoint_policy as checkpoint_policy
 from substrax.spmd._routing import ROUTINGS as ROUTINGS
 from substrax.spmd._routing import Route as Route
 from substrax.spmd._routing import route as route
+from substrax.spmd._workarounds import looped_region_obstacle as looped_region_obstacle
 from substrax.spmd._workarounds import region_obstacle as region_obstacle
 
 __all__ = [
@@ -68,7 +70,9 @@ __all__ = [
     "group_rows",
     "grouped_matmul",
     "lay_out",
+    "looped_region_obstacle",
     "manual_batch_axes",
+    "native_grouped_matmul",
     "positions",
     "region_obstacle",
     "route",

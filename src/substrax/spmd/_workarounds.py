@@ -13,7 +13,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
-__all__ = ["OBSERVED_ON", "region_obstacle"]
+__all__ = ["OBSERVED_ON", "looped_region_obstacle", "region_obstacle"]
 
 #: The jax version the entries below were observed on.
 OBSERVED_ON = "0.10.2"
@@ -54,3 +54,25 @@ def region_obstacle(
             f"all-reduces over the axes {free} that a manual region leaves outside it"
         )
     return None
+
+
+def looped_region_obstacle(what: str, axes: tuple[str, ...]) -> str | None:
+    """Why a layer's own region over ``axes`` inside a loop cannot run in a manual region.
+
+    * Shardy rejects a ``shard_map`` nested in a loop (an ``nnx.scan`` over stacked layers)
+      within a manual region that leaves the nested region's axes out ("manual axes must
+      come before free axes"): stacked experts over expert axes under ``fsdp+ep``.
+
+    Args:
+      what: The layer, as the message names it (``"the stacked experts (blocks/moe/w_in)"``).
+      axes: The axes of size > 1 its region spans that the manual region leaves out.
+
+    Returns:
+      A sentence naming the obstacle and the jax version it was seen on, or None.
+    """
+    if not axes:
+        return None
+    return (
+        f"{what} enter a region over the expert axes {axes} inside the layers' loop, which "
+        f"Shardy (jax {OBSERVED_ON}) rejects within a manual region that leaves those axes out"
+    )

@@ -28,8 +28,13 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
-from substrax.spmd import PRECISIONS, MixedPrecision, as_precision, region_obstacle
-from substrax.spmd._workarounds import OBSERVED_ON
+from substrax.spmd import (
+    PRECISIONS,
+    MixedPrecision,
+    as_precision,
+    looped_region_obstacle,
+    region_obstacle,
+)
 from substrax_flax._per_device import batch_stat_obstacle, synced_stats
 from substrax_flax._plan import ModelPlan
 from substrax_flax._resolve import entry_axes, without_axes
@@ -245,8 +250,8 @@ def stacked_experts_obstacle(plan: ModelPlan, mesh, split: tuple[str, ...]) -> s
 
     Experts in a stacked layer (an ``nnx.scan`` over the ``layers`` axis) enter their own
     region over the expert axes inside the loop; where those axes are left to XLA by the
-    manual region (``fsdp+ep``: the region spans the data axes), this jax's Shardy rejects
-    the nested region ("manual axes must come before free axes", jax 0.10.2).
+    manual region (``fsdp+ep``: the region spans the data axes), this jax cannot compile it
+    (:func:`substrax.spmd.looped_region_obstacle`).
     """
     sizes = dict(mesh.shape)
     for row in plan.rows:
@@ -256,12 +261,9 @@ def stacked_experts_obstacle(plan: ModelPlan, mesh, split: tuple[str, ...]) -> s
         entry = row.spec[names.index("expert")] if names.index("expert") < len(row.spec) else None
         axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
         free = tuple(a for a in axes if sizes[a] > 1 and a not in split)
-        if free:
-            return (
-                f"the stacked experts ({row.path}) enter a region over the expert axes {free} "
-                f"inside the layers' loop, which Shardy (jax {OBSERVED_ON}) rejects within a "
-                "manual region that leaves those axes out"
-            )
+        found = looped_region_obstacle(f"the stacked experts ({row.path})", free)
+        if found is not None:
+            return found
     return None
 
 

@@ -43,8 +43,7 @@ from substrax.planner import (
 )
 from substrax.planner import main as planner_main
 from substrax.planner import transformer_leaves as leaves_of
-from substrax.spmd import attention, context_axes, experts
-from substrax.spmd._grouped import native_grouped_matmul
+from substrax.spmd import attention, context_axes, experts, native_grouped_matmul
 from substrax_flax._create import create_sharded_model
 from substrax_flax._optimizer import create_sharded_optimizer
 from substrax_flax._pipeline_step import make_pipeline_train_step
