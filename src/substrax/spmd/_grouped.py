@@ -29,7 +29,12 @@ __all__ = ["Groups", "auto_block", "group_rows", "grouped_matmul", "native_group
 
 
 def native_grouped_matmul() -> bool:
-    """Whether the default backend has a grouped kernel (``ragged_dot`` not lowered densely)."""
+    """Whether the default backend has a grouped kernel (``ragged_dot`` not lowered densely).
+
+    Returns:
+      True on GPU and TPU; False on XLA:CPU, where :func:`grouped_matmul` runs its own loop
+      over blocks.
+    """
     return jax.default_backend() in ("gpu", "tpu")
 
 
