@@ -23,7 +23,7 @@ from substrax.mesh._resolve import as_axes, resolve_names
 from substrax.pipeline import SCHEDULES, Schedule
 from substrax.planner._architectures import Leaf, TransformerConfig
 from substrax.spmd import REMAT, region_obstacle
-from substrax.spmd._grouped import auto_block
+from substrax.spmd._grouped import auto_block, blocked_size
 
 __all__ = [
     "Candidate",
@@ -366,7 +366,7 @@ def _padding(c: TransformerConfig, w: Workload, layout: Layout, hw: Hardware | N
     block = auto_block(int(rows), groups)
     if layout.ep > 1:
         return 1 + groups * block / (2 * rows)
-    return block * ((rows + groups * (block - 1)) // block) / rows
+    return blocked_size(rows, groups, block) / rows
 
 
 def schedule_of(layout: Layout, w: Workload) -> Schedule | None:

@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 from substrax.spmd._region import reduce_as, vary_as
 
-__all__ = ["Groups", "auto_block", "group_rows", "grouped_matmul", "native_grouped_matmul",
-           "segment_of"]  # fmt: skip
+__all__ = ["Groups", "auto_block", "blocked_size", "group_rows", "grouped_matmul",
+           "native_grouped_matmul", "segment_of"]  # fmt: skip
 
 
 def native_grouped_matmul() -> bool:
@@ -94,7 +94,7 @@ def group_rows(group: jax.Array, groups: int, *, block: int | None = None,
     if native:
         size, padded_start, block_group, used, block = rows, start, None, None, 1
     else:
-        size = block * ((rows + groups * (block - 1)) // block)
+        size = blocked_size(rows, groups, block)
         blocks = (sizes + block - 1) // block
         padded_start = (jnp.cumsum(blocks) - blocks) * block
         ends = jnp.cumsum(blocks)
@@ -114,6 +114,14 @@ def auto_block(rows: int, groups: int) -> int:
     while block > 8 and groups * (block - 1) > rows / 16:
         block //= 2
     return block
+
+
+def blocked_size(rows: int, groups: int, block: int) -> int:
+    """The blocked layout's rows: at most ``rows + groups x (block - 1)``, in whole blocks.
+
+    Each of ``groups`` groups is padded to whole blocks; this is the static bound.
+    """
+    return block * ((rows + groups * (block - 1)) // block)
 
 
 def segment_of(ends: jax.Array, size: int) -> jax.Array:
@@ -183,11 +191,7 @@ def _run(x, w, block_group, used, source, target, block, rows, *, transpose=Fals
     blocks = block_group.shape[0]
 
     def product(i):
-        if source is None:
-            rows_in = jax.lax.dynamic_slice_in_dim(x, i * block, block)
-        else:
-            index = jax.lax.dynamic_slice_in_dim(source, i * block, block)
-            rows_in = jnp.take(x, index, axis=0, mode="fill", fill_value=0)
+        rows_in = _block_rows(x, source, i, block)
         weight = jax.lax.dynamic_index_in_dim(w, block_group[i], keepdims=False)
         weight = weight.T if transpose else weight
         return jnp.dot(rows_in, weight.astype(x.dtype), preferred_element_type=jnp.float32)
@@ -214,6 +218,14 @@ def _run(x, w, block_group, used, source, target, block, rows, *, transpose=Fals
     return jax.lax.fori_loop(0, used, body, out)
 
 
+def _block_rows(array, index, i, block):
+    """Block ``i``'s rows of ``array``: sliced, or read at ``index``'s rows (0 where none)."""
+    if index is None:
+        return jax.lax.dynamic_slice_in_dim(array, i * block, block)
+    at = jax.lax.dynamic_slice_in_dim(index, i * block, block)
+    return jnp.take(array, at, axis=0, mode="fill", fill_value=0)
+
+
 def _blocked(x, w, block_group, used, source, target, block, rows):
     return _run(x, w, block_group, used, source, target, block, rows)
 
@@ -230,14 +242,8 @@ def _blocked_backward(block, rows, residuals, dy):
     # it read, with each weight transposed
     dx = _run(dy, w, block_group, used, target, source, block, x.shape[0], transpose=True)
 
-    def rows_of(array, index, i):
-        if index is None:
-            return jax.lax.dynamic_slice_in_dim(array, i * block, block)
-        at = jax.lax.dynamic_slice_in_dim(index, i * block, block)
-        return jnp.take(array, at, axis=0, mode="fill", fill_value=0)
-
     def add(dw, i):
-        product = jnp.dot(rows_of(x, source, i).T, rows_of(dy, target, i),
+        product = jnp.dot(_block_rows(x, source, i, block).T, _block_rows(dy, target, i, block),
                           preferred_element_type=jnp.float32)  # fmt: skip
         group = block_group[i]
         current = jax.lax.dynamic_index_in_dim(dw, group, keepdims=False)
