@@ -39,10 +39,39 @@ class Config:
     capacity_factor: float | None = None
     #: Dropout rate after attention and after the MLP of each block (0: no dropout layers).
     dropout: float = 0.0
+    #: Key/value heads (0: as many as ``heads``; fewer: grouped-query attention, as Llama 3).
+    kv_heads: int = 0
+    #: A SwiGLU MLP (``silu(x @ gate) * (x @ up) @ down``, as Llama's) instead of GELU's.
+    gated: bool = False
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.heads
+
+    @property
+    def kv(self) -> int:
+        """Key/value heads."""
+        return self.kv_heads or self.heads
+
+
+#: Llama 3 8B's shapes (Meta's model card: 32 layers, width 4096, 32 query and 8 key/value
+#: heads, SwiGLU of 14336, vocabulary 128256, untied head): 8,030,261,248 parameters.
+LLAMA3_8B = Config(vocab=128256, d_model=4096, heads=32, kv_heads=8, mlp=14336, layers=32,
+                   seq=8192, gated=True)  # fmt: skip
+#: Mixtral 8x7B's shapes (Mistral's release: Llama-style blocks with 8 SwiGLU experts of
+#: 14336, each token routed to two, vocabulary 32000): 46.7B parameters.
+MIXTRAL_8X7B = Config(vocab=32000, d_model=4096, heads=32, kv_heads=8, mlp=14336, layers=32,
+                      seq=4096, gated=True, moe_experts=8)  # fmt: skip
+
+
+def llama3_8b() -> StackedGPT:
+    """Llama 3 8B's shapes as a stacked decoder (for ``substrax_flax.compile``: abstract only)."""
+    return StackedGPT(LLAMA3_8B, nnx.Rngs(0))
+
+
+def mixtral_8x7b() -> StackedGPT:
+    """Mixtral 8x7B's shapes as a stacked decoder of experts (abstract only, as above)."""
+    return StackedGPT(MIXTRAL_8X7B, nnx.Rngs(0))
 
 
 def _param(rngs, shape, names, init=None):
@@ -61,18 +90,21 @@ class Block(nnx.Module):
         d, h, k, m = config.d_model, config.heads, config.head_dim, config.mlp
         self.attn_norm = nnx.Param(jnp.ones((d,)), out_sharding=("embed",))
         self.wq = _param(rngs, (d, h, k), ("embed", "heads", "kv"))
-        self.wk = _param(rngs, (d, h, k), ("embed", "heads", "kv"))
-        self.wv = _param(rngs, (d, h, k), ("embed", "heads", "kv"))
+        self.wk = _param(rngs, (d, config.kv, k), ("embed", "heads", "kv"))
+        self.wv = _param(rngs, (d, config.kv, k), ("embed", "heads", "kv"))
         self.wo = _param(rngs, (h, k, d), ("heads", "kv", "embed"))
         self.mlp_norm = nnx.Param(jnp.ones((d,)), out_sharding=("embed",))
         if config.moe_experts:
             dispatch = "sorted" if config.capacity_factor is None else "one-hot"
             self.moe = sf.MixtureOfExperts(
                 d, m, config.moe_experts, dispatch=dispatch,
-                capacity_factor=config.capacity_factor, rngs=rngs,
+                capacity_factor=config.capacity_factor, gated=config.gated,
+                activation=jax.nn.silu if config.gated else jax.nn.gelu, rngs=rngs,
             )  # fmt: skip
         else:
             self.up = _param(rngs, (d, m), ("embed", "mlp"))
+            if config.gated:
+                self.gate = _param(rngs, (d, m), ("embed", "mlp"))
             self.down = _param(rngs, (m, d), ("mlp", "embed"))
         if config.dropout:
             self.attn_drop = nnx.Dropout(config.dropout, rngs=rngs)
@@ -99,7 +131,11 @@ class Block(nnx.Module):
         if hasattr(self, "moe"):
             out, stats = self.moe(h)
             return constrain(x + out, "data", "seq", "embed"), stats.aux_loss
-        h = constrain(jax.nn.gelu(h @ self.up[...]), "data", "seq", "mlp")
+        if hasattr(self, "gate"):
+            h = jax.nn.silu(h @ self.gate[...]) * (h @ self.up[...])
+        else:
+            h = jax.nn.gelu(h @ self.up[...])
+        h = constrain(h, "data", "seq", "mlp")
         out = self._drop("mlp_drop", h @ self.down[...])
         return constrain(x + out, "data", "seq", "embed"), jnp.zeros(())
 

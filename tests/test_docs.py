@@ -15,6 +15,7 @@ import substrax.mesh
 import substrax.pipeline
 import substrax.planner
 import substrax.spmd
+import substrax.target
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 API = "\n".join(path.read_text() for path in (ROOT / "docs" / "api").glob("*.md"))
@@ -27,6 +28,7 @@ MODULES = [
     substrax.launch,
     substrax.pipeline,
     substrax.planner,
+    substrax.target,
 ]
 
 
@@ -50,14 +52,12 @@ def test_every_public_name_is_in_the_api_reference(module):
 
 def test_every_adapter_name_is_in_the_api_reference():
     import substrax_flax
+    import substrax_flax.compile
     import substrax_flax.planner
 
     missing = [n for n in substrax_flax.__all__ if f"::: substrax_flax.{n}\n" not in API + "\n"]
-    missing += [
-        n
-        for n in substrax_flax.planner.__all__
-        if f"::: substrax_flax.planner.{n}\n" not in API + "\n"
-    ]
+    for module in (substrax_flax.planner, substrax_flax.compile):
+        missing += [n for n in module.__all__ if f"::: {module.__name__}.{n}\n" not in API + "\n"]
     assert missing == []
 
 

@@ -19,7 +19,10 @@ def test_psum_in_shard_map_is_one_all_reduce_of_known_bytes(mesh_2x4):
     )
     ops = collectives(_hlo(f, jnp.ones((4, 1024), jnp.float32)))
     # Each device holds a (2, 256) float32 block: 2048 bytes, summed over groups of 4.
-    assert ops == [Collective("all-reduce", ops[0].computation, 2048, 4, 2 * 2048 * 3 / 4)]
+    assert ops == [
+        Collective("all-reduce", ops[0].computation, 2048, 4, 2 * 2048 * 3 / 4, 1, (0, 1, 2, 3))
+    ]
+    assert ops[0].axes({"data": 2, "model": 4}) == ("model",)
 
 
 def test_all_gather_traffic_by_kind(mesh_2x4):
@@ -93,6 +96,30 @@ def test_text_formats_of_replica_groups():
     ]
     assert [op.traffic_bytes for op in ops] == [48.0, 16.0, 24.0, 48.0, 48.0]
     assert {op.computation for op in ops} == {"main"}
+    assert [op.group for op in ops] == [(0, 1, 2, 3), (0, 1), (0, 1, 2, 3), (0, 1, 2, 3),
+                                        (0, 1, 2, 3)]  # fmt: skip
+    # the ids are the program's devices: on a program mesh {"a": 2, "b": 4}, 0-3 vary b only
+    assert ops[4].axes({"a": 2, "b": 4}) == ("b",) and ops[1].axes({"a": 4, "b": 2}) == ("b",)
+    transposed = "replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%s"
+    (op,) = collectives(f"ENTRY %m {{\n  %g = f32[8]{{0}} all-reduce(%p), {transposed}\n}}")
+    assert op.group == (0, 2, 4, 6) and op.axes({"a": 4, "b": 2}) == ("a",)
+
+
+def test_tpu_fused_reduce_scatter_counts_as_one():
+    """XLA:TPU's ``all-reduce-scatter`` fusion: an all-reduce and its slice are a reduce-scatter."""
+    text = "\n".join([
+        "%all-reduce-scatter (input: f32[32,4]) -> f32[8,4] {",
+        "  %ar = f32[32,4]{1,0} all-reduce(%input), replica_groups={{0,1,2,3}}, to_apply=%s",
+        "  ROOT %ds = f32[8,4]{1,0} dynamic-slice(%ar, %i, %j), dynamic_slice_sizes={8,4}",
+        "}",
+        "ENTRY %main (p: f32[32,4]) -> f32[8,4] {",
+        "  %b = f32[32,4]{1,0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%s",
+        "  ROOT %f = f32[8,4]{1,0} fusion(%p), kind=kCustom, calls=%all-reduce-scatter",
+        "}",
+    ])  # fmt: skip
+    fused, whole = collectives(text)
+    assert (fused.kind, fused.result_bytes, fused.traffic_bytes) == ("reduce-scatter", 128, 384.0)
+    assert (whole.kind, whole.traffic_bytes) == ("all-reduce", 768.0)  # a real all-reduce
 
 
 def test_lowered_stablehlo_keeps_the_dtype_the_program_asks_for(mesh_2x4):

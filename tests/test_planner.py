@@ -473,7 +473,8 @@ def test_the_headroom_is_configurable_and_checked(capsys):
 def test_device_kinds_name_their_profiles():
     assert profile_of("NVIDIA H100 80GB HBM3") == "h100" and profile_of("NVIDIA H200") == "h200"
     assert profile_of("TPU v5") == "tpu-v5p" and profile_of("TPU v5p") == "tpu-v5p"
-    assert profile_of("TPU v5 lite") is None  # a v5e: not v5p's peak
+    assert profile_of("TPU v5 lite") == "tpu-v5e"  # a v5e: not v5p's peak
+    assert profile_of("TPU v4") == "tpu-v4" and profile_of("TPU v6 lite") == "tpu-v6e"
     assert profile_of("cpu") is None
 
 

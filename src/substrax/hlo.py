@@ -11,6 +11,11 @@ group and ``B`` the bytes of the full (gathered or reduced) array,
 * all-to-all: ``B * (n - 1) / n``,
 * collective-permute: ``B`` (each device sends its buffer once).
 
+XLA:TPU writes some reduce-scatters as a fusion (a computation named ``all-reduce-scatter``)
+of an all-reduce and the slice each device keeps; those count as reduce-scatters. An
+all-reduce followed by a separate slice is an all-reduce: XLA:TPU chose to reduce the whole
+array (it does so for groups spanning more than one dimension of a 3-D torus).
+
 Counts are static: an op inside a loop body is counted once, and :attr:`Collective.computation`
 names the computation it sits in, so loop bodies can be told apart; :attr:`Collective.runs`
 is how often it runs per execution (the product of the known trip counts of the ``while``
@@ -26,13 +31,16 @@ bf16).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 __all__ = [
-    "KINDS", "Collective", "collectives", "dot_flops", "loop_runs", "peak_bytes",
-    "traffic_by_kind", "while_bodies",
+    "KINDS", "Collective", "argument_bytes", "collectives", "dot_flops", "loop_runs",
+    "peak_bytes", "traffic_by_axes", "traffic_by_kind", "while_bodies",
 ]  # fmt: skip
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -46,6 +54,8 @@ _DTYPE_BYTES = {
 }  # fmt: skip
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _OP = re.compile(r"=\s*(?P<result>.*?)\s(?P<kind>" + "|".join(KINDS) + r")(?P<async>-start)?\(")
+#: XLA:TPU's fused reduce-scatter: an all-reduce and the slice it keeps, in one kernel.
+_REDUCE_SCATTER_FUSION = "all-reduce-scatter"
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")  # unindented header
 
 
@@ -61,6 +71,9 @@ class Collective:
       traffic_bytes: Bytes it moves per device, by the ring volumes in the module docstring.
       runs: How often it runs per execution: the known trip counts of the loops around it
         multiplied (1 outside loops, and for a loop whose count XLA does not state).
+      group: The devices of its first replica group (a permute: its first source and
+        target), as logical ids (positions in the mesh's flattened devices); empty where
+        the text does not say.
     """
 
     kind: str
@@ -69,6 +82,23 @@ class Collective:
     group_size: int
     traffic_bytes: float
     runs: int = 1
+    group: tuple[int, ...] = ()
+
+    def axes(self, axis_sizes: dict[str, int]) -> tuple[str, ...] | None:
+        """The mesh axes its group spans: those along which the group's devices differ.
+
+        Args:
+          axis_sizes: The program's mesh, ``{axis_name: size}`` outermost first (as
+            ``dict(mesh.shape)``).
+
+        Returns:
+          The axes in mesh order, or None where the group is not known.
+        """
+        if not self.group:
+            return None
+        coords = np.array(np.unravel_index(np.array(self.group), tuple(axis_sizes.values())))
+        varies = (coords != coords[:, :1]).any(axis=1)
+        return tuple(name for name, moves in zip(axis_sizes, varies, strict=True) if moves)
 
 
 def _shape_bytes(text: str) -> list[int]:
@@ -81,6 +111,19 @@ def _shape_bytes(text: str) -> list[int]:
             count *= int(dim)
         sizes.append(count * _DTYPE_BYTES[dtype])
     return sizes
+
+
+def _async_results(text: str) -> list[int]:
+    """The result bytes of an async start's ``(operands, results[, context scalars])`` tuple.
+
+    XLA:CPU writes ``(operand, result)``; XLA:TPU appends ``u32[]`` context values to a
+    collective-permute's tuple. With several operands the results are the second half.
+    """
+    shapes = [(dtype, dims) for dtype, dims in _SHAPE.findall(text) if dtype in _DTYPE_BYTES]
+    while shapes and not shapes[-1][1] and shapes[-1][0] in ("u32", "s32"):
+        shapes.pop()
+    half = shapes[len(shapes) // 2 :] if len(shapes) > 1 else shapes
+    return _shape_bytes(" ".join(f"{dtype}[{dims}]" for dtype, dims in half))
 
 
 def _group_size(line: str, num_devices: int) -> int:
@@ -100,6 +143,45 @@ def _group_size(line: str, num_devices: int) -> int:
     if listed:
         return len(listed.group(1).split(","))
     return num_devices
+
+
+def _iota(dims: str, perm: str | None) -> np.ndarray:
+    """The ids of an iota device list ``[dims]`` with an optional transpose ``T(perm)``."""
+    shape = tuple(int(d) for d in dims.split(",") if d)
+    ids = np.arange(math.prod(shape)).reshape(shape)
+    if perm:
+        ids = ids.transpose(tuple(int(p) for p in perm.split(",")))
+    return ids.reshape(-1)
+
+
+def _first_group(line: str) -> tuple[int, ...]:
+    """The device ids of an op's first replica group (or a permute's first pair)."""
+    listed = re.search(r"replica_groups=\{\{([0-9,]*)\}", line)
+    if listed:
+        return tuple(int(i) for i in listed.group(1).split(",") if i)
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", line)
+    if iota:
+        groups, size = int(iota.group(1)), int(iota.group(2))
+        return tuple(int(i) for i in _iota(iota.group(3), iota.group(4)).reshape(groups, size)[0])
+    named = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?"
+        r"[^{]*\{([^}]*)\}",
+        line,
+    )
+    if named:
+        sizes = dict(re.findall(r"'([^']+)'=(\d+)", named.group(1)))
+        shape = tuple(int(v) for v in sizes.values())
+        if named.group(2):
+            ids = _iota(named.group(2), named.group(3)).reshape(shape)
+        else:
+            ids = np.arange(math.prod(shape)).reshape(shape)
+        spanned = set(re.findall(r"'([^']+)'", named.group(4)))
+        index = tuple(slice(None) if a in spanned else 0 for a in sizes)
+        return tuple(int(i) for i in ids[index].reshape(-1))
+    pairs = re.search(r"source_target_pairs=\{\{(\d+),(\d+)\}", line)
+    if pairs:
+        return (int(pairs.group(1)), int(pairs.group(2)))
+    return ()
 
 
 def _traffic(kind: str, result_bytes: int, n: int) -> float:
@@ -129,7 +211,7 @@ def collectives(hlo_text: str, num_devices: int = 1) -> list[Collective]:
     """
     if "stablehlo." in hlo_text:
         return _stablehlo_collectives(hlo_text, num_devices)
-    runs = loop_runs(hlo_text)
+    runs = _computation_runs(hlo_text)
     found, computation = [], ""
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
@@ -141,18 +223,22 @@ def collectives(hlo_text: str, num_devices: int = 1) -> list[Collective]:
             continue
         kind = match.group("kind")
         results = _shape_bytes(match.group("result"))
-        if match.group("async"):  # (operand, result) tuples: the result is the last shape
-            results = results[-1:]
+        if match.group("async"):
+            results = _async_results(match.group("result"))
         n = _group_size(line, num_devices)
         size = sum(results)
+        if kind == "all-reduce" and computation.startswith(_REDUCE_SCATTER_FUSION):
+            kind, size = "reduce-scatter", size // n  # the fusion keeps this device's slice
         found.append(
             Collective(kind, computation, size, n, _traffic(kind, size, n),
-                       runs.get(computation, 1))
+                       runs.get(computation, 1), _first_group(line))
         )  # fmt: skip
     return found
 
 
 _WHILE = re.compile(r"\swhile\(.*?body=%?([\w.\-]+)")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+_BOUND = re.compile(r"\bs32\[\]\S*\s+constant\((\d+)\)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 
 
@@ -167,17 +253,43 @@ def loop_runs(hlo_text: str) -> dict[str, int]:
       ``known_trip_count``; 1 where it states none) times the runs of the computation
       holding the loop, so nested loops multiply.
     """
-    parent, trips, computation = {}, {}, ""
+    bodies = while_bodies(hlo_text)
+    return {name: runs for name, runs in _computation_runs(hlo_text).items() if name in bodies}
+
+
+def _computation_runs(hlo_text: str) -> dict[str, int]:
+    """Runs per execution of every loop body and every computation called from one.
+
+    A loop's trips are XLA's ``known_trip_count`` where it states one (XLA:CPU does), else
+    the constant its condition compares the counter with (``counter < N``, counting from 0
+    as jax's scans and fori_loops do: XLA:TPU states no count). A computation called by
+    another (``calls=``: a fusion, such as XLA:TPU's ``all-reduce-scatter``) runs as often as
+    its caller.
+    """
+    parent, trips, conditions, bounds, computation = {}, {}, {}, {}, ""
     for line in hlo_text.splitlines():
         header = _COMPUTATION.match(line)
         if header:
             computation = header.group(1)
             continue
+        bound = _BOUND.search(line)
+        if bound:
+            bounds.setdefault(computation, []).append(int(bound.group(1)))
         loop = _WHILE.search(line)
         if loop:
             count = _TRIPS.search(line)
             parent[loop.group(1)] = computation
-            trips[loop.group(1)] = int(count.group(1)) if count else 1
+            trips[loop.group(1)] = int(count.group(1)) if count else None
+            condition = _CONDITION.search(line)
+            conditions[loop.group(1)] = condition.group(1) if condition else ""
+            continue
+        for called in _CALLS.findall(line):
+            parent.setdefault(called, computation)
+            trips.setdefault(called, 1)
+    for body, count in trips.items():
+        if count is None:  # one constant in the condition: its bound
+            found = bounds.get(conditions[body], [])
+            trips[body] = found[0] if len(found) == 1 else 1
 
     def runs(body: str, seen: frozenset = frozenset()) -> int:
         if body not in trips or body in seen:
@@ -246,6 +358,31 @@ def traffic_by_kind(
     return table
 
 
+def traffic_by_axes(
+    hlo_text: str, axis_sizes: dict[str, int], *, trips: bool = False
+) -> dict[tuple[str, tuple[str, ...] | None], dict[str, float]]:
+    """Count and traffic per device of each collective kind over each set of mesh axes.
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of a partitioned program.
+      axis_sizes: Its mesh, ``{axis_name: size}`` outermost first (``dict(mesh.shape)``).
+      trips: Count each op as often as it runs (see :func:`traffic_by_kind`).
+
+    Returns:
+      ``{(kind, axes): {"count": int, "bytes": float}}``, ``axes`` the mesh axes the op's
+      groups span (:meth:`Collective.axes`; None where the text does not say), sorted by
+      kind then axes.
+    """
+    table: dict[tuple[str, tuple[str, ...] | None], dict[str, float]] = {}
+    for op in collectives(hlo_text, math.prod(axis_sizes.values())):
+        times = op.runs if trips else 1
+        row = table.setdefault((op.kind, op.axes(axis_sizes)), {"count": 0, "bytes": 0.0})
+        row["count"] += times
+        row["bytes"] += op.traffic_bytes * times
+    order = {kind: i for i, kind in enumerate(KINDS)}
+    return dict(sorted(table.items(), key=lambda item: (order[item[0][0]], str(item[0][1]))))
+
+
 def while_bodies(hlo_text: str) -> set[str]:
     """Names of the computations that are bodies of ``while`` loops (``scan``, ``fori_loop``).
 
@@ -256,6 +393,30 @@ def while_bodies(hlo_text: str) -> set[str]:
       The body computations' names, to compare with :attr:`Collective.computation`.
     """
     return set(_WHILE.findall(hlo_text))
+
+
+def argument_bytes(hlo_text: str) -> int:
+    """The bytes of a compiled program's arguments per device, as their shapes state them.
+
+    ``memory_analysis().argument_size_in_bytes`` counts each argument in its device layout:
+    XLA:TPU pads the last two dimensions to whole tiles (``f32[8,64]{1,0:T(8,128)}`` takes
+    as much as ``f32[8,128]``), which for small shards can be several times the data. This
+    counts the shapes alone, what a plan's bytes per device are.
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of a partitioned program.
+
+    Returns:
+      The bytes of the entry computation's parameters, unpadded.
+
+    Raises:
+      ValueError: If the text has no ``entry_computation_layout``.
+    """
+    start = hlo_text.find("entry_computation_layout={(")
+    if start < 0:
+        raise ValueError("The text has no entry_computation_layout: pass compiled.as_text().")
+    end = hlo_text.find(")->", start)
+    return sum(_shape_bytes(hlo_text[start:end]))
 
 
 def peak_bytes(memory: Any) -> int:

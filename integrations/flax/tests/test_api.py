@@ -9,7 +9,9 @@ import substrax.layout
 import substrax.pipeline
 import substrax.planner
 import substrax.spmd
+import substrax.target
 import substrax_flax
+import substrax_flax.compile
 import substrax_flax.planner
 
 
@@ -24,7 +26,9 @@ import substrax_flax.planner
         *public_callables(substrax.pipeline),
         *public_callables(substrax.planner),
         *public_callables(substrax.layout),
+        *public_callables(substrax.target),
         *public_callables(substrax_flax.planner),
+        *public_callables(substrax_flax.compile),
     ],
     ids=lambda v: v if isinstance(v, str) else getattr(v, "__qualname__", type(v).__name__),
 )

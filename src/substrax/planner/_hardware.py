@@ -11,6 +11,12 @@ Figures are the vendors' published numbers; bandwidths are per device and per di
 - TPU v5p (Google Cloud TPU v5p documentation): 95 GB HBM2e; 459 TFLOP/s BF16; inter-chip
   interconnect 4,800 Gb/s per chip -> 300 GB/s per direction, between hosts of a pod too; 4
   chips per host.
+- TPU v4 (Cloud TPU v4 documentation): 32 GiB HBM2; 275 TFLOP/s BF16; inter-chip interconnect
+  2,400 Gb/s per chip -> 150 GB/s per direction; 4 chips per host.
+- TPU v5e (Cloud TPU v5e documentation): 16 GB HBM2; 197 TFLOP/s BF16; inter-chip interconnect
+  1,600 Gb/s per chip -> 100 GB/s per direction; 4 chips per host in multi-host slices.
+- TPU v6e (Cloud TPU v6e documentation): 32 GB HBM; 918 TFLOP/s BF16; inter-chip interconnect
+  3,200 Gb/s per chip -> 200 GB/s per direction; 4 chips per host in multi-host slices.
 """
 
 from __future__ import annotations
@@ -39,15 +45,37 @@ HARDWARE: dict[str, Hardware] = {
         intra_host_bandwidth=300e9,
         inter_host_bandwidth=300e9,
     ),
+    "tpu-v4": Hardware(
+        memory_bytes=32 * 2**30,
+        devices_per_host=4,
+        flops=275e12,
+        intra_host_bandwidth=150e9,
+        inter_host_bandwidth=150e9,
+    ),
+    "tpu-v5e": Hardware(
+        memory_bytes=16 * 10**9,
+        devices_per_host=4,
+        flops=197e12,
+        intra_host_bandwidth=100e9,
+        inter_host_bandwidth=100e9,
+    ),
+    "tpu-v6e": Hardware(
+        memory_bytes=32 * 10**9,
+        devices_per_host=4,
+        flops=918e12,
+        intra_host_bandwidth=200e9,
+        inter_host_bandwidth=200e9,
+    ),
 }
 """Named hardware profiles: ``--hardware h100`` on the command line."""
 
 
 #: ``device_kind`` fragments and their profiles, first match wins: jax names a TPU v5p
-#: ``"TPU v5"`` and a v5e ``"TPU v5 lite"``, which has no profile (197 TFLOP/s, not 459).
+#: ``"TPU v5"`` and a v5e ``"TPU v5 lite"`` (197 TFLOP/s, not 459).
 _KINDS = (
-    ("h200", "h200"), ("h100", "h100"), ("tpu v5 lite", None), ("tpu v5e", None),
-    ("tpu v5p", "tpu-v5p"), ("tpu v5", "tpu-v5p"),
+    ("h200", "h200"), ("h100", "h100"), ("tpu v5 lite", "tpu-v5e"), ("tpu v5e", "tpu-v5e"),
+    ("tpu v5p", "tpu-v5p"), ("tpu v5", "tpu-v5p"), ("tpu v6 lite", "tpu-v6e"),
+    ("tpu v6e", "tpu-v6e"), ("tpu v4", "tpu-v4"),
 )  # fmt: skip
 
 

@@ -30,6 +30,7 @@ from substrax.spmd._experts import ExpertStats as ExpertStats
 from substrax.spmd._experts import expert_capacity as expert_capacity
 from substrax.spmd._experts import experts as experts
 from substrax.spmd._grouped import Groups as Groups
+from substrax.spmd._grouped import active_platform as active_platform
 from substrax.spmd._grouped import group_rows as group_rows
 from substrax.spmd._grouped import grouped_matmul as grouped_matmul
 from substrax.spmd._grouped import native_grouped_matmul as native_grouped_matmul
@@ -41,6 +42,7 @@ from substrax.spmd._remat import checkpoint_policy as checkpoint_policy
 from substrax.spmd._routing import ROUTINGS as ROUTINGS
 from substrax.spmd._routing import Route as Route
 from substrax.spmd._routing import route as route
+from substrax.spmd._workarounds import OBSERVED_ON as OBSERVED_ON
 from substrax.spmd._workarounds import looped_region_obstacle as looped_region_obstacle
 from substrax.spmd._workarounds import region_obstacle as region_obstacle
 
@@ -71,8 +73,10 @@ __all__ = [
     "grouped_matmul",
     "lay_out",
     "looped_region_obstacle",
+    "OBSERVED_ON",
     "manual_batch_axes",
     "native_grouped_matmul",
+    "active_platform",
     "positions",
     "region_obstacle",
     "route",

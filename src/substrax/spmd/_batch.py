@@ -74,7 +74,8 @@ def check_batch(batch: Any) -> int:
     """The number of rows of a batch, after checking that it is one.
 
     A batch is a pytree (dict, tuple, list, dataclass, ...) of arrays (numpy or jax) that
-    share a leading batch dimension of at least one row. 0-d leaves (a typed key from
+    share a leading batch dimension of at least one row; ``jax.ShapeDtypeStruct`` leaves give
+    only the shapes, for a step that is compiled and never run. 0-d leaves (a typed key from
     ``jax.random.key``, a step number, a scalar schedule value) are replicated to every
     device instead (:func:`is_replicated_leaf`); a raw ``jax.random.PRNGKey`` has a leading
     dimension of 2, so pass a typed key (``jax.random.key``) instead.
@@ -97,7 +98,7 @@ def check_batch(batch: Any) -> int:
     sizes: dict[str, int] = {}
     for path, leaf in leaves:
         where = f"Batch leaf {jax.tree_util.keystr(path)}" if path else "The batch"
-        if not isinstance(leaf, (np.ndarray, np.generic, jax.Array)):
+        if not isinstance(leaf, (np.ndarray, np.generic, jax.Array, jax.ShapeDtypeStruct)):
             raise TypeError(
                 f"{where} is a {type(leaf).__name__} ({leaf!r:.60}), not an array. A batch is a "
                 "pytree of arrays with a leading batch dimension; convert rows or lists with "
@@ -147,7 +148,8 @@ def shard_batch(
 
     Returns:
       The same pytree of global ``jax.Array``s, sharded along their leading dimension (and
-      their sequence).
+      their sequence). A ``jax.ShapeDtypeStruct`` leaf describes the global leaf (a step
+      compiled for a target, never run): it comes back as one with that sharding.
 
     Raises:
       TypeError: If a leaf is not an array (see :func:`check_batch`).
@@ -162,30 +164,51 @@ def shard_batch(
     processes = len({d.process_index for d in mesh.devices.flat})
 
     def place(path, leaf):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            return _abstract_leaf(path, leaf, mesh, axes, seq, devices, cp)
         if is_replicated_leaf(leaf):
             return replicate(leaf, mesh)
         local = np.asarray(leaf)
         global_size = local.shape[0] * processes
-        if global_size % devices:
-            raise ValueError(
-                f"Global batch size {global_size} of leaf {jax.tree_util.keystr(path)} "
-                f"(shape {local.shape}) does not divide the {devices} devices of mesh axes "
-                f"{axes}; use a multiple of {devices}."
-            )
+        _check_rows(path, local.shape, global_size, devices, axes)
         split = seq if local.ndim > 1 else ()
         if split and cp > 1:
-            if local.shape[1] % (2 * cp):
-                raise ValueError(
-                    f"Leaf {jax.tree_util.keystr(path)} (shape {local.shape}) has a sequence of "
-                    f"{local.shape[1]}, which does not split into 2 x cp = {2 * cp} chunks over "
-                    f"the context axes {seq}; use a length that is a multiple of {2 * cp}."
-                )
+            _check_sequence(path, local.shape, cp, seq)
             local = zigzag(local, cp)
         return jax.make_array_from_process_local_data(
             batch_sharding(mesh, axes, split), local, (global_size, *local.shape[1:])
         )
 
     return jax.tree_util.tree_map_with_path(place, batch)
+
+
+def _abstract_leaf(path, leaf, mesh, axes, seq, devices, cp) -> jax.ShapeDtypeStruct:
+    """The global leaf ``leaf`` describes, with the sharding a host leaf would get."""
+    if not leaf.shape:
+        return jax.ShapeDtypeStruct((), leaf.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+    _check_rows(path, leaf.shape, leaf.shape[0], devices, axes)
+    split = seq if len(leaf.shape) > 1 else ()
+    if split and cp > 1:
+        _check_sequence(path, leaf.shape, cp, seq)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=batch_sharding(mesh, axes, split))
+
+
+def _check_rows(path, shape, global_size: int, devices: int, axes) -> None:
+    if global_size % devices:
+        raise ValueError(
+            f"Global batch size {global_size} of leaf {jax.tree_util.keystr(path)} "
+            f"(shape {shape}) does not divide the {devices} devices of mesh axes "
+            f"{axes}; use a multiple of {devices}."
+        )
+
+
+def _check_sequence(path, shape, cp: int, seq) -> None:
+    if shape[1] % (2 * cp):
+        raise ValueError(
+            f"Leaf {jax.tree_util.keystr(path)} (shape {shape}) has a sequence of "
+            f"{shape[1]}, which does not split into 2 x cp = {2 * cp} chunks over "
+            f"the context axes {seq}; use a length that is a multiple of {2 * cp}."
+        )
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:

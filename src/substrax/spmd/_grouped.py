@@ -22,20 +22,42 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from substrax.spmd._constrain import active_rules
 from substrax.spmd._region import reduce_as, vary_as
 
-__all__ = ["Groups", "auto_block", "blocked_size", "group_rows", "grouped_matmul",
-           "native_grouped_matmul", "segment_of"]  # fmt: skip
+__all__ = ["Groups", "active_platform", "auto_block", "blocked_size", "group_rows",
+           "grouped_matmul", "native_grouped_matmul", "segment_of"]  # fmt: skip
 
 
-def native_grouped_matmul() -> bool:
-    """Whether the default backend has a grouped kernel (``ragged_dot`` not lowered densely).
+def native_grouped_matmul(platform: str | None = None) -> bool:
+    """Whether the platform compiled for has a grouped kernel (``ragged_dot`` not lowered densely).
+
+    The platform is the target's, not this machine's: a step compiled here for a TPU slice
+    (:func:`substrax_flax.compile_for`) uses the TPU's kernel.
+
+    Args:
+      platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``; None: the platform of the mesh that
+        :func:`~substrax.spmd.use_rules` made active (inside a substrax step, the step's), or
+        else jax's default backend.
 
     Returns:
       True on GPU and TPU; False on XLA:CPU, where :func:`grouped_matmul` runs its own loop
       over blocks.
     """
-    return jax.default_backend() in ("gpu", "tpu")
+    return (platform or active_platform()) in ("gpu", "cuda", "rocm", "tpu")
+
+
+def active_platform() -> str:
+    """The platform programs are compiled for: the active mesh's devices', else jax's default.
+
+    Returns:
+      The platform name of the devices of the mesh :func:`~substrax.spmd.use_rules` made
+      active (a step's), or ``jax.default_backend()`` outside one.
+    """
+    active = active_rules()
+    if active is not None and isinstance(active[0], jax.sharding.Mesh) and active[0].devices.size:
+        return active[0].devices.flat[0].platform
+    return jax.default_backend()
 
 
 class Groups(NamedTuple):

@@ -1,9 +1,21 @@
 """What this jax/XLA cannot compile in a manual region: one list, read by the step and the planner.
 
-Each entry was observed on a given jax version and backend; it is gated by both, so the train
-step's plan (in the Flax adapter) and the planner (:mod:`substrax.planner`) take the same path
-for the same layout. Recheck an entry when jax moves: until a version is known to fix
-it, it applies (an XLA ``CHECK`` aborts the process, which no ``try`` can catch).
+Each entry was observed on a given jax version and on the platforms it names; it is gated by
+the platform the step is compiled for (its mesh's devices: a TPU slice's when compiling for
+one from this machine, :func:`substrax_flax.compile_for`), so the train step's plan (in the
+Flax adapter) and the planner (:mod:`substrax.planner`) take the same path for the same
+layout and target. Recheck an entry when jax moves (``tests/test_target.py`` fails when the
+installed jax is not :data:`OBSERVED_ON`): until a version is known to fix it, it applies (an
+XLA ``CHECK`` aborts the process, which no ``try`` can catch).
+
+Rechecked on jax 0.10.2 with libtpu 0.0.42.1 (compiled for ``v5p:2x2x2``, deviceless):
+
+* the two-free-axes ``CHECK`` aborts XLA:TPU's SPMD partitioner too (``fsdp 2 x cp 2 x tp 2``):
+  every platform;
+* the 16-bit all-reduce abort is XLA:CPU's alone: XLA:TPU compiles ``fsdp 4 x tp 2`` at
+  ``precision="mixed"`` in the manual region;
+* Shardy's refusal of stacked experts' nested region is raised at lowering, before any
+  backend: every platform.
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ import numpy as np
 
 __all__ = ["OBSERVED_ON", "looped_region_obstacle", "region_obstacle"]
 
-#: The jax version the entries below were observed on.
+#: The jax version the entries below were observed on (XLA:CPU, and XLA:TPU from libtpu 0.0.42.1).
 OBSERVED_ON = "0.10.2"
 
 
@@ -28,8 +40,10 @@ def region_obstacle(
     """Why XLA cannot compile a manual region over ``region_axes`` here, or None.
 
     * XLA's SPMD partitioner fails a ``CHECK`` (``spmd_partitioner_util``) on a region that
-      leaves two or more mesh axes of size > 1 outside it (tensor with context or expert axes).
-    * XLA's CPU compiler aborts on a 16-bit all-reduce over the axes a region leaves outside.
+      leaves two or more mesh axes of size > 1 outside it (tensor with context or expert axes),
+      on XLA:CPU and XLA:TPU alike.
+    * XLA's CPU compiler aborts on a 16-bit all-reduce over the axes a region leaves outside
+      (XLA:TPU compiles it).
 
     Args:
       axis_sizes: The mesh's axis sizes.

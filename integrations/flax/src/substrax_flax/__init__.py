@@ -6,12 +6,17 @@ Models are created inside ``jax.jit`` with the planned output shardings, so no d
 holds a whole model. The model remembers its plan: the optimizer, the train steps and the
 report take it from there. Pretrained safetensors weights load straight into the planned
 shardings (:func:`load_weights`) and are written back (:func:`save_weights`).
-``substrax_flax.planner`` plans your own models for the planner.
+``substrax_flax.planner`` plans your own models for the planner; :func:`compile_for` (and
+``python -m substrax_flax.compile``) compiles a model's init and step for a TPU slice that
+this machine does not have.
 """
 
 from substrax_flax._checkpoint import Checkpointer as Checkpointer
 from substrax_flax._checkpoint import CheckpointWarning as CheckpointWarning
 from substrax_flax._checkpoint import DirectoryLocked as DirectoryLocked
+from substrax_flax._compile import ProgramMemory as ProgramMemory
+from substrax_flax._compile import TargetReport as TargetReport
+from substrax_flax._compile import compile_for as compile_for
 from substrax_flax._create import create_sharded_model as create_sharded_model
 from substrax_flax._create import get_shardings as get_shardings
 from substrax_flax._create import plan_model as plan_model
@@ -53,13 +58,16 @@ __all__ = [
     "NonFiniteWarning",
     "ParamStep",
     "PipelineTrainStep",
+    "ProgramMemory",
     "ShardingReport",
     "StepPlan",
     "Target",
+    "TargetReport",
     "TrainStep",
     "VariableSharding",
     "WeightsMismatch",
     "WeightsPlan",
+    "compile_for",
     "create_sharded_model",
     "create_sharded_optimizer",
     "get_shardings",

@@ -15,7 +15,13 @@ from substrax.layout import Layout
 from substrax.mesh import Reason
 from substrax_flax._plan import model_plan, remember, shardings_of
 from substrax_flax._resolve import Rules, Strategy, VariableSharding, make_row
-from substrax_flax._state import check_filter, constrain_state, shape_and_dtype, variables
+from substrax_flax._state import (
+    check_filter,
+    constrain_state,
+    is_abstract,
+    shape_and_dtype,
+    variables,
+)
 
 __all__ = ["create_sharded_optimizer", "optimizer_rows"]
 
@@ -156,7 +162,9 @@ def create_sharded_optimizer(
         opt_state = nnx.state(make(state))
         return constrain_state(opt_state, shardings)
 
-    optimizer = nnx.merge(opt_graphdef, jax.jit(init, out_shardings=shardings)(model_state))
+    jitted = jax.jit(init, out_shardings=shardings)
+    made = jax.eval_shape(jitted, model_state) if is_abstract(model_state) else jitted(model_state)
+    optimizer = nnx.merge(opt_graphdef, made)
     remember(optimizer, rows)
     _OWNERS[optimizer] = weakref.ref(model)
     return optimizer

@@ -380,6 +380,21 @@ class ModelPlan:
         remember(model, self)
         return model
 
+    def abstract_model(self) -> nnx.Module:
+        """The model as shapes: each variable a ``jax.ShapeDtypeStruct`` in its planned sharding.
+
+        Nothing is created or allocated; the model remembers this plan, so
+        :func:`create_sharded_optimizer` gives it an abstract optimizer, and a step's
+        ``lower(model, optimizer, batch)`` compiles for the plan's mesh, even a mesh of devices
+        this machine does not have (:func:`compile_for`).
+
+        Returns:
+          The abstract model.
+        """
+        model = nnx.merge(self.graphdef, self.abstract_state)
+        remember(model, self)
+        return model
+
     def _agree(self) -> None:
         """In a multi-process run, checks that every process planned the same model first.
 

@@ -14,6 +14,7 @@ __all__ = [
     "METADATA_KEYS",
     "check_filter",
     "constrain_state",
+    "is_abstract",
     "is_variable",
     "layer_kinds",
     "logical_names",
@@ -42,6 +43,16 @@ def path_str(path: tuple[Any, ...]) -> str:
 def is_array(node: Any) -> bool:
     """Whether ``node`` is an array leaf held outside a Variable (an ``nnx.data`` attribute)."""
     return not is_variable(node) and hasattr(node, "shape") and hasattr(node, "dtype")
+
+
+def is_abstract(tree: Any) -> bool:
+    """Whether ``tree`` (a state, a batch) holds ``jax.ShapeDtypeStruct``s: shapes, no data.
+
+    An abstract model (:meth:`~substrax_flax.ModelPlan.abstract_model`) is compiled, never
+    run: for a target whose devices this machine does not have (:func:`compile_for`).
+    """
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)
 
 
 def variables(state: Any) -> Iterator[tuple[str, Any]]:

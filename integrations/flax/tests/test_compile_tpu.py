@@ -1,0 +1,146 @@
+"""Steps compiled for a TPU slice by the real TPU compiler (libtpu), on this CPU machine.
+
+Deterministic figures at small size on ``v5p:2x2x2``: what the compiler reports of the default
+FSDP step (each parameter gathered once, each gradient reduced once), state bytes equal to
+the plan, and a pipeline and a dropless-experts layout compiling with their own collectives.
+"""
+
+import json
+import math
+
+import gpt
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import substrax_flax as sf
+from substrax.hlo import traffic_by_axes
+from substrax.target import CompileTarget
+from substrax_flax.compile import main
+
+TINY = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=2, seq=16)
+ROWS = jax.ShapeDtypeStruct((16, TINY.seq + 1), jnp.int32)
+
+
+def tiny():
+    """The test's model, for the command line's --factory."""
+    return gpt.GPT(TINY, nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def fsdp():
+    return sf.compile_for(tiny, gpt.optimizer(), gpt.loss_fn, ROWS, target="v5p:2x2x2",
+                          layout="fsdp")  # fmt: skip
+
+
+def _f32_bytes(select=lambda row: True):
+    return sum(4 * math.prod(r.shape) for r in sf.plan_model(tiny).rows if select(r))
+
+
+def test_fsdp_step_gathers_each_parameter_once_and_reduces_each_gradient_once(fsdp):
+    share, params = 7 / 8, _f32_bytes()
+    assert fsdp.target == "v5p:2x2x2" and fsdp.axis_sizes == {"data": 8}
+    assert fsdp.plan.path == "manual"
+    by_kind = {}
+    for (kind, axes), row in fsdp.collectives.items():
+        assert axes == ("data",)
+        by_kind[kind] = by_kind.get(kind, 0.0) + row["bytes"]
+    # XLA:TPU gathers each matrix once, in bf16 (its default precision reads matmul weights
+    # so), the embedding (read by a gather) in f32; the 64-element norm scales it gathers as
+    # a combined all-reduce of zero-padded shards.
+    norms = _f32_bytes(lambda r: len(r.shape) == 1)
+    embedding = _f32_bytes(lambda r: r.path == "embedding")
+    matrices = params - norms - embedding
+    assert by_kind["all-gather"] == (matrices / 2 + embedding) * share
+    # The gradient's one reduction: XLA:TPU writes an 8-chip reduce-scatter on a 2x2x2 torus
+    # as a whole-array all-reduce and a slice, so one reduction moves an all-reduce's bytes.
+    reduced = by_kind.get("all-reduce", 0.0) + by_kind.get("reduce-scatter", 0.0)
+    gathered_norms = 2 * norms * share
+    assert (
+        2 * params * share + gathered_norms <= reduced <= 2 * params * share + gathered_norms + 512
+    )
+    assert fsdp.traffic_bytes == pytest.approx(sum(by_kind.values()))
+
+
+def test_state_bytes_equal_the_plan_and_the_compiled_arguments(fsdp):
+    n = 8
+    params = _f32_bytes()
+    adam = 2 * params  # mu and nu, sharded like the parameters
+    assert fsdp.state_bytes == (params + adam) // n + 8  # two 4-byte counters
+    batch = math.prod(ROWS.shape) * 4 // n
+    assert fsdp.step.argument_data == fsdp.state_bytes + batch
+    # in the chip's layouts each shard is padded to whole (8, 128) tiles: small shards grow
+    assert fsdp.step.arguments >= fsdp.step.argument_data
+    assert fsdp.step.aliased >= fsdp.step.arguments - fsdp.step.arguments // 8  # donated
+    assert fsdp.init.argument_data == 0 and fsdp.init.outputs >= params // n
+    assert fsdp.fits and fsdp.memory_bytes == 95 * 10**9
+
+
+def test_report_prints_and_serialises_what_the_compiler_said(fsdp):
+    text = fsdp.summary()
+    assert "v5p:2x2x2: fsdp 8 on {'data': 8}, compiled by XLA:TPU" in text
+    assert "all-gather" in text and "over ('data',)" in text and "path          manual" in text
+    data = json.loads(json.dumps(fsdp.to_json()))
+    assert data["step"]["peak"] == fsdp.step.peak and data["flops"] == fsdp.flops > 0
+    assert {c["kind"] for c in data["collectives"]} >= {"all-gather"}
+    # the collectives are the compiled program's: read off its HLO again
+    assert traffic_by_axes(fsdp.hlo, {"data": 8}, trips=True) == fsdp.collectives
+
+
+def test_pipeline_layout_compiles_with_its_permutes_over_the_stages():
+    target = CompileTarget.parse("v5p:2x2x2")
+    mesh = target.make_mesh({"pipe": 2, "data": 4})
+    step = sf.make_pipeline_train_step(
+        gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh, stack="blocks",
+        microbatches=4,
+    )  # fmt: skip
+    report = sf.compile_for(lambda: gpt.StackedGPT(TINY, nnx.Rngs(0)), gpt.optimizer(), step,
+                            ROWS, target=target, layout="pp", mesh=mesh)  # fmt: skip
+    assert report.plan.path == "pipeline"
+    permutes = [r for (k, a), r in report.collectives.items()
+                if k == "collective-permute" and a == ("pipe",)]  # fmt: skip
+    assert permutes and sum(r["count"] for r in permutes) > 4  # each tick's, counted per trip
+
+
+def test_dropless_experts_compile_with_tpu_kernels_and_an_exchange_over_experts():
+    moe = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=2, seq=16, moe_experts=4)
+    report = sf.compile_for(lambda: gpt.GPT(moe, nnx.Rngs(0)), gpt.optimizer(), gpt.loss_fn,
+                            ROWS, target="v5p:2x2x2", layout="fsdp+ep",
+                            axis_sizes={"data": 4, "expert": 2})  # fmt: skip
+    assert ("all-to-all", ("expert",)) in report.collectives
+    # the target's grouped kernel, not this CPU's blocked loop: no loop over expert blocks
+    assert "ragged" in report.hlo.lower()
+
+
+def test_command_line_compiles_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "report.json"
+    status = main([
+        "--factory", "test_compile_tpu:tiny", "--target", "v5p-16", "--layout", "fsdp+tp",
+        "--mesh", "data=4,model=2", "--batch", "16x16", "--precision", "mixed", "--json",
+        str(out),
+    ])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert status == 0, printed
+    assert "v5p:2x2x2: fsdp 4 x tp 2" in printed and "precision     mixed" in printed
+    assert json.loads(out.read_text())["axis_sizes"] == {"data": 4, "model": 2}
+
+
+def test_a_program_the_compiler_refuses_is_named_by_layout_and_decisions():
+    long = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=2, seq=16384)
+    rows = jax.ShapeDtypeStruct((8, long.seq + 1), jnp.int32)  # 2 rows x 16K tokens per chip
+    with pytest.raises(ValueError) as refused:
+        sf.compile_for(lambda: gpt.GPT(long, nnx.Rngs(0)), gpt.optimizer(), gpt.loss_fn, rows,
+                       target="v5e:2x2", layout="fsdp")  # fmt: skip
+    message = str(refused.value)
+    assert "XLA:TPU refused the training step of layout fsdp 4: RESOURCE_EXHAUSTED" in message
+    assert "path manual" in message and "remat none (as asked)" in message
+
+
+def test_command_line_names_bad_input(capsys):
+    assert main(["--factory", "test_compile_tpu:tiny", "--target", "v5p-16", "--layout", "tp",
+                 "--batch", "16x16"]) == 2  # fmt: skip
+    assert "needs its mesh's axes: pass axis_sizes" in capsys.readouterr().err
+    assert main(["--factory", "nowhere:tiny", "--target", "v5p-16", "--layout", "fsdp",
+                 "--batch", "16x16"]) == 2  # fmt: skip
+    assert "--factory 'nowhere:tiny'" in capsys.readouterr().err
