@@ -257,14 +257,14 @@ def loop_runs(hlo_text: str) -> dict[str, int]:
     return {name: runs for name, runs in _computation_runs(hlo_text).items() if name in bodies}
 
 
-def _computation_runs(hlo_text: str) -> dict[str, int]:
-    """Runs per execution of every loop body and every computation called from one.
+def _loop_trips(hlo_text: str) -> tuple[dict[str, int], dict[str, str]]:
+    """``({loop body: trips}, {computation: the computation that runs it})``.
 
     A loop's trips are XLA's ``known_trip_count`` where it states one (XLA:CPU does), else
     the constant its condition compares the counter with (``counter < N``, counting from 0
-    as jax's scans and fori_loops do: XLA:TPU states no count). A computation called by
-    another (``calls=``: a fusion, such as XLA:TPU's ``all-reduce-scatter``) runs as often as
-    its caller.
+    as jax's scans and fori_loops do: XLA:TPU states no count), else 1. A computation called
+    by another (``calls=``: a fusion, such as XLA:TPU's ``all-reduce-scatter``) is run by it,
+    once per run.
     """
     parent, trips, conditions, bounds, computation = {}, {}, {}, {}, ""
     for line in hlo_text.splitlines():
@@ -290,6 +290,12 @@ def _computation_runs(hlo_text: str) -> dict[str, int]:
         if count is None:  # one constant in the condition: its bound
             found = bounds.get(conditions[body], [])
             trips[body] = found[0] if len(found) == 1 else 1
+    return trips, parent
+
+
+def _computation_runs(hlo_text: str) -> dict[str, int]:
+    """Runs per execution of every loop body and every computation called from one."""
+    trips, parent = _loop_trips(hlo_text)
 
     def runs(body: str, seen: frozenset = frozenset()) -> int:
         if body not in trips or body in seen:
@@ -440,7 +446,7 @@ def peak_bytes(memory: Any) -> int:
 
 
 _INSTRUCTION = re.compile(
-    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\([^()]*\)|[a-z]+[0-9]*[a-z0-9]*"
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>\((?:[^()]|\([^()]*\))*\)|[a-z]+[0-9]*[a-z0-9]*"
     r"\[[0-9,]*\](?:\{[^}]*\})?)\s+(?P<op>[\w\-]+)\((?P<operands>[^)]*)\)(?P<attrs>.*)$"
 )
 _PARAM = re.compile(r"([\w.\-]+):\s*([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
@@ -448,6 +454,7 @@ _CALLED = re.compile(r"(?:calls|to_apply)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _BODY = re.compile(r"body=%?([\w.\-]+)")
 _CONDITION = re.compile(r"condition=%?([\w.\-]+)")
+_DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 
 
@@ -479,11 +486,69 @@ def _parse(hlo_text: str) -> tuple[dict[str, list], str]:
     return computations, entry
 
 
+def _convolution_flops(result: list[int], operands: list, attrs: str) -> float:
+    """``2 x`` a convolution's multiply-adds: each output element over its kernel's live taps.
+
+    XLA:TPU writes matrix products as convolutions (``dim_labels=...->...``), batched ones
+    with their batch dimensions as spatial windows that padding or input dilation leave one
+    live tap each: every output element sums the kernel's ``i`` inputs at each tap of its
+    window that lands on an input element (not on padding or a dilation hole).
+    """
+    labels = _DIM_LABELS.search(attrs)
+    if not labels or len(operands) < 2:
+        return 0.0
+    lhs_labels, rhs_labels, out_labels = labels.groups()
+    lhs, rhs = operands[0], operands[1]
+    if len(lhs) != len(lhs_labels) or len(rhs) != len(rhs_labels) or len(result) != len(out_labels):
+        return 0.0
+    window = _window(attrs)
+    flops = 2.0 * rhs[rhs_labels.index("i")]
+    for label, size in zip(out_labels, result, strict=True):
+        if not label.isdigit():
+            flops *= size  # batch and output features
+            continue
+        k = int(label)
+        spec = window[k] if k < len(window) else {}
+        flops *= _live_taps(size, lhs[lhs_labels.index(label)], rhs[rhs_labels.index(label)], spec)
+    return flops
+
+
+def _window(attrs: str) -> list[dict[str, tuple[int, ...]]]:
+    """A convolution's window, one dict per spatial dimension (``size``, ``stride``, ...)."""
+    found = re.search(r"window=\{([^}]*)\}", attrs)
+    if not found:
+        return []
+    fields = dict(item.split("=", 1) for item in found.group(1).split() if "=" in item)
+    rank = len(fields.get("size", "").split("x")) if "size" in fields else 0
+    dims = [{} for _ in range(rank)]
+    for key, value in fields.items():
+        for k, part in enumerate(value.split("x")[:rank]):
+            dims[k][key] = tuple(int(v) for v in part.split("_"))
+    return dims
+
+
+def _live_taps(out: int, size: int, taps: int, spec: dict[str, tuple[int, ...]]) -> int:
+    """How many (output position, kernel tap) pairs of one spatial dimension read an input."""
+    stride = spec.get("stride", (1,))[0]
+    low = spec.get("pad", (0, 0))[0]
+    dilate, rhs_dilate = spec.get("lhs_dilate", (1,))[0], spec.get("rhs_dilate", (1,))[0]
+    span = (size - 1) * dilate + 1
+    if out * taps > 10**7:  # a long spatial dimension: every tap (an upper bound)
+        return out * taps
+    live = 0
+    for o in range(out):
+        for w in range(taps):
+            p = o * stride + w * rhs_dilate - low
+            live += 0 <= p < span and p % dilate == 0
+    return live
+
+
 def dot_flops(hlo_text: str, *, branch: Callable[..., float] = max, trips: bool = True) -> float:
     """The matrix-product FLOPs of one execution of a compiled program, per device.
 
-    XLA's ``cost_analysis()`` counts a ``while`` body once; this counts each ``dot`` as often
-    as its loops run (their ``known_trip_count``), and of a ``conditional`` its costliest
+    XLA's ``cost_analysis()`` counts a ``while`` body once; this counts each ``dot`` (and each
+    ``convolution``, XLA:TPU's form of a matrix product) as often as its loops run (their
+    ``known_trip_count``, or their condition's bound), and of a ``conditional`` its costliest
     branch: a static bound on what any device computes, exact where every device takes a
     branch of the same cost (a pipeline tick with work). Elementwise work is not counted.
 
@@ -498,6 +563,7 @@ def dot_flops(hlo_text: str, *, branch: Callable[..., float] = max, trips: bool 
       ``2 x`` the multiply-adds of the program's ``dot`` ops.
     """
     computations, entry = _parse(hlo_text)
+    loops, _ = _loop_trips(hlo_text)
     memo: dict[str, float] = {}
 
     def cost(name: str) -> float:
@@ -517,11 +583,12 @@ def dot_flops(hlo_text: str, *, branch: Callable[..., float] = max, trips: bool 
             for d in result:
                 out *= d
             return 2.0 * out * size
+        if op == "convolution":
+            return _convolution_flops(result, operands, attrs)
         if op == "while":
-            count = _TRIPS.search(attrs)
             body, condition = _BODY.search(attrs), _CONDITION.search(attrs)
             inner = cost(body.group(1)) + (cost(condition.group(1)) if condition else 0.0)
-            return (int(count.group(1)) if count and trips else 1) * inner
+            return (loops.get(body.group(1), 1) if trips else 1) * inner
         if op == "conditional":
             branches = _BRANCHES.search(attrs)
             names = (

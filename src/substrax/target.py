@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -180,15 +181,22 @@ class CompileTarget:
 
 @functools.cache
 def _topology(name: str) -> Any:
-    """The topology description of ``name`` (cached: building it costs about a second)."""
+    """The topology description of ``name`` (cached: building it costs about a second).
+
+    libtpu takes a lock file (``/tmp/libtpu_lockfile``) so that one process owns a host's
+    TPUs; a deviceless compile owns none, so several processes may compile at once (the test
+    suite's workers do): ``ALLOW_MULTIPLE_LIBTPU_LOAD`` is set unless the environment says
+    otherwise.
+    """
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     try:
         return topologies.get_topology_desc(topology_name=name, platform="tpu")
-    except Exception as error:  # no libtpu: the plugin is missing or cannot start
+    except (ImportError, RuntimeError) as error:  # no libtpu, or it cannot start
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise RuntimeError(
-            f"Cannot describe TPU slice {name!r}: the TPU compiler is not installed here "
-            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
-            'Install it beside jax: pip install "libtpu==0.0.42.*" (the version jax 0.10.2 '
-            "pins; make test installs it)."
+            f"Cannot start the TPU compiler for slice {name!r} ({type(error).__name__}: "
+            f'{first}). It needs libtpu beside jax: pip install "libtpu==0.0.42.*" (the '
+            "version jax 0.10.2 pins; make test installs it)."
         ) from error

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from substrax.hlo import argument_bytes, peak_bytes, traffic_by_axes
+from substrax.hlo import argument_bytes, dot_flops, peak_bytes, traffic_by_axes
 from substrax.layout import Layout
 from substrax.target import CompileTarget
 from substrax_flax._create import plan_model
@@ -90,7 +90,8 @@ class TargetReport:
         (:func:`sharding_report`).
       init: The sharded init's memory per device.
       step: The training step's memory per device.
-      flops: The step's FLOPs per device (the compiler's cost analysis).
+      flops: The step's FLOPs per device: the compiler's cost analysis, with every trip of a
+        loop's matrix products counted (it counts a loop body once; :func:`substrax.hlo.dot_flops`).
       collectives: ``{(kind, mesh axes): {"count", "bytes"}}`` per device per step
         (:func:`substrax.hlo.traffic_by_axes`, each loop trip counted).
       plan: The step's plan (every decision and each parameter's specs).
@@ -254,7 +255,7 @@ def compile_for(
         + sharding_report(optimizer).bytes_per_device,
         init=ProgramMemory.of(init),
         step=ProgramMemory.of(compiled),
-        flops=float(cost.get("flops", 0.0)),
+        flops=float(cost.get("flops", 0.0)) + dot_flops(text) - dot_flops(text, trips=False),
         collectives=traffic_by_axes(text, dict(mesh.shape), trips=True),
         plan=step_plan,
         compile_seconds=time.perf_counter() - start,

@@ -44,9 +44,12 @@ from substrax.planner import (
 from substrax.planner import main as planner_main
 from substrax.planner import transformer_leaves as leaves_of
 from substrax.spmd import attention, context_axes, experts, native_grouped_matmul
+from substrax.target import CompileTarget
+from substrax_flax._compile import compile_for
 from substrax_flax._create import create_sharded_model
 from substrax_flax._optimizer import create_sharded_optimizer
 from substrax_flax._pipeline_step import make_pipeline_train_step
+from substrax_flax._remat import remat
 from substrax_flax._report import sharding_report
 from substrax_flax._state import layer_kinds, logical_names, shape_and_dtype, variables
 from substrax_flax._train import make_train_step
@@ -172,9 +175,10 @@ class _Twin(nnx.Module):
         return _logits(c, self._p, x)
 
 
-def _param(leaf: Leaf, rngs: nnx.Rngs) -> nnx.Param:
+def _param(leaf: Leaf, rngs: nnx.Rngs, dtype: Any = jnp.float32) -> nnx.Param:
     """A twin's parameter: small random values, the leaf's logical names as annotation."""
-    return nnx.Param(jax.random.normal(rngs.params(), leaf.shape) * 0.05, out_sharding=leaf.names)
+    value = jax.random.normal(rngs.params(), leaf.shape, dtype) * 0.05
+    return nnx.Param(value, out_sharding=leaf.names)
 
 
 def _embed(c: TransformerConfig, p: Callable[[str], jax.Array], tokens: jax.Array) -> jax.Array:
@@ -218,24 +222,44 @@ def _layer_of(c: TransformerConfig, p: dict, x: jax.Array) -> jax.Array:
 class _StackedTwin(nnx.Module):
     """The twin with its layers stacked under ``layers``, for the pipelined step."""
 
-    def __init__(self, config: TransformerConfig, rngs: nnx.Rngs):
+    def __init__(self, config: TransformerConfig, rngs: nnx.Rngs, dtype: Any = jnp.float32):
         leaves = leaves_of(config)
         self.config = config
         self.params = nnx.Dict({
-            leaf.path: _param(leaf, rngs)
+            leaf.path: _param(leaf, rngs, dtype)
             for leaf in leaves
             if not leaf.path.startswith("layers/")
         })  # fmt: skip
         self.layers = nnx.Dict({
-            leaf.path.removeprefix("layers/"): _param(leaf, rngs)
+            leaf.path.removeprefix("layers/"): _param(leaf, rngs, dtype)
             for leaf in leaves
             if leaf.path.startswith("layers/")
         })  # fmt: skip
+        self.scan = _Scan(config)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """The logits, the layers run by ``lax.scan`` (one compiled layer, as at real size)."""
+        x = _embed(self.config, lambda n: self.params[n][...], tokens)
+        stacked = {name: v[...] for name, v in self.layers.items()}
+        x, _ = jax.lax.scan(lambda x, p: (self.scan.layer(p, x).astype(x.dtype), None), x, stacked)
+        return _logits(self.config, lambda n: self.params[n][...], x)
+
+
+class _Scan(nnx.Module):
+    """One layer of the stacked twin, marked for the step's remat policy."""
+
+    def __init__(self, config: TransformerConfig):
+        self.config = config
+
+    @remat
+    def layer(self, p: dict, x: jax.Array) -> jax.Array:
+        return _layer_of(self.config, p, x)
 
 
 def _pipeline_step(
-    config: TransformerConfig, layout: Layout, microbatches: int, schedule: str
-) -> Any:
+    config: TransformerConfig, layout: Layout, microbatches: int, schedule: str,
+    mesh: Any = None, **options: Any,
+) -> Any:  # fmt: skip
     """The pipelined twin's step: embedding, one stacked layer, and the head's loss."""
 
     def embed(model: _StackedTwin, batch: dict) -> tuple[jax.Array, jax.Array]:
@@ -249,8 +273,8 @@ def _pipeline_step(
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     return make_pipeline_train_step(
-        embed, layer, head, layout.make_mesh(), layout=layout, stack="layers",
-        microbatches=microbatches, schedule=schedule,
+        embed, layer, head, mesh if mesh is not None else layout.make_mesh(), layout=layout,
+        stack="layers", microbatches=microbatches, schedule=schedule, **options,
     )  # fmt: skip
 
 
@@ -263,19 +287,29 @@ def _loss(model: _Twin, batch: dict) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
-def validate(plan: Plan, rank: int = 0, *, devices: int | None = None) -> dict[str, Any]:
-    """Compiles a scaled-down twin of one of ``plan``'s candidates and compares estimate and XLA.
+def validate(
+    plan: Plan, rank: int = 0, *, devices: int | None = None, target: str | None = None
+) -> dict[str, Any]:
+    """Compiles one of ``plan``'s candidates and puts the compiler's figures beside the estimate.
 
-    The twin keeps the architecture's kinds of layer (grouped-query attention, gating, tied
-    head, biases) at a small size and the candidate layout's kinds of parallelism on the
-    available devices; it is created with the twin layout and trained with adamw in f32
-    through :func:`~substrax_flax.make_train_step`'s default path (no compute rules: each
-    parameter gathered once per step).
+    With ``target`` (a TPU slice, ``"v5p-64"``), the candidate itself is compiled for it by the
+    real TPU compiler at the model's real size (:func:`~substrax_flax.compile_for`, no TPU
+    needed): the architecture's parameters stacked over its layers (run by ``lax.scan``), in
+    the workload's precision, with its remat policy, microbatches and schedule, trained with
+    adamw through the default step.
+
+    Without, a scaled-down twin is compiled on the available devices: it keeps the
+    architecture's kinds of layer (grouped-query attention, gating, tied head, biases) at a
+    small size and the candidate layout's kinds of parallelism; it is created with the twin
+    layout and trained with adamw in f32 through :func:`~substrax_flax.make_train_step`'s
+    default path (no compute rules: each parameter gathered once per step).
 
     Args:
       plan: A plan of a built-in architecture (:func:`substrax.planner.plan`).
       rank: Which candidate (0: the best).
       devices: Devices for the twin; all available when None.
+      target: A TPU slice of the plan's device count to compile the candidate for at real
+        size (:meth:`substrax.target.CompileTarget.parse`), or None for the twin.
 
     Returns:
       ``{"candidate": ..., "twin": ..., "state_bytes": ..., "arguments_bytes": ...,
@@ -285,7 +319,8 @@ def validate(plan: Plan, rank: int = 0, *, devices: int | None = None) -> dict[s
       substrax runs it.
 
     Raises:
-      ValueError: For a plan of a custom model, a rank out of range, or a pipeline layout.
+      ValueError: For a plan of a custom model, a rank out of range, a twin of a pipeline
+        layout with tensor, context or expert parallelism, or a target of another size.
     """
     if plan.model not in ARCHITECTURES:
         raise ValueError(
@@ -295,6 +330,9 @@ def validate(plan: Plan, rank: int = 0, *, devices: int | None = None) -> dict[s
     if not 0 <= rank < len(plan.candidates):
         raise ValueError(f"rank {rank} is out of range: the plan has {len(plan.candidates)}.")
     candidate = plan.candidates[rank]
+    if target is not None:
+        result = _validate_on_target(architecture(plan.model), candidate, target)
+        return {"candidate": candidate.layout.label, **result}
     schedule = (candidate.workload.schedule if candidate.workload else None) or "zb-h1"
     result = _validate_layout(architecture(plan.model), candidate.layout, devices=devices,
                               schedule=schedule)  # fmt: skip
@@ -367,6 +405,74 @@ def _validate_layout(
         ),
         "peak_bytes": (planned["peak"], peak_bytes(memory)),
     }
+
+
+def _validate_on_target(config: TransformerConfig, candidate: Any, target: str) -> dict[str, Any]:
+    """:func:`validate`'s comparison for a candidate compiled at real size for ``target``."""
+    target = CompileTarget.parse(target)
+    layout, workload = candidate.layout, candidate.workload
+    if layout.devices != target.chips:
+        raise ValueError(
+            f"Candidate {layout.label} spans {layout.devices} devices; target {target.name} "
+            f"has {target.chips} chips. Plan for {target.chips} devices, or name a slice of "
+            f"{layout.devices}."
+        )
+    mesh = target.make_mesh(layout.shape)
+    dtype = jnp.bfloat16 if workload.precision == "bf16" else jnp.float32
+    precision = None if workload.precision == "f32" else workload.precision
+    remat_name, micro = workload.remat or "none", workload.microbatches or 1
+    rows = workload.batch_tokens // workload.seq
+    tokens = jax.ShapeDtypeStruct((rows, workload.seq), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens}
+    if layout.pp > 1:
+        step = _pipeline_step(config, layout, micro, workload.schedule or "zb-h1", mesh,
+                              precision=precision, remat=remat_name)  # fmt: skip
+        options = {}
+    else:
+        step = _loss
+        options = {"precision": precision, "remat": remat_name, "microbatches": micro}
+    with warnings.catch_warnings():  # the path is returned below, not warned about
+        warnings.simplefilter("ignore", ShardingWarning)
+        report = compile_for(lambda: _StackedTwin(config, nnx.Rngs(0), dtype),
+                             _float32_moments(optax.adamw(1e-3)), step, batch, target=target,
+                             layout=layout, mesh=mesh, **options)  # fmt: skip
+    planned = candidate.bytes_per_device
+    scalars = 8  # adam's count and the optimizer's step
+    batch_per_device = 2 * 4 * rows * workload.seq // (layout.batch_degree * layout.cp)
+    return {
+        "target": target.name,
+        "layout": layout.label,
+        "data_parallel": report.plan.path,
+        "state_bytes": (planned["params"] + planned["optimizer"], report.state_bytes - scalars),
+        "arguments_bytes": (
+            planned["params"] + planned["optimizer"] + scalars + batch_per_device,
+            report.step.argument_data,
+        ),
+        "flops": (candidate.flops_per_device, report.flops),
+        "traffic_bytes": (sum(candidate.traffic_bytes_per_step.values()), report.traffic_bytes),
+        "peak_bytes": (planned["peak"], report.step.peak),
+        "compile_seconds": report.compile_seconds,
+    }
+
+
+def _float32_moments(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` keeping its state in float32 whatever the parameters' dtype, as the planner counts.
+
+    optax's adam keeps its moments in the parameters' dtype (bf16 parameters: bf16 moments);
+    mixed-precision recipes, and the planner's estimate, keep them in float32.
+    """
+
+    def wide(tree):
+        return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+    def init(params):
+        return tx.init(wide(params))
+
+    def update(updates, state, params=None):
+        new, state = tx.update(wide(updates), state, None if params is None else wide(params))
+        return jax.tree.map(lambda n, u: n.astype(u.dtype), new, updates), state
+
+    return optax.GradientTransformation(init, update)
 
 
 def _compiled_flops(cost: dict, text: str) -> float:
