@@ -96,7 +96,7 @@ def test_the_readme_first_code_block_runs_as_written(tmp_path):
     assert "Step plan:" in out.stdout and "reduce-scatter over ('data',)" in out.stdout
 
 
-QUICK_STARTS = ("index", "context", "experts", "pipeline", "pretrained")
+QUICK_STARTS = ("index", "context", "experts", "pipeline", "pretrained", "targets")
 
 
 def test_the_quick_start_of_each_docs_page_runs(tmp_path):
@@ -124,3 +124,4 @@ def test_the_quick_start_of_each_docs_page_runs(tmp_path):
     assert out.stdout.count(" ran") == len(QUICK_STARTS)
     assert "on the manual step" in out.stdout and "gradient of the first layer" in out.stdout
     assert "4 variables from" in out.stdout  # the pretrained page's plan
+    assert "compiled by XLA:TPU" in out.stdout  # the real-targets page's report

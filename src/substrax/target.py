@@ -171,7 +171,10 @@ class CompileTarget:
         import jax
         from jax.experimental import mesh_utils
 
-        grid = mesh_utils.create_device_mesh(tuple(sizes.values()), self.devices())
+        # Each mesh axis along whole torus dimensions where the sizes allow, else split ones.
+        grid = mesh_utils.create_device_mesh(
+            tuple(sizes.values()), self.devices(), allow_split_physical_axes=True
+        )
         auto = (jax.sharding.AxisType.Auto,) * len(sizes)
         return jax.sharding.Mesh(grid, tuple(sizes), axis_types=auto)
 

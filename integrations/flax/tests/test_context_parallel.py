@@ -194,3 +194,26 @@ def test_a_loss_that_shifts_targets_after_the_sequence_is_split_is_refused():
                                     layout=Layout.named("fsdp", {"data": 8}))  # fmt: skip
     plain_optimizer = sf.create_sharded_optimizer(plain, optax.adam(1e-2))
     sf.make_train_step(shifting_loss)(plain, plain_optimizer, rows)
+
+
+def test_stacked_layers_with_ring_attention_take_xla_step_named_and_equal_one_device():
+    """Ring attention inside an nnx.scan over stacked layers: Shardy rejects that nested
+    region within the manual one (at lowering, on every platform), so the plan takes XLA's
+    step before tracing, says why, and trains as one device does."""
+    import gpt
+
+    config = gpt.Config(vocab=VOCAB, d_model=D, heads=HEADS, mlp=64, layers=2, seq=SEQ)
+    batches = [gpt.next_tokens(gpt.batch_at(i, 8, SEQ) % VOCAB) for i in range(2)]
+
+    def train(layout):
+        model = sf.create_sharded_model(lambda: gpt.StackedGPT(config, nnx.Rngs(0)),
+                                        layout=layout)  # fmt: skip
+        optimizer = sf.create_sharded_optimizer(model, optax.adam(1e-2))
+        step = sf.make_train_step(gpt.loss_fn)
+        losses = [float(step(model, optimizer, batch)["loss"]) for batch in batches]
+        return losses, step.plan
+
+    with pytest.warns(ShardingWarning, match="run ring attention, which would enter a region"):
+        losses, plan = train(Layout.named("fsdp+cp", {"data": 2, "context": 4}))
+    assert plan.path == "xla" and "Shardy" in plan.reason and "('context',)" in plan.reason
+    np.testing.assert_allclose(losses, train(Layout.named("dp", {"data": 1}))[0], rtol=1e-5)

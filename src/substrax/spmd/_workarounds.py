@@ -75,7 +75,9 @@ def looped_region_obstacle(what: str, axes: tuple[str, ...]) -> str | None:
 
     * Shardy rejects a ``shard_map`` nested in a loop (an ``nnx.scan`` over stacked layers)
       within a manual region that leaves the nested region's axes out ("manual axes must
-      come before free axes"): stacked experts over expert axes under ``fsdp+ep``.
+      come before free axes"): stacked experts over expert axes under ``fsdp+ep``, and
+      stacked attention layers over context axes under ``fsdp+cp`` (ring attention), on
+      every platform (it is raised at lowering).
 
     Args:
       what: The layer, as the message names it (``"the stacked experts (blocks/moe/w_in)"``).
@@ -87,6 +89,6 @@ def looped_region_obstacle(what: str, axes: tuple[str, ...]) -> str | None:
     if not axes:
         return None
     return (
-        f"{what} enter a region over the expert axes {axes} inside the layers' loop, which "
+        f"{what} enter a region over the mesh axes {axes} inside the layers' loop, which "
         f"Shardy (jax {OBSERVED_ON}) rejects within a manual region that leaves those axes out"
     )

@@ -246,11 +246,12 @@ def _compute_dtype(model: nnx.Module, precision: MixedPrecision) -> Any:
 
 
 def stacked_experts_obstacle(plan: ModelPlan, mesh, split: tuple[str, ...]) -> str | None:
-    """Why stacked experts keep the step off the manual region, or None.
+    """Why stacked layers' own regions keep the step off the manual region, or None.
 
     Experts in a stacked layer (an ``nnx.scan`` over the ``layers`` axis) enter their own
-    region over the expert axes inside the loop; where those axes are left to XLA by the
-    manual region (``fsdp+ep``: the region spans the data axes), this jax cannot compile it
+    region over the expert axes inside the loop, and ring attention in a stacked layer its
+    region over the context axes; where those axes are left to XLA by the manual region
+    (``fsdp+ep``, ``fsdp+cp``: the region spans the data axes), this jax cannot compile it
     (:func:`substrax.spmd.looped_region_obstacle`).
     """
     sizes = dict(mesh.shape)
@@ -264,6 +265,13 @@ def stacked_experts_obstacle(plan: ModelPlan, mesh, split: tuple[str, ...]) -> s
         found = looped_region_obstacle(f"the stacked experts ({row.path})", free)
         if found is not None:
             return found
+    context = plan.layout.context_axes if plan.layout is not None else ()
+    free = tuple(a for a in context if sizes[a] > 1 and a not in split)
+    stacked = [row.path for row in plan.rows if "layers" in (row.logical_names or ())]
+    if stacked and free:
+        return looped_region_obstacle(
+            f"the stacked layers ({stacked[0]}, ...) run ring attention, which would", free
+        )
     return None
 
 
