@@ -192,7 +192,7 @@ def measure(config, target, label, layout, sizes, rows):
     batch = jax.ShapeDtypeStruct((rows, config.seq + 1), jnp.int32)
     try:
         report, seconds = run_substrax(config, target, layout, mesh, batch)
-    except ValueError as error:  # the compiler's refusal (out of memory), recorded
+    except sf.CompileRefused as error:  # the compiler's refusal (out of memory), recorded
         return {"layout": label, "strategy": layout, "mesh": sizes,
                 "substrax": {"refused": str(error).splitlines()[0][:300]}}  # fmt: skip
     named = Layout.named(layout, mesh)

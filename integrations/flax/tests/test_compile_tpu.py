@@ -129,10 +129,12 @@ def test_command_line_compiles_and_writes_json(tmp_path, capsys):
 def test_a_program_the_compiler_refuses_is_named_by_layout_and_decisions():
     long = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=2, seq=16384)
     rows = jax.ShapeDtypeStruct((8, long.seq + 1), jnp.int32)  # 2 rows x 16K tokens per chip
-    with pytest.raises(ValueError) as refused:
+    with pytest.raises(sf.CompileRefused) as refused:
         sf.compile_for(lambda: gpt.GPT(long, nnx.Rngs(0)), gpt.optimizer(), gpt.loss_fn, rows,
                        target="v5e:2x2", layout="fsdp")  # fmt: skip
     message = str(refused.value)
+    assert refused.value.layout == "fsdp 4" and refused.value.program == "training step"
+    assert refused.value.compiler.startswith("RESOURCE_EXHAUSTED: Ran out of memory on HBM")
     assert "XLA:TPU refused the training step of layout fsdp 4: RESOURCE_EXHAUSTED" in message
     assert "path manual" in message and "remat none (as asked)" in message
 

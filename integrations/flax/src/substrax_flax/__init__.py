@@ -14,6 +14,7 @@ this machine does not have.
 from substrax_flax._checkpoint import Checkpointer as Checkpointer
 from substrax_flax._checkpoint import CheckpointWarning as CheckpointWarning
 from substrax_flax._checkpoint import DirectoryLocked as DirectoryLocked
+from substrax_flax._compile import CompileRefused as CompileRefused
 from substrax_flax._compile import ProgramMemory as ProgramMemory
 from substrax_flax._compile import TargetReport as TargetReport
 from substrax_flax._compile import compile_for as compile_for
@@ -48,6 +49,7 @@ from substrax_flax._weights import save_weights as save_weights
 
 __all__ = [
     "CheckpointWarning",
+    "CompileRefused",
     "Checkpointer",
     "Decision",
     "DirectoryLocked",

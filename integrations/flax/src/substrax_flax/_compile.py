@@ -29,11 +29,28 @@ from substrax_flax._report import sharding_report
 from substrax_flax._step_plan import StepPlan
 from substrax_flax._train import make_train_step
 
-__all__ = ["ProgramMemory", "TargetReport", "compile_for"]
+__all__ = ["CompileRefused", "ProgramMemory", "TargetReport", "compile_for"]
 
 _MIB = 2**20
 #: Layouts :func:`compile_for` lays out on one mesh axis when no ``axis_sizes`` are given.
 _ONE_AXIS = ("dp", "fsdp", "zero1", "zero2")
+
+
+class CompileRefused(ValueError):
+    """The target's compiler refused a program (out of memory, a program it cannot partition).
+
+    Its message names the layout, the program (``"sharded init"`` or ``"training step"``), the
+    compiler's first line and the step's decisions that led there.
+
+    Attributes:
+      layout: The layout's label.
+      program: Which program was refused.
+      compiler: The compiler's first line (``RESOURCE_EXHAUSTED: Ran out of memory ...``).
+    """
+
+    def __init__(self, message: str, layout: str, program: str, compiler: str):
+        super().__init__(message)
+        self.layout, self.program, self.compiler = layout, program, compiler
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,9 +241,10 @@ def compile_for(
       The :class:`TargetReport`.
 
     Raises:
-      ValueError: For a target, layout or mesh that do not agree (naming what would), step
-        options given with a built step, or a program the TPU compiler refuses (naming the
-        layout and the step's decisions).
+      ValueError: For a target, layout or mesh that do not agree (naming what would), or step
+        options given with a built step.
+      CompileRefused: A program the TPU compiler refuses (a ``ValueError`` naming the layout
+        and the step's decisions).
       RuntimeError: Where the TPU compiler is not installed.
     """
     start = time.perf_counter()
@@ -318,7 +336,8 @@ def _compile(make: Callable[[], Any], layout: str, what: str, plan: StepPlan | N
             "; ".join(f"{d.name} {d.value} ({d.reason})" for d in plan.decisions) if plan else ""
         )
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(
+        raise CompileRefused(
             f"XLA:TPU refused the {what} of layout {layout}: {first}"
-            + (f". The step's decisions: {decisions}" if decisions else "")
-        ) from error
+            + (f". The step's decisions: {decisions}" if decisions else ""),
+            layout, what, first,
+        ) from error  # fmt: skip

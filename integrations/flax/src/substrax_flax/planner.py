@@ -45,7 +45,7 @@ from substrax.planner import main as planner_main
 from substrax.planner import transformer_leaves as leaves_of
 from substrax.spmd import attention, context_axes, experts, native_grouped_matmul
 from substrax.target import CompileTarget
-from substrax_flax._compile import compile_for
+from substrax_flax._compile import CompileRefused, compile_for
 from substrax_flax._create import create_sharded_model
 from substrax_flax._optimizer import create_sharded_optimizer
 from substrax_flax._pipeline_step import make_pipeline_train_step
@@ -316,7 +316,10 @@ def validate(
       "flops": ..., "traffic_bytes": ..., "peak_bytes": ...}``: the candidate's label, the
       twin's layout (with ``"data_parallel"``, the path its default step takes), and each
       figure an ``(estimate, compiled)`` pair per device; the compiled step is donated, as
-      substrax runs it.
+      substrax runs it. For a target, ``"target"``, ``"layout"`` and ``"data_parallel"``
+      replace ``"twin"``, with ``"compile_seconds"``; where the compiler refuses the candidate (it needs more memory
+      than the chip has), it has ``"refused"`` (the compiler's words) and the estimated
+      peak beside None instead of the figures.
 
     Raises:
       ValueError: For a plan of a custom model, a rank out of range, a twin of a pipeline
@@ -431,12 +434,16 @@ def _validate_on_target(config: TransformerConfig, candidate: Any, target: str) 
     else:
         step = _loss
         options = {"precision": precision, "remat": remat_name, "microbatches": micro}
+    planned = candidate.bytes_per_device
     with warnings.catch_warnings():  # the path is returned below, not warned about
         warnings.simplefilter("ignore", ShardingWarning)
-        report = compile_for(lambda: _StackedTwin(config, nnx.Rngs(0), dtype),
-                             _float32_moments(optax.adamw(1e-3)), step, batch, target=target,
-                             layout=layout, mesh=mesh, **options)  # fmt: skip
-    planned = candidate.bytes_per_device
+        try:
+            report = compile_for(lambda: _StackedTwin(config, nnx.Rngs(0), dtype),
+                                 _float32_moments(optax.adamw(1e-3)), step, batch,
+                                 target=target, layout=layout, mesh=mesh, **options)  # fmt: skip
+        except CompileRefused as refused:  # the estimate fits where the compiler says not
+            return {"target": target.name, "layout": layout.label, "refused": refused.compiler,
+                    "peak_bytes": (planned["peak"], None)}  # fmt: skip
     scalars = 8  # adam's count and the optimizer's step
     batch_per_device = 2 * 4 * rows * workload.seq // (layout.batch_degree * layout.cp)
     return {
