@@ -317,9 +317,9 @@ def validate(
       twin's layout (with ``"data_parallel"``, the path its default step takes), and each
       figure an ``(estimate, compiled)`` pair per device; the compiled step is donated, as
       substrax runs it. For a target, ``"target"``, ``"layout"`` and ``"data_parallel"``
-      replace ``"twin"``, with ``"compile_seconds"``; where the compiler refuses the candidate (it needs more memory
-      than the chip has), it has ``"refused"`` (the compiler's words) and the estimated
-      peak beside None instead of the figures.
+      replace ``"twin"``, with ``"compile_seconds"``; where the compiler refuses the
+      candidate (it needs more memory than the chip has), it has ``"refused"`` (the
+      compiler's words) and the estimated peak beside None instead of the figures.
 
     Raises:
       ValueError: For a plan of a custom model, a rank out of range, a twin of a pipeline
