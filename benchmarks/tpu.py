@@ -159,7 +159,7 @@ def run_substrax(config, target, layout, mesh, batch):
     return report, time.perf_counter() - start
 
 
-def run_flax(config, layout, mesh, batch):
+def run_flax(config, target, layout, mesh, batch):
     """Flax's recipe: rules in context, an abstract model and optimizer, an ``nnx.jit`` step."""
     start = time.perf_counter()
     named = Layout.named(layout, mesh)
@@ -183,7 +183,8 @@ def run_flax(config, layout, mesh, batch):
         placed = jax.ShapeDtypeStruct(
             batch.shape, batch.dtype, sharding=NamedSharding(mesh, P(named.batch_axes))
         )
-        compiled = train_step.lower(model, optimizer, placed).compile()
+        with target.compiling():
+            compiled = train_step.lower(model, optimizer, placed).compile()
     return compiled, time.perf_counter() - start
 
 
@@ -222,7 +223,7 @@ def measure(config, target, label, layout, sizes, rows):
     }
     if layout != "pp":  # Flax has no pipeline of its own
         try:
-            compiled, seconds = run_flax(config, layout, mesh, batch)
+            compiled, seconds = run_flax(config, target, layout, mesh, batch)
         except (
             ValueError,
             jax.errors.JaxRuntimeError,

@@ -1,3 +1,5 @@
+import warnings
+
 import jax
 import pytest
 
@@ -64,3 +66,29 @@ def test_workarounds_were_observed_on_the_installed_jax():
     assert jax.__version__ == OBSERVED_ON, (
         f"jax is {jax.__version__}; the workaround list was observed on {OBSERVED_ON}"
     )
+
+
+def test_compiling_for_the_slice_bypasses_the_persistent_cache():
+    """The suite runs with jax's persistent cache on (tests/jax_setup.py): a deviceless
+    executable is written to it but cannot be read back, so a second compile outside
+    ``compiling()`` warns; inside, it compiles quietly and the cache is back on after."""
+    target = CompileTarget.parse("v5p:2x2x2")
+    mesh = target.make_mesh({"data": 8})
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    x = jax.ShapeDtypeStruct((64, 24), jax.numpy.float32, sharding=sharding)
+
+    def program(x):
+        return (jax.numpy.tanh(x) * 3.0).sum(axis=0)
+
+    step = jax.jit(program)
+    for _ in range(2):
+        jax.clear_caches()  # each compile past jax's in-memory caches, to the persistent one
+        with target.compiling():
+            assert "all-reduce" in step.lower(x).compile().as_text()
+    assert jax.config.jax_enable_compilation_cache
+    for _ in range(2):  # written to the cache, then read from it
+        jax.clear_caches()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            step.lower(x).compile()
+    assert any("Error reading persistent compilation cache" in str(w.message) for w in seen)

@@ -14,12 +14,14 @@ chips, ``4x4x4``) and chips on v5e and v6e (``v5e-16`` is ``4x4``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
 import os
 import re
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 __all__ = ["GENERATIONS", "CompileTarget"]
@@ -178,8 +180,36 @@ class CompileTarget:
         auto = (jax.sharding.AxisType.Auto,) * len(sizes)
         return jax.sharding.Mesh(grid, tuple(sizes), axis_types=auto)
 
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[None]:
+        """A context to compile for this slice in: jax's persistent compilation cache is off.
+
+        jax writes a deviceless executable to its persistent cache but cannot load one back
+        (the compile-only client has no devices to load it on: the read fails with ``PjRtCompiler
+        must be constructed with a Client``, warns, and compiles again), so a target's programs
+        are compiled without the cache. The cache is back on for what is compiled afterwards.
+
+        Yields:
+          None; compile (``jitted.lower(...).compile()``) inside.
+        """
+        import jax
+        from jax.experimental.compilation_cache import compilation_cache
+
+        with _UNCACHED:
+            enabled = jax.config.jax_enable_compilation_cache
+            compilation_cache.reset_cache()  # jax decides whether to use it once per process
+            jax.config.update("jax_enable_compilation_cache", False)
+            try:
+                yield
+            finally:
+                jax.config.update("jax_enable_compilation_cache", enabled)
+                compilation_cache.reset_cache()
+
     def __str__(self) -> str:
         return self.name
+
+
+_UNCACHED = threading.Lock()  # one target compile at a time turns the global cache off
 
 
 @functools.cache

@@ -180,3 +180,46 @@ def test_planner_candidate_compiled_at_its_size_for_the_target():
     # over 8 chips of a 2x2x2 torus (an all-reduce's bytes): docs/planning.md.
     estimate, compiled = result["traffic_bytes"]
     assert 1.0 < compiled / estimate < 1.6
+
+
+MOE = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=2, seq=16, moe_experts=4)
+
+
+@pytest.mark.parametrize(
+    ("layout", "sizes", "config"),
+    [
+        ("dp", {"data": 8}, TINY),
+        ("zero2", {"data": 8}, TINY),
+        ("hsdp", {"data": 2, "model": 4}, TINY),
+        ("tp", {"data": 2, "model": 4}, TINY),
+        ("zero1+tp", {"data": 4, "model": 2}, TINY),
+        ("cp", {"data": 4, "context": 2}, TINY),
+        ("ep", {"data": 4, "expert": 2}, MOE),
+    ],
+)
+def test_every_named_layout_compiles_for_the_target(layout, sizes, config):
+    tokens = jax.ShapeDtypeStruct((16, config.seq), jnp.int32)
+    report = sf.compile_for(lambda: gpt.GPT(config, nnx.Rngs(0)), gpt.optimizer(), gpt.loss_fn,
+                            {"inputs": tokens, "targets": tokens}, target="v5p:2x2x2",
+                            layout=layout, axis_sizes=sizes)  # fmt: skip
+    assert report.axis_sizes == sizes and report.fits and report.flops > 0
+    # each chip holds its shards of the state and its rows (and sequence slice) of the batch
+    shards = math.prod(sizes[a] for a in report.plan.batch_axes) * sizes.get("context", 1)
+    batch = 2 * 4 * math.prod(tokens.shape) // shards
+    assert report.step.argument_data == report.state_bytes + batch
+
+
+@pytest.mark.parametrize(("schedule", "repeats"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                                    ("circular", 2)])  # fmt: skip
+def test_each_pipeline_schedule_compiles_for_the_target(schedule, repeats):
+    target = CompileTarget.parse("v5p:2x2x2")
+    mesh = target.make_mesh({"pipe": 2, "data": 4})
+    config = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=4, seq=16)
+    step = sf.make_pipeline_train_step(
+        gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh, stack="blocks",
+        microbatches=4, schedule=schedule, repeats=repeats,
+    )  # fmt: skip
+    report = sf.compile_for(lambda: gpt.StackedGPT(config, nnx.Rngs(0)), gpt.optimizer(), step,
+                            ROWS, target=target, layout="pp", mesh=mesh)  # fmt: skip
+    assert report.plan.path == "pipeline"
+    assert any(k == "collective-permute" and a == ("pipe",) for k, a in report.collectives)

@@ -33,7 +33,7 @@ def native_grouped_matmul(platform: str | None = None) -> bool:
     """Whether the platform compiled for has a grouped kernel (``ragged_dot`` not lowered densely).
 
     The platform is the target's, not this machine's: a step compiled here for a TPU slice
-    (:func:`substrax_flax.compile_for`) uses the TPU's kernel.
+    (the Flax adapter's ``compile_for``) uses the TPU's kernel.
 
     Args:
       platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``; None: the platform of the mesh that

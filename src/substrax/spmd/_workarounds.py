@@ -2,7 +2,7 @@
 
 Each entry was observed on a given jax version and on the platforms it names; it is gated by
 the platform the step is compiled for (its mesh's devices: a TPU slice's when compiling for
-one from this machine, :func:`substrax_flax.compile_for`), so the train step's plan (in the
+one from this machine with the Flax adapter's ``compile_for``), so the train step's plan (in the
 Flax adapter) and the planner (:mod:`substrax.planner`) take the same path for the same
 layout and target. Recheck an entry when jax moves (``tests/test_target.py`` fails when the
 installed jax is not :data:`OBSERVED_ON`): until a version is known to fix it, it applies (an

@@ -49,6 +49,14 @@ class CompileRefused(ValueError):
     """
 
     def __init__(self, message: str, layout: str, program: str, compiler: str):
+        """Records what was refused beside the message.
+
+        Args:
+          message: The full message (layout, program, compiler's words, step's decisions).
+          layout: The layout's label.
+          program: ``"sharded init"`` or ``"training step"``.
+          compiler: The compiler's first line.
+        """
         super().__init__(message)
         self.layout, self.program, self.compiler = layout, program, compiler
 
@@ -253,14 +261,15 @@ def compile_for(
     step = _step_of(step, step_options)
     plan = plan_model(factory, mesh, layout=layout)
     label = plan.layout.label if plan.layout is not None else str(dict(mesh.shape))
-    init = _compile(plan.compile_init, label, "sharded init", None)
+    init = _compile(target, plan.compile_init, label, "sharded init", None)
     model = plan.abstract_model()
     optimizer = create_sharded_optimizer(model, tx)
     shapes = jax.tree.map(_shape_of, batch)
     step_plan = step.plan_for(model, optimizer, shapes)
     compiled = _compile(
-        lambda: step.lower(model, optimizer, shapes).compile(), label, "training step", step_plan
-    )
+        target, lambda: step.lower(model, optimizer, shapes).compile(), label, "training step",
+        step_plan,
+    )  # fmt: skip
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     text = compiled.as_text()
@@ -327,10 +336,13 @@ def _shape_of(leaf: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(leaf), np.result_type(leaf))
 
 
-def _compile(make: Callable[[], Any], layout: str, what: str, plan: StepPlan | None) -> Any:
-    """``make()``, with a refusal by the compiler named by layout and the step's decisions."""
+def _compile(
+    target: CompileTarget, make: Callable[[], Any], layout: str, what: str, plan: StepPlan | None
+) -> Any:
+    """``make()`` for ``target``, a refusal by its compiler named by layout and step decisions."""
     try:
-        return make()
+        with target.compiling():
+            return make()
     except jax.errors.JaxRuntimeError as error:
         decisions = (
             "; ".join(f"{d.name} {d.value} ({d.reason})" for d in plan.decisions) if plan else ""
