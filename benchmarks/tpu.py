@@ -49,7 +49,7 @@ import gpt
 from layouts import write_results
 
 import substrax_flax as sf
-from substrax.hlo import argument_bytes, peak_bytes, traffic_by_axes
+from substrax.hlo import argument_bytes, compiled_flops, peak_bytes, traffic_by_axes
 from substrax.layout import Layout
 from substrax.target import CompileTarget
 
@@ -124,14 +124,12 @@ def split_traffic(collectives, data_axes: set[str]) -> tuple[float, float]:
 
 def _stats(compiled, axis_sizes) -> dict:
     memory = compiled.memory_analysis()
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
     text = compiled.as_text()
     return {
         "peak_bytes": peak_bytes(memory),
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_data_bytes": argument_bytes(text),
-        "flops": float(cost.get("flops", 0.0)),
+        "flops": compiled_flops(compiled),
         "collectives": [
             {"kind": k, "axes": list(a) if a else a, **row}
             for (k, a), row in traffic_by_axes(text, axis_sizes, trips=True).items()

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from substrax.hlo import KINDS, Collective, collectives, loop_runs, traffic_by_kind
+from substrax.hlo import KINDS, Collective, collectives, compiled_flops, loop_runs, traffic_by_kind
 
 
 def _hlo(f, *args):
@@ -147,3 +147,15 @@ def test_lowered_stablehlo_keeps_the_dtype_the_program_asks_for(mesh_2x4):
     # XLA's CPU compiler widens the bf16 collectives to f32: twice the bytes once compiled
     compiled = traffic_by_kind(lowered.compile().as_text())
     assert compiled["all-gather"]["bytes"] == 2 * ops[0].traffic_bytes
+
+
+def test_compiled_flops_count_every_trip_of_a_scanned_product():
+    """cost_analysis counts the loop body once; compiled_flops counts its 6 trips."""
+    w = jnp.ones((6, 32, 32))
+
+    def program(x, w):
+        return jax.lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0]
+
+    compiled = jax.jit(program).lower(jnp.ones((16, 32)), w).compile()
+    one = 2 * 16 * 32 * 32
+    assert 6 * one <= compiled_flops(compiled) < 7 * one  # the tanh's and the loop's few more

@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "KINDS", "Collective", "argument_bytes", "collectives", "dot_flops", "loop_runs",
-    "peak_bytes", "traffic_by_axes", "traffic_by_kind", "while_bodies",
+    "KINDS", "Collective", "argument_bytes", "collectives", "compiled_flops", "dot_flops",
+    "loop_runs", "peak_bytes", "traffic_by_axes", "traffic_by_kind", "while_bodies",
 ]  # fmt: skip
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -541,6 +541,25 @@ def _live_taps(out: int, size: int, taps: int, spec: dict[str, tuple[int, ...]])
             p = o * stride + w * rhs_dilate - low
             live += 0 <= p < span and p % dilate == 0
     return live
+
+
+def compiled_flops(compiled: Any) -> float:
+    """A compiled program's FLOPs per device, each loop counted as often as it runs.
+
+    XLA's ``cost_analysis()`` counts a ``while`` body once (a scanned model's layers, a
+    pipeline's ticks, the blocks of a grouped product); the matrix products of the other trips
+    (:func:`dot_flops`) are added to it.
+
+    Args:
+      compiled: ``jitted.lower(...).compile()``.
+
+    Returns:
+      The FLOPs of one execution on one device.
+    """
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    text = compiled.as_text()
+    return float(cost.get("flops", 0.0)) + dot_flops(text) - dot_flops(text, trips=False)
 
 
 def dot_flops(hlo_text: str, *, branch: Callable[..., float] = max, trips: bool = True) -> float:

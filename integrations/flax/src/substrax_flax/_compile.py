@@ -18,7 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from substrax.hlo import argument_bytes, dot_flops, peak_bytes, traffic_by_axes
+from substrax.hlo import argument_bytes, compiled_flops, peak_bytes, traffic_by_axes
 from substrax.layout import Layout
 from substrax.target import CompileTarget
 from substrax_flax._create import plan_model
@@ -270,8 +270,6 @@ def compile_for(
         target, lambda: step.lower(model, optimizer, shapes).compile(), label, "training step",
         step_plan,
     )  # fmt: skip
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
     text = compiled.as_text()
     return TargetReport(
         target=target.name,
@@ -282,7 +280,7 @@ def compile_for(
         + sharding_report(optimizer).bytes_per_device,
         init=ProgramMemory.of(init),
         step=ProgramMemory.of(compiled),
-        flops=float(cost.get("flops", 0.0)) + dot_flops(text) - dot_flops(text, trips=False),
+        flops=compiled_flops(compiled),
         collectives=traffic_by_axes(text, dict(mesh.shape), trips=True),
         plan=step_plan,
         compile_seconds=time.perf_counter() - start,

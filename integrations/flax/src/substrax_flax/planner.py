@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 
 from substrax import ShardingWarning, warn_user
-from substrax.hlo import dot_flops, peak_bytes, traffic_by_kind
+from substrax.hlo import compiled_flops, peak_bytes, traffic_by_kind
 from substrax.layout import Layout
 from substrax.planner import (
     ARCHITECTURES,
@@ -381,8 +381,7 @@ def _validate_layout(
         path = step.plan_for(model, optimizer, batch).path
     lowered = step.lower(model, optimizer, batch)
     compiled = lowered.compile()
-    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    memory = compiled.memory_analysis()
     state = sharding_report(model).bytes_per_device + sharding_report(optimizer).bytes_per_device
     planned = estimate.bytes_per_device
     scalars = 8  # adam's count and the optimizer's step: two 4-byte scalars
@@ -401,7 +400,7 @@ def _validate_layout(
             planned["params"] + planned["optimizer"] + scalars + batch_per_device,
             memory.argument_size_in_bytes,
         ),
-        "flops": (estimate.flops_per_device, _compiled_flops(cost, compiled.as_text())),
+        "flops": (estimate.flops_per_device, compiled_flops(compiled)),
         "traffic_bytes": (
             sum(estimate.traffic_bytes_per_step.values()),
             sum(kind["bytes"] for kind in traffic.values()),
@@ -480,15 +479,6 @@ def _float32_moments(tx: optax.GradientTransformation) -> optax.GradientTransfor
         return jax.tree.map(lambda n, u: n.astype(u.dtype), new, updates), state
 
     return optax.GradientTransformation(init, update)
-
-
-def _compiled_flops(cost: dict, text: str) -> float:
-    """XLA's FLOPs with each loop counted as often as it runs.
-
-    ``cost_analysis`` counts a ``while`` body once (the blocks of a grouped product, a
-    pipeline's ticks); the matrix products of the other trips are added.
-    """
-    return float(cost.get("flops", 0.0)) + dot_flops(text) - dot_flops(text, trips=False)
 
 
 if __name__ == "__main__":
