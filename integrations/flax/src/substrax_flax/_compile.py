@@ -116,7 +116,8 @@ class TargetReport:
       init: The sharded init's memory per device.
       step: The training step's memory per device.
       flops: The step's FLOPs per device: the compiler's cost analysis, with every trip of a
-        loop's matrix products counted (it counts a loop body once; :func:`substrax.hlo.dot_flops`).
+        loop's matrix products counted (it counts a loop body once;
+        :func:`substrax.hlo.compiled_flops`).
       collectives: ``{(kind, mesh axes): {"count", "bytes"}}`` per device per step
         (:func:`substrax.hlo.traffic_by_axes`, each loop trip counted).
       plan: The step's plan (every decision and each parameter's specs).
