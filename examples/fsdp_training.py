@@ -87,6 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=defaults.layers, help="decoder blocks")
     parser.add_argument("--seq", type=int, default=defaults.seq, help="tokens per row")
     parser.add_argument(
+        "--dropout", type=float, default=defaults.dropout,
+        help="dropout rate after attention and MLP (the masks are one device's on every layout)",
+    )  # fmt: skip
+    parser.add_argument(
         "--moe-experts", type=int, default=0,
         help="experts per mixture-of-experts MLP, 2 per token (0: dense MLPs); shard them with "
         "--strategy fsdp+ep --mesh data=2,expert=4",
@@ -236,7 +240,7 @@ def build(args):
     config = gpt.Config(
         vocab=args.vocab, d_model=args.d_model, heads=args.heads, mlp=args.mlp,
         layers=args.layers, seq=args.seq, moe_experts=args.moe_experts,
-        capacity_factor=args.capacity_factor or None,
+        capacity_factor=args.capacity_factor or None, dropout=args.dropout,
     )  # fmt: skip
     return mesh, layout, config
 

@@ -10,7 +10,9 @@ device holding as many rows.
 
 What changes against the XLA-partitioned step: code that couples rows across devices sees only
 its device's rows; :mod:`substrax_flax._per_device` says what the region does about batch
-statistics and random draws, and what it cannot do (the step plan then keeps XLA's step). A
+statistics, and what it cannot do (the step plan then keeps XLA's step). Random draws from the
+model's ``nnx.Rngs`` streams are one device's: each device (and each accumulation slice)
+computes its rows' share of the whole batch's draw (:mod:`substrax_flax._streams`). A
 loss normalised by a count over the whole batch (a token-weighted mean) becomes the mean of the
 devices' means, as in PyTorch's DDP; it cannot be detected, so it is documented.
 
@@ -32,9 +34,9 @@ from jax.sharding import PartitionSpec
 from substrax.layout import Layout
 from substrax.mesh import MeshRules
 from substrax.spmd import MixedPrecision, is_replicated_leaf
-from substrax_flax._per_device import per_device_streams
 from substrax_flax._resolve import axes_entry, entry_axes, without_axes
 from substrax_flax._state import map_variables, values_by_path
+from substrax_flax._streams import RowDraws, rows_loss
 
 __all__ = [
     "manual_movers",
@@ -235,6 +237,7 @@ def manual_value_and_grad(
     movers: Any,
     microbatches: int = 1,
     scatter_each: bool = False,
+    draws: RowDraws | None = None,
 ) -> tuple[tuple[jax.Array, tuple[Any, Any]], Any]:
     """``value_and_grad(loss_of, has_aux=True)`` with the batch axes handled by hand.
 
@@ -258,24 +261,28 @@ def manual_value_and_grad(
       scatter_each: Reduce-scatter each slice's gradients as soon as they are computed and
         sum the shards (ZeRO-2: a shard-sized accumulator, K reductions per step) instead of
         summing whole gradients and reducing once (ZeRO-1, FSDP).
+      draws: How the loss's random draws split with the rows (None: it draws nothing from
+        the model's streams). Device ``p``'s slice ``j`` then draws block ``p * K + j`` of the
+        whole batch's draws, and every slice starts from the step's stream counts, so the
+        step draws what one device draws for the whole batch.
 
     Returns:
       ``((loss, (aux, new_rest)), grads)`` as ``jax.value_and_grad`` would, the loss and the
       floating-point aux averaged over the devices.
     """
     template = params
-    if batch_axes:
-        loss_of = per_device_streams(loss_of, batch_axes)
     explicit = microbatches > 1 or not all(m.custom_gradient for m in jax.tree.leaves(movers))
 
     def local(pure, rest_leaves, batch):
+        device = jax.lax.axis_index(batch_axes) if batch_axes else 0
         if explicit:  # gradients taken on the gathered values, then scattered by hand
             return _accumulate(loss_of, template, pure, rest_leaves, batch, movers,
-                               batch_axes, microbatches, scatter_each)  # fmt: skip
+                               batch_axes, microbatches, scatter_each, draws, device)  # fmt: skip
+        drawn = rows_loss(loss_of, draws, device) if draws is not None else loss_of
 
         def objective(pure):
             gathered = jax.tree.map(lambda x, m: m.gather(x), pure, movers)
-            loss, (aux, new_rest) = loss_of(_state(template, gathered), rest_leaves, batch)
+            loss, (aux, new_rest) = drawn(_state(template, gathered), rest_leaves, batch)
             return _pmean(loss, batch_axes), (_mean(aux, batch_axes), new_rest)
 
         return jax.value_and_grad(objective, has_aux=True)(pure)
@@ -305,11 +312,13 @@ def _state(template: Any, pure: Any) -> Any:
     return state
 
 
-def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes, k, scatter_each):
+def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes, k, scatter_each,
+                draws, device):  # fmt: skip
     """Forward and backward slice by slice on this device, the gradients scattered by hand.
 
     Gradients are summed in the parameters' stored dtype: whole, and scattered once at the end,
-    or (``scatter_each``) scattered per slice and summed as shards.
+    or (``scatter_each``) scattered per slice and summed as shards. With ``draws``, slice ``j``
+    of device ``device`` draws block ``device * k + j`` from the step's stream counts.
     """
     gathered = jax.tree.map(lambda x, m: m.all_gather(x), pure, movers)
     # 0-d leaves (a key, a step number) are the same for every slice: None in the scanned tree
@@ -318,23 +327,31 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes,
     slices = [None if is_replicated_leaf(x) else x.reshape(k, x.shape[0] // k, *x.shape[1:])
               for x in leaves]  # fmt: skip
 
-    def one(gathered, rest_leaves, sliced):
+    counts = draws.counts if draws is not None and draws.counts else (False,) * len(rest_leaves)
+
+    def one(gathered, rest_leaves, sliced, j):
         rows = jax.tree.unflatten(
             treedef, [a if b is None else b for a, b in zip(kept, sliced, strict=True)]
         )
-        loss, (aux, new_rest) = loss_of(_state(template, gathered), rest_leaves, rows)
+        drawn = loss_of if draws is None else rows_loss(loss_of, draws, device * k + j)
+        loss, (aux, new_rest) = drawn(_state(template, gathered), rest_leaves, rows)
         return loss, (aux, jax.tree.leaves(new_rest), new_rest)
 
     first = [None if x is None else x[0] for x in slices]
-    shapes = jax.eval_shape(one, gathered, rest_leaves, first)
+    shapes = jax.eval_shape(one, gathered, rest_leaves, first, 0)
     rest_def = jax.tree.structure(shapes[1][2])
 
     def scatter(grads):
         return jax.tree.map(lambda g, m, x: m.scatter(g, x.dtype), grads, movers, pure)
 
-    def body(carry, rows):
+    def body(carry, xs):
         total, rest = carry
-        (loss, (aux, rest, _)), grads = jax.value_and_grad(one, has_aux=True)(gathered, rest, rows)
+        rows, j = xs
+        # the streams' counts restart at the step's: every slice draws from the same keys
+        rest = [a if c else b for a, b, c in zip(rest_leaves, rest, counts, strict=True)]
+        (loss, (aux, rest, _)), grads = jax.value_and_grad(one, has_aux=True)(
+            gathered, rest, rows, j
+        )
         grads = scatter(grads) if scatter_each else grads
         total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
         return (total, rest), (loss, aux)
@@ -342,7 +359,8 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes,
     # summed in the stored dtype, whatever the compute dtype
     like = jax.eval_shape(scatter, gathered) if scatter_each else gathered
     zeros = jax.tree.map(lambda g, x: _zeros(g, x.dtype), like, pure)
-    (total, rest), (losses, auxes) = jax.lax.scan(body, (zeros, list(rest_leaves)), slices)
+    xs = (slices, jax.numpy.arange(k, dtype=jax.numpy.uint32))
+    (total, rest), (losses, auxes) = jax.lax.scan(body, (zeros, list(rest_leaves)), xs)
     count = k * math.prod(jax.lax.axis_size(a) for a in batch_axes)
     if scatter_each:
         grads = jax.tree.map(lambda t: t / count, total)

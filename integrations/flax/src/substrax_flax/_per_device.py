@@ -2,15 +2,13 @@
 
 Inside the manual data-parallel region (:mod:`substrax_flax._manual`) each device sees its own
 rows. ``nnx.BatchNorm`` layers reduce their moments over the batch axes
-(:func:`sync_batch_norms`), so they are the whole batch's; random draws from the model's
-``nnx.Rngs`` streams are folded with the device's position (:func:`per_device_streams`), so
-masks differ across devices and repeat for a seed and layout. Batch statistics of the model's
-own cannot be made the whole batch's (:func:`batch_stat_obstacle`).
+(:func:`sync_batch_norms`), so they are the whole batch's; batch statistics of the model's own
+cannot be made the whole batch's (:func:`batch_stat_obstacle`). Random draws are one device's
+(:mod:`substrax_flax._streams`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -18,11 +16,8 @@ from flax import nnx
 
 from substrax_flax._experts import MixtureOfExperts
 from substrax_flax._state import variables
-from substrax_flax._traced import is_key
 
-__all__ = [
-    "batch_stat_obstacle", "fold_key", "per_device_streams", "sync_batch_norms", "synced_stats",
-]  # fmt: skip
+__all__ = ["batch_stat_obstacle", "fold_key", "sync_batch_norms", "synced_stats"]
 
 
 def batch_stat_obstacle(model: nnx.Module) -> str | None:
@@ -82,38 +77,3 @@ def fold_key(key: jax.Array, data: Any) -> jax.Array:
         return jax.random.fold_in(key, data)
     folded = jax.vmap(jax.random.fold_in, in_axes=(0, None))(key.reshape(-1), data)
     return folded.reshape(key.shape)
-
-
-def per_device_streams(loss_of: Callable, batch_axes: tuple[str, ...]) -> Callable:
-    """``loss_of`` drawing each device's random numbers from its own streams.
-
-    Every typed key among the other state's leaves (an ``nnx.Rngs`` stream's key) enters the
-    loss folded with the device's linear position over ``batch_axes``
-    (``jax.random.fold_in(key, axis_index)``), so dropout masks differ across devices and
-    repeat for a given seed and layout, as in other data-parallel frameworks; the stored keys
-    come back unchanged (the counts advance as on one device). Inside a manual region only.
-
-    Args:
-      loss_of: ``loss_of(params, rest_leaves, batch) -> (loss, (aux, new_rest))``.
-      batch_axes: The manual batch axes.
-
-    Returns:
-      The wrapped ``loss_of``.
-    """
-
-    def folded(params, rest_leaves, batch):
-        keys = [is_key(x) for x in rest_leaves]
-        if not any(keys):
-            return loss_of(params, rest_leaves, batch)
-        index = jax.lax.axis_index(batch_axes)
-        pairs = zip(rest_leaves, keys, strict=True)
-        leaves = [fold_key(x, index) if k else x for x, k in pairs]
-        loss, (aux, new_rest) = loss_of(params, leaves, batch)
-        new_leaves, new_def = jax.tree.flatten(new_rest)
-        if len(new_leaves) == len(keys):  # the state kept its structure: restore the keys
-            triples = zip(new_leaves, rest_leaves, keys, strict=True)
-            new_leaves = [x if k else n for n, x, k in triples]
-            new_rest = jax.tree.unflatten(new_def, new_leaves)
-        return loss, (aux, new_rest)
-
-    return folded

@@ -39,6 +39,7 @@ from substrax_flax._per_device import batch_stat_obstacle, synced_stats
 from substrax_flax._plan import ModelPlan
 from substrax_flax._resolve import entry_axes, without_axes
 from substrax_flax._state import values_by_path, variables
+from substrax_flax._streams import RowDraws
 from substrax_flax._traced import Traced
 
 __all__ = ["Decision", "ParamStep", "StepPlan", "choose_path", "pipeline_plan", "step_mesh"]
@@ -103,6 +104,8 @@ class StepPlan:
         the model could change would).
       check_state: Whether the non-finite guard also checks the updated state (float16
         state; see the ``guard`` decision).
+      draws: How the manual step's random draws split with the rows (None: no draw from the
+        model's streams, one block of rows, or not the manual path).
     """
 
     path: str
@@ -120,6 +123,7 @@ class StepPlan:
     decisions: tuple[Decision, ...]
     advice: str = ""
     check_state: bool = False
+    draws: RowDraws | None = None
 
     def __str__(self) -> str:
         width = max(len(d.name) for d in self.decisions)
@@ -183,6 +187,7 @@ def choose_path(
     microbatches: int,
     traced: Callable[[], Traced],
     wrt: Any,
+    draws: Callable[[], RowDraws | None] = lambda: None,
 ) -> Path:
     """The gradient path for ``data_parallel=asked``, decided before the step is traced.
 
@@ -201,6 +206,8 @@ def choose_path(
       microbatches: Gradient-accumulation slices (above 1 needs the manual step).
       traced: ``traced()`` is the loss's :class:`~substrax_flax._traced.Traced`.
       wrt: The differentiated variables.
+      draws: ``draws()`` is how the loss's draws split with the rows; it raises
+        ``ValueError`` saying why they cannot (an obstacle).
 
     Returns:
       The :class:`Path`.
@@ -218,7 +225,7 @@ def choose_path(
         if forced:
             return Path("manual", "data_parallel='manual' was asked; one replica, no region")
         return Path("xla", "one replica: no batch axis of size > 1 to split")
-    found = _obstacle(model, mesh, split, precision, traced, wrt, plan)
+    found = _obstacle(model, mesh, split, precision, traced, wrt, plan, draws)
     if found is None:
         return Path("manual", "each device computes its own rows; nothing needs XLA's step")
     obstacle, advice = found
@@ -275,7 +282,7 @@ def stacked_experts_obstacle(plan: ModelPlan, mesh, split: tuple[str, ...]) -> s
     return None
 
 
-def _obstacle(model, mesh, split, precision, traced, wrt, plan) -> tuple[str, str] | None:
+def _obstacle(model, mesh, split, precision, traced, wrt, plan, draws) -> tuple[str, str] | None:
     platform = mesh.devices.flat[0].platform
     dtype = _compute_dtype(model, precision)
     found = region_obstacle(dict(mesh.shape), split, dtype, platform)
@@ -287,7 +294,14 @@ def _obstacle(model, mesh, split, precision, traced, wrt, plan) -> tuple[str, st
     found = batch_stat_obstacle(model)
     if found is not None:
         return found, ""
-    return traced_obstacle(traced(), split) or _state_from_batch(model, traced(), wrt)
+    found = traced_obstacle(traced(), split) or _state_from_batch(model, traced(), wrt)
+    if found is not None:
+        return found
+    try:
+        draws()
+    except ValueError as error:
+        return str(error), "Draw from an nnx.Rngs stream with shapes that split with the rows"
+    return None
 
 
 def _state_from_batch(model: nnx.Module, traced: Traced, wrt: Any) -> tuple[str, str] | None:
@@ -318,8 +332,8 @@ def traced_obstacle(traced: Traced, split: tuple[str, ...]) -> tuple[str, str] |
     """Why the traced loss cannot run in the manual region, and what would let it, or None.
 
     Draws from a key that is not an ``nnx.Rngs`` stream would repeat on every device (a
-    stream's are folded with the device's position); a sharding in model code that names a
-    batch axis cannot be traced where that axis is manual.
+    stream's are one device's, each device computing its rows' share); a sharding in model
+    code that names a batch axis cannot be traced where that axis is manual.
     """
     draws = traced.foreign_draws
     if draws:

@@ -7,7 +7,8 @@ The step traces the loss once (nothing runs) and looks at its primitives:
   different rows, where one device (and XLA's partitioning of the whole batch) draws one per
   row. Any primitive of :data:`RANDOM_PRIMITIVES` draws bits. Draws whose key derives from a
   model's ``nnx.Rngs`` stream are told apart (the *stream* keys, followed through the jaxpr):
-  the manual step folds each device's position into those keys, so they draw per device.
+  the manual step draws one device's numbers from those keys, each device computing its rows'
+  share (:mod:`substrax_flax._streams`, which pairs the draws' shapes, :attr:`Traced.draw_shapes`).
 * Shardings that name mesh axes. Inside the manual step the batch axes are manual, and a
   sharding in model code that names one (``with_sharding_constraint(x, P("data"))``) cannot
   be traced there; the step traces the loss with substrax's own rules already stripped of the
@@ -54,6 +55,16 @@ def _primitives(jaxpr: Any) -> Iterator[str]:
         for value in eqn.params.values():
             for sub in _sub_jaxprs(value):
                 yield from _primitives(sub)
+
+
+def _draw_shapes(jaxpr: Any) -> Iterator[tuple[int, ...]]:
+    """The ``shape`` of every ``random_bits`` equation (one key's draw), in trace order."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "random_bits":
+            yield tuple(eqn.params["shape"])
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                yield from _draw_shapes(sub)
 
 
 def _sub_inputs(eqn: Any, sub: Any, index: int, marked: list[bool]) -> list[bool]:
@@ -156,6 +167,8 @@ class Traced:
         the trace was not told which inputs are the batch).
       sequence_slices: The slices of batch leaves along their sequence (second) dimension,
         as written (``"[:, 1:]"``).
+      draw_shapes: The shape of each key's ``random_bits`` draw, in trace order (what
+        :func:`substrax_flax._streams.row_draws` pairs across two batch sizes).
     """
 
     def __init__(
@@ -165,12 +178,14 @@ class Traced:
         named: frozenset[tuple[str, str]] = frozenset(),
         from_batch: tuple[bool, ...] = (),
         sequence_slices: tuple[str, ...] = (),
+        draw_shapes: tuple[tuple[int, ...], ...] = (),
     ):
         self.primitives = primitives
         self.foreign_draws = tuple(sorted(set(foreign_draws)))
         self.named = named
         self.from_batch = tuple(from_batch)
         self.sequence_slices = tuple(sequence_slices)
+        self.draw_shapes = tuple(draw_shapes)
 
     def naming(self, axes: Iterable[str]) -> tuple[str, ...]:
         """The primitives whose shardings name any of ``axes``, sorted (none: ``()``)."""
@@ -221,4 +236,4 @@ def trace(fn: Callable[..., Any], *args: Any, streams: Any = None, batch: Any = 
         from_batch = _foreign(closed.jaxpr, rows)[1]
         slices = _sequence_slices(closed.jaxpr, rows)
     return Traced(frozenset(_primitives(closed.jaxpr)), tuple(draws), named, tuple(from_batch),
-                  tuple(slices))  # fmt: skip
+                  tuple(slices), tuple(_draw_shapes(closed.jaxpr)))  # fmt: skip

@@ -48,6 +48,7 @@ from substrax_flax._step_plan import (
     precision_name,
     step_mesh,
 )
+from substrax_flax._streams import RowDraws, row_draws, threefry_obstacle
 from substrax_flax._traced import Traced, is_key, trace
 
 __all__ = ["TrainStep", "make_train_step"]
@@ -177,6 +178,7 @@ class TrainStep(JittedStep):
                             loss_of, params, rest_leaves, batch, mesh=mesh,
                             batch_axes=manual[0], movers=manual[1],
                             microbatches=self.microbatches, scatter_each=manual[2],
+                            draws=manual[3],
                         )  # fmt: skip
                     else:
                         grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -218,7 +220,7 @@ class TrainStep(JittedStep):
             movers = manual_movers(nnx.state(model, self.wrt), rows, split, used,
                                    self.precision, plan.layout)  # fmt: skip
             zero = plan.layout.zero if plan.layout is not None else 0
-            manual = (split, movers, zero == 2)
+            manual = (split, movers, zero == 2, step_plan.draws)
         self._guard.state_checked = step_plan.check_state
         fn = self._step_fn(
             nnx.graphdef(model), nnx.graphdef(optimizer), used, rules, model_sh, opt_sh, mesh,
@@ -262,12 +264,13 @@ class TrainStep(JittedStep):
         # axes also split the batch, but stay with XLA (the expert layer enters its own region).
         experts = plan.layout.expert_axes if plan.layout is not None else ()
         split = tuple(a for a in batch_axes if dict(mesh.shape)[a] > 1 and a not in experts)
-        traced = functools.cache(functools.partial(
-            self._trace, model, mesh, batch, _on(mesh, compute_sh), rules, split
-        ))  # fmt: skip
+        traced = self._tracer(model, mesh, batch, compute_sh, rules, split)
+        draws = functools.cache(functools.partial(self._row_draws, model, mesh, batch, split,
+                                                  traced))  # fmt: skip
         path = choose_path(self.data_parallel, model, plan, mesh, split, self.precision,
-                           self.microbatches, traced, self.wrt)  # fmt: skip
+                           self.microbatches, traced, self.wrt, draws)  # fmt: skip
         region = split if path.name == "manual" else ()
+        drawn = draws() if path.name == "manual" else None
         seq_axes = plan.layout.context_axes if plan.layout is not None else ()
         _check_sequence_slices(seq_axes, dict(mesh.shape), traced)
         params = param_steps(plan, nnx.state(model, self.wrt), compute_sh, path.name, split)
@@ -286,13 +289,22 @@ class TrainStep(JittedStep):
             Decision("gather", self.gather, "as asked"),
             Decision("guard", guard_value, guard_reason),
         )  # fmt: skip
+        if drawn is not None:
+            decisions += (
+                Decision(
+                    "random",
+                    "one device's draws",
+                    drawn.describe() + "; each "
+                    "device computes its rows' share of the whole batch's",
+                ),
+            )
         if path.extra_bytes:
             more = "more traffic per device per step than the manual step"
             decisions += (Decision("cost", _megabytes(path.extra_bytes), more),)
         step_plan = StepPlan(
             path.name, path.reason, mesh, tuple(batch_axes), region, seq_axes, self.precision,
             self.remat, self.microbatches, self.gather, path.extra_bytes, params, decisions,
-            path.advice, check_state,
+            path.advice, check_state, drawn,
         )  # fmt: skip
         return step_plan, traced
 
@@ -311,6 +323,44 @@ class TrainStep(JittedStep):
             ShardingWarning,
         )
 
+    def _tracer(self, model, mesh, batch, compute_sh, rules, split) -> Callable[..., Traced]:
+        """:meth:`_trace` on ``mesh``, cached: ``tracer()`` on the batch, ``tracer(rows)``."""
+        return functools.cache(functools.partial(
+            self._trace, model, mesh, batch, _on(mesh, compute_sh), rules, split
+        ))  # fmt: skip
+
+    def _row_draws(
+        self,
+        model: nnx.Module,
+        mesh: jax.sharding.Mesh,
+        batch: Any,
+        split: tuple[str, ...],
+        traced: Callable[..., Traced],
+    ) -> RowDraws | None:
+        """How the loss's draws split with the rows of the manual step's blocks, or None.
+
+        None when the loss draws nothing or the batch is one block. The loss is traced again
+        on one block's rows (a device's, or its accumulation slice's) and its draws paired
+        with the whole batch's.
+
+        Raises:
+          ValueError: Saying why the draws cannot be split with the rows (the step plan then
+            keeps XLA's step, which draws one device's numbers by itself).
+        """
+        whole = traced().draw_shapes
+        blocks = math.prod(dict(mesh.shape)[a] for a in split) * self.microbatches
+        rows = _global_rows(batch, mesh)
+        if not whole or blocks == 1 or rows is None or rows % blocks:
+            return None  # no draw, one block, or rows the step refuses by itself
+        rest = nnx.state(model, nnx.Not(self.wrt))
+        found = threefry_obstacle(jax.tree.leaves(rest))
+        if found is not None:
+            raise ValueError(found)
+        local = traced(rows // blocks).draw_shapes
+        kinds = jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        counts = [isinstance(v, nnx.RngCount) for v in kinds]
+        return row_draws(whole, local, blocks, counts)
+
     def _trace(
         self,
         model: nnx.Module,
@@ -319,17 +369,21 @@ class TrainStep(JittedStep):
         compute: Any,
         rules: MeshRules,
         split: tuple[str, ...],
+        rows: int | None = None,
     ) -> Traced:
         """The loss traced (not run) on the global batch, under the manual step's rules.
 
         substrax's own constraints then leave out the batch axes ``split``, as they do in the
         manual region, so a batch axis a sharding in the trace still names is the model's.
+        ``rows``, when given, replaces the batch's rows (the trace :meth:`_row_draws` pairs).
         """
         _, params, rest = nnx.split(model, self.wrt, ...)
         rest_leaves, rest_def = jax.tree.flatten(rest)
         loss_of = self._loss_fn(nnx.graphdef(model), compute, rest_def)
         processes = len({d.process_index for d in mesh.devices.flat})
         abstract = jax.tree.map(functools.partial(_global_leaf, processes), batch)
+        if rows is not None:
+            abstract = jax.tree.map(functools.partial(_with_rows, rows), abstract)
         params = rehome(params, mesh)
         rules = manual_rules(rules, split) if split else rules
         with use_rules(mesh, rules), jax.set_mesh(mesh), nnx.use_eager_sharding(False):
@@ -375,6 +429,20 @@ def _check_microbatches(batch: Any, mesh: Any, split: tuple[str, ...], k: int) -
             f"pass a batch of a multiple of {replicas * k} rows or a microbatches that divides "
             f"{rows // replicas}."
         )
+
+
+def _global_rows(batch: Any, mesh: jax.sharding.Mesh) -> int | None:
+    """The global batch's rows (None for a batch of 0-d leaves only)."""
+    processes = len({d.process_index for d in mesh.devices.flat})
+    leaves = [x for x in jax.tree.leaves(batch) if not is_replicated_leaf(x)]
+    return _global_leaf(processes, leaves[0]).shape[0] if leaves else None
+
+
+def _with_rows(rows: int, leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+    """``leaf`` with ``rows`` rows (0-d leaves, replicated, unchanged)."""
+    if not leaf.shape:
+        return leaf
+    return jax.ShapeDtypeStruct((rows, *leaf.shape[1:]), leaf.dtype)
 
 
 def _global_leaf(processes: int, leaf: Any) -> jax.ShapeDtypeStruct:
