@@ -149,7 +149,9 @@ def step_mesh(plan: ModelPlan) -> tuple[jax.sharding.Mesh, Decision]:
     A model written for Auto axes (no spec in its variables' types) placed on a mesh with
     Explicit axes (``jax.make_mesh`` makes one) runs on the mesh's Auto twin: the same devices
     and names with Auto axes, where XLA propagates shardings through code that was not written
-    to say them (``nnx.Embed``'s gather). Arrays move between the two without a copy.
+    to say them (``nnx.Embed``'s gather). Arrays move between the two without a copy. The
+    train step then checks the twin (its loss must trace there) and keeps the Explicit mesh
+    for code that only traces on it (``TrainStep._explicit_if_needed``).
     """
     types = tuple(plan.mesh.axis_types)
     if AxisType.Explicit not in types:

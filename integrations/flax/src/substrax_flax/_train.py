@@ -265,6 +265,10 @@ class TrainStep(JittedStep):
         experts = plan.layout.expert_axes if plan.layout is not None else ()
         split = tuple(a for a in batch_axes if dict(mesh.shape)[a] > 1 and a not in experts)
         traced = self._tracer(model, mesh, batch, compute_sh, rules, split)
+        if mesh is not plan.mesh:  # the Auto twin: does the model's code run on Auto axes?
+            mesh, mesh_decision, traced = self._explicit_if_needed(
+                (mesh, mesh_decision, traced), (model, plan.mesh, batch, compute_sh, rules, split)
+            )  # fmt: skip
         draws = functools.cache(functools.partial(self._row_draws, model, mesh, batch, split,
                                                   traced))  # fmt: skip
         path = choose_path(self.data_parallel, model, plan, mesh, split, self.precision,
@@ -328,6 +332,40 @@ class TrainStep(JittedStep):
         return functools.cache(functools.partial(
             self._trace, model, mesh, batch, _on(mesh, compute_sh), rules, split
         ))  # fmt: skip
+
+    def _explicit_if_needed(self, twin, args):
+        """The Explicit mesh, for a model whose loss traces there but not on the Auto twin.
+
+        A model written for Explicit axes without specs in its variables' types (specs in
+        ``out_sharding`` metadata, ``out_sharding=`` and ``jax.sharding.reshard`` in its
+        code, as published models write them) names axes that an Auto mesh refuses. Tried
+        in that order, before the step is traced; the plan's ``mesh`` line says which and why.
+
+        Args:
+          twin: ``(mesh, decision, traced)`` on the Auto twin.
+          args: :meth:`_tracer`'s arguments on the Explicit mesh.
+
+        Returns:
+          ``(mesh, decision, traced)``: ``twin`` when its trace succeeds.
+
+        Raises:
+          Exception: The twin's error, when the loss traces on neither.
+        """
+        try:
+            twin[2]()
+            return twin
+        except Exception as error:  # the user's code refused Auto axes, or is wrong
+            refused = type(error).__name__
+            explicit = self._tracer(*args)
+            try:
+                explicit()
+            except Exception:
+                raise error from None
+        return args[1], Decision(
+            "mesh", "Explicit axes",
+            f"the loss traces on the Explicit mesh and not on its Auto twin ({refused}): "
+            "the model's code is written for Explicit axes",
+        ), explicit  # fmt: skip
 
     def _row_draws(
         self,
