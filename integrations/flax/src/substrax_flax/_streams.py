@@ -171,11 +171,14 @@ def row_counts(
             f"rows ({inner} elements past dimension {dim}; at most 2**32 - 1)"
         )
     rank = len(shape)
-    a = _strided_iota(shape, range(dim), lambda i: math.prod(shape[i + 1 : dim]))
+    # the outer positions' part, on the outer dimensions only (a scalar when dim is 0)
+    outer_shape = (*shape[:dim], *(1,) * (rank - dim))
+    a = _strided_iota(outer_shape, range(dim), lambda i: math.prod(shape[i + 1 : dim]))
+    hi, lo = _mul_wide(a * _U32(blocks) + jnp.asarray(block).astype(_U32), inner)
+    # plus the position inside the block, per element, as jax's own counters are built
     r = _strided_iota(shape, range(dim, rank), lambda i: math.prod(shape[i + 1 :]))
-    hi, lo = _mul_wide(a * _U32(blocks) + block.astype(_U32), inner)
     lo_r = lo + r
-    return hi + (lo_r < lo).astype(_U32), lo_r
+    return jnp.broadcast_to(hi, shape) + (lo_r < lo).astype(_U32), lo_r
 
 
 def _bits(data: jax.Array, bit_width: int, counts: tuple[jax.Array, jax.Array]) -> jax.Array:
