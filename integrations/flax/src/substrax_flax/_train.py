@@ -294,14 +294,8 @@ class TrainStep(JittedStep):
             Decision("guard", guard_value, guard_reason),
         )  # fmt: skip
         if drawn is not None:
-            decisions += (
-                Decision(
-                    "random",
-                    "one device's draws",
-                    drawn.describe() + "; each "
-                    "device computes its rows' share of the whole batch's",
-                ),
-            )
+            share = "each device computes its rows' share of the whole batch's"
+            decisions += (Decision("random", "one device's draws", f"{drawn.describe()}; {share}"),)
         if path.extra_bytes:
             more = "more traffic per device per step than the manual step"
             decisions += (Decision("cost", _megabytes(path.extra_bytes), more),)
