@@ -351,17 +351,26 @@ def _dropout_run(layout, microbatches, rate=0.5, steps=2, batch=None, step=None)
     return metrics, step
 
 
-def test_dropout_in_stages_differs_by_microbatch_and_device_and_repeats():
-    same = np.repeat(tokens(seed=0)[:1], 8, axis=0)  # identical rows everywhere
-    for layout, micro in ((Layout.from_degrees(pp=2, dp=4), 1), (Layout.from_degrees(pp=2), 4)):
-        (first, second), step = _dropout_run(layout, micro, batch=same)
-        # equal masks would give equal losses on identical rows: devices (dp 4, one
-        # microbatch) and microbatches (no data axis) draw their own
-        assert first["square"] > first["loss"] ** 2 * (1 + 1e-4), layout.label
-        # a fresh model of the same seed and layout draws the same masks (the compiled step
-        # is reused: same program, so only the draws could differ)
-        again, _ = _dropout_run(layout, micro, batch=same, step=step)
-        assert again == [first, second]
+def _one_device_losses(rate, steps=3):
+    """The flat step on one device: what every pipelined layout must equal, dropout included."""
+    mesh = DeviceMeshManager.create_device_mesh({"data": 1}, devices=jax.devices()[:1])
+    rules = MeshRules(data="data").extend(layers=None, **NAMES)
+    model = sf.create_sharded_model(lambda: _DropoutStack(nnx.Rngs(0), rate=rate), mesh, rules)
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
+    step = sf.make_train_step(token_loss, mesh, rules)
+    return [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(steps)]
+
+
+def test_dropout_in_stages_draws_one_devices_masks_on_every_layout():
+    want = _one_device_losses(0.5)
+    assert abs(want[0] - _one_device_losses(0.0, steps=1)[0]) > 1e-2  # dropout is on
+    for layout, micro in ((Layout.from_degrees(pp=2, dp=4), 2), (Layout.from_degrees(pp=2), 4)):
+        runs, step = _dropout_run(layout, micro, steps=3)
+        np.testing.assert_allclose([m["loss"] for m in runs], want, rtol=1e-5,
+                                   err_msg=layout.label)  # fmt: skip
+        line = next(d for d in step.plan.decisions if d.name == "random")
+        assert line.value == "one device's draws"
+        assert line.reason.startswith("draws of 1 shape(s) split with the rows (dimension 0)")
 
 
 def test_dropout_rate_zero_equals_the_flat_step():

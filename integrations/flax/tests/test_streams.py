@@ -151,26 +151,30 @@ def test_a_draw_that_does_not_split_with_the_rows_keeps_xlas_step_and_says_why()
 
 
 @pytest.mark.parametrize(
-    ("shape", "dim", "blocks"), [((16, 5, 7), 0, 8), ((3, 16, 6), 1, 4), ((2, 3, 8), 2, 2)]
-)
-def test_a_blocks_counters_give_its_share_of_the_whole_draw(shape, dim, blocks):
+    ("shape", "dim", "blocks", "stride"),
+    [((16, 5, 7), 0, 8, 1), ((3, 16, 6), 1, 4, 1), ((2, 3, 8), 2, 2, 1), ((16, 5), 0, 2, 4),
+     ((3, 24, 2), 1, 3, 2)],
+)  # fmt: skip
+def test_a_blocks_counters_give_its_share_of_the_whole_draw(shape, dim, blocks, stride):
+    """Contiguous blocks, and a pipeline's strided microbatches (rows m, m + M, ...)."""
     key = jax.random.key(3)
     data = jax.random.key_data(key)
     whole = np.asarray(jax.random.bits(key, shape))
     local = list(shape)
-    local[dim] //= blocks
+    local[dim] //= blocks * stride
     for block in range(blocks):
-        hi, lo = row_counts(tuple(local), dim, blocks, jnp.uint32(block))
-        b1, b2 = jax.extend.random.threefry2x32_p.bind(data[0], data[1], hi, lo)
-        share = np.take(whole, range(block * local[dim], (block + 1) * local[dim]), axis=dim)
-        np.testing.assert_array_equal(np.asarray(b1 ^ b2), share)
+        for phase in range(stride):
+            hi, lo = row_counts(tuple(local), dim, blocks, block, stride, phase)
+            b1, b2 = jax.extend.random.threefry2x32_p.bind(data[0], data[1], hi, lo)
+            rows = [(block * local[dim] + i) * stride + phase for i in range(local[dim])]
+            np.testing.assert_array_equal(np.asarray(b1 ^ b2), np.take(whole, rows, axis=dim))
 
 
 def test_row_keys_draw_narrow_widths_and_keep_their_block_through_fold_and_split():
     draws = RowDraws((((2, 6), 0),), blocks=4)
     key = jax.random.key(7)
     for block in range(4):
-        data = jnp.concatenate([jax.random.key_data(key), jnp.array([block], jnp.uint32)])
+        data = jnp.concatenate([jax.random.key_data(key), jnp.array([block, 0], jnp.uint32)])
         rows = jax.random.wrap_key_data(data, impl=rows_impl(draws))
         whole = jax.random.fold_in(key, 5)
         mine = jax.random.fold_in(rows, 5)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -17,12 +19,12 @@ from substrax.spmd import MixedPrecision, as_precision, use_rules
 from substrax_flax._jitted import Built, JittedStep, Update, apply_update, optimizer_shardings
 from substrax_flax._manual import manual_rules
 from substrax_flax._nonfinite import NonFinite, check_policy, guard_decision
-from substrax_flax._per_device import fold_key
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
 from substrax_flax._resolve import Rules, as_rules, entry_axes, without_axes
 from substrax_flax._state import check_filter, map_variables, variables
 from substrax_flax._step_plan import pipeline_plan
-from substrax_flax._traced import is_key
+from substrax_flax._streams import RowDraws, on_rows, row_draws, threefry_obstacle
+from substrax_flax._traced import is_key, trace
 
 __all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
 
@@ -45,18 +47,18 @@ def _check_state(state: Any, what: str) -> None:
         )
 
 
-def _fold(state: Any, data: Any) -> Any:
-    """``state`` with every random key (of any shape) folded with the scalar ``data``."""
-    return jax.tree.map(lambda x: fold_key(x, data) if is_key(x) else x, state)
+def _on_microbatch_rows(state: Any, draws: RowDraws | None, batch_axes: Sequence[str]) -> Any:
+    """Inside a stage: the stream keys drawing this microbatch's and device's rows' share.
 
-
-def _per_microbatch(state: Any, batch_axes: Sequence[str]) -> Any:
-    """Inside a stage: keys folded with the microbatch and the device's batch position."""
+    Microbatch ``m`` holds the batch's rows ``m, m + M, ...``, split over the batch axes, so
+    the keys' block is the device's position there and their phase ``m``.
+    """
     index = microbatch_index()
-    if index is None or not any(is_key(x) for x in jax.tree.leaves(state)):
-        return state  # a shape check, or no streams
-    state = _fold(state, index)
-    return _fold(state, jax.lax.axis_index(tuple(batch_axes))) if batch_axes else state
+    if index is None or draws is None:
+        return state  # a shape check, or no draws
+    block = jax.lax.axis_index(tuple(batch_axes)) if batch_axes else 0
+    leaves, treedef = jax.tree.flatten(state)
+    return jax.tree.unflatten(treedef, on_rows(leaves, draws, block, index))
 
 
 def _split(state: nnx.State, wrt: Any) -> tuple[nnx.State, nnx.State]:
@@ -201,7 +203,7 @@ class PipelineTrainStep(JittedStep):
         def layer_fn(layer_state, x):
             # with frozen variables (wrt leaves some out) a layer's state comes in two parts
             parts = layer_state if frozen_stack else (layer_state,)
-            parts = (*parts[:1], *(_per_microbatch(part, batch_axes) for part in parts[1:]))
+            parts = (*parts[:1], *(_on_microbatch_rows(p, draws, batch_axes) for p in parts[1:]))
             with in_stage():
                 layer = nnx.merge(layer_def, *(compute(part) for part in parts))
                 y = self.user_layer_fn(layer, x)
@@ -209,7 +211,7 @@ class PipelineTrainStep(JittedStep):
 
         def loss_fn(rest_frozen, y, targets, rest_state):
             with in_stage():
-                held = _per_microbatch(rest_frozen, batch_axes)
+                held = _on_microbatch_rows(rest_frozen, draws, batch_axes)
                 rest = compute(nnx.merge_state(rest_state, held))
                 out = self.head_fn(merged(stack_template, rest), y, targets)
             return self.precision.cast_to_output(_loss_and_aux(out, self.has_aux))
@@ -220,11 +222,42 @@ class PipelineTrainStep(JittedStep):
                 fsdp_axis=fsdp_axis, fsdp_dims=fsdp_dims, has_aux=self.has_aux,
             )  # fmt: skip
 
+        def flat(stack_state, rest_state, batch):
+            """The model on one device: embedding, every layer in turn, head."""
+            model = merged(stack_state, rest_state)
+            inputs, targets = self.embed_fn(model, batch)
+
+            def one(x, layer_state):
+                return self.user_layer_fn(nnx.merge(layer_def, layer_state), x), None
+
+            y, _ = jax.lax.scan(one, inputs, stack_state)
+            return self.head_fn(merged(stack_template, rest_state), y, targets)
+
+        def advanced(stack_state, rest_state, batch):
+            """The streams' counts after one step on one device (XLA keeps only these).
+
+            The embedding, each layer and the head run once, as one device runs them.
+            """
+            model = merged(stack_state, rest_state)
+            inputs, targets = self.embed_fn(model, batch)
+            self.head_fn(model, inputs, targets)
+            x = inputs[: inputs.shape[0] // pipeline.num_microbatches]
+
+            def one(layer_state):
+                layer = nnx.merge(layer_def, layer_state)
+                self.user_layer_fn(layer, x)
+                return nnx.state(layer)
+
+            layers = jax.vmap(one)(stack_state)
+            return nnx.state(merged(layers, self._rest(nnx.state(model))), nnx.RngCount)
+
         frozen_stack = bool(jax.tree.leaves(_split(stack, self.wrt)[1]))
         pipeline = make()
         _check_stack(pipeline, stored, num_layers, self.num_layers)
         # The head sees the model with placeholders for the stack: it must not read the stack.
         stack_template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), stack)
+        with use_rules(plan.mesh, outer), nnx.use_eager_sharding(False):
+            draws = _row_draws(flat, stack, rest, batch, plan.mesh, batch_axes, pipeline)
 
         def step(model_state, opt_state, batch):
             with use_rules(plan.mesh, outer), nnx.use_eager_sharding(False):
@@ -239,11 +272,11 @@ class PipelineTrainStep(JittedStep):
             # only what wrt selects is differentiated; the rest is held, used and left alone
             stack_trained, stack_frozen = _split(stack_state, self.wrt)
             rest_trained, rest_frozen = _split(rest, self.wrt)
-            # random streams: this step's keys, then (in the stages) each microbatch's
-            held = _fold((stack_frozen, rest_frozen), opt_state["step"][...])
+            held = (stack_frozen, rest_frozen)  # in the stages, each microbatch's rows' keys
             loss, aux, grads = gradients((stack_state, stack_trained, rest_trained, held), batch)
+            counts = advanced(stack_state, rest, batch) if draws is not None else None
             return apply_update(
-                Update(loss, aux, None, grads), model_def, opt_def, model_state, opt_state,
+                Update(loss, aux, counts, grads), model_def, opt_def, model_state, opt_state,
                 (model_shardings, opt_shardings), self._guard.on_nonfinite, guard[0],
             )  # fmt: skip
 
@@ -279,9 +312,49 @@ class PipelineTrainStep(JittedStep):
         trained = {path for path, _ in variables(nnx.state(model, self.wrt))}
         step_plan = pipeline_plan(
             plan, self.stack, batch_axes, pipeline, self.precision, self.settings, grad_dims,
-            trained, guard,
+            trained, guard, draws,
         )  # fmt: skip
         return Built(jitted, plan.mesh, batch_axes, "pipeline", plan=step_plan)
+
+
+def _row_draws(flat, stack, rest, batch, mesh, batch_axes, pipeline) -> RowDraws | None:
+    """How the pipelined model's draws split with a microbatch's rows on a device, or None.
+
+    ``flat(stack, rest, batch)`` (the model on one device) is traced on the whole batch and on
+    one device's share of a microbatch, and its draws paired (:func:`row_draws`).
+
+    Raises:
+      ValueError: Naming a draw that does not split with the rows, or streams of another
+        PRNG implementation than threefry.
+    """
+    leaves = jax.tree.leaves((stack, rest))
+    if not any(is_key(x) for x in leaves):
+        return None
+    found = threefry_obstacle(leaves)
+    if found is not None:
+        raise ValueError(f"The pipelined step draws one device's random numbers, but {found}.")
+    devices = math.prod(dict(mesh.shape)[a] for a in batch_axes)
+    micro = pipeline.num_microbatches
+
+    def shapes(rows):
+        def leaf(x):
+            shape = np.shape(x)
+            return jax.ShapeDtypeStruct((rows, *shape[1:]) if shape else shape, np.result_type(x))
+
+        return trace(flat, stack, rest, jax.tree.map(leaf, batch)).draw_shapes
+
+    first = next(x for x in jax.tree.leaves(batch) if np.ndim(x))
+    processes = (
+        1 if isinstance(first, jax.Array) else len({d.process_index for d in mesh.devices.flat})
+    )
+    whole = np.shape(first)[0] * processes  # host rows are this process's slice
+    try:
+        return row_draws(shapes(whole), shapes(whole // (devices * micro)), devices,
+                         stride=micro)  # fmt: skip
+    except ValueError as error:
+        raise ValueError(
+            f"The pipelined step draws one device's random numbers, but {error}."
+        ) from None
 
 
 def _gathered(state: nnx.State, stored: nnx.State, batch_axes: Sequence[str]) -> nnx.State:
@@ -495,10 +568,11 @@ def make_pipeline_train_step(
     stores it; each stage gathers its layers once per step and reduce-scatters their
     gradients once. ``step.plan_for(model, optimizer, batch)`` shows the step's plan.
 
-    Random streams (``nnx.Dropout``, ``nnx.Rngs`` in the model) draw per step, microbatch and
-    device: each key is folded with the optimizer's step count, then inside a stage or the
-    head with :func:`substrax.pipeline.microbatch_index` and the device's position over the
-    batch axes; the stored keys and counts are not changed.
+    Random streams (``nnx.Dropout``, ``nnx.Rngs`` in the model) draw one device's numbers:
+    inside a stage or the head each device computes its microbatch rows' share of the whole
+    batch's draw (:mod:`substrax_flax._streams`), and the counts advance once per step, as on
+    one device, so the step equals the flat step on one device with dropout on. A draw whose
+    shape does not split with the rows raises ``ValueError``.
 
     Returns:
       A :class:`PipelineTrainStep`.

@@ -420,6 +420,7 @@ def pipeline_plan(
     grad_dims: Any,
     trained: set[str] | None = None,
     guard: tuple[bool, str, str] = (False, "loss and gradients", "as asked"),
+    draws: RowDraws | None = None,
 ) -> StepPlan:
     """The plan of a pipelined step: its stages, schedule and each parameter's reduction.
 
@@ -434,6 +435,7 @@ def pipeline_plan(
       trained: The paths ``wrt`` selects (None: every parameter).
       guard: ``(check the updated state, value, reason)`` of the non-finite guard
         (:func:`~substrax_flax._nonfinite.guard_decision`).
+      draws: How the model's draws split with a microbatch's rows (None: no streams).
     """
     sizes = dict(plan.mesh.shape)
     split = tuple(a for a in batch_axes if sizes[a] > 1)
@@ -472,10 +474,13 @@ def pipeline_plan(
         Decision("precision", precision_name(precision), "as asked"),
         Decision("guard", guard[1], guard[2]),
     )  # fmt: skip
+    if draws is not None:
+        share = "each stage computes its microbatch rows' share of the whole batch's"
+        decisions += (Decision("random", "one device's draws", f"{draws.describe()}; {share}"),)
     return StepPlan(
         "pipeline", decisions[0].reason, plan.mesh, tuple(batch_axes), (), (), precision,
         pipeline.remat, pipeline.num_microbatches, "keep", 0, tuple(steps), decisions, "",
-        guard[0],
+        guard[0], draws,
     )  # fmt: skip
 
 

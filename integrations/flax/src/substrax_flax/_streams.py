@@ -52,11 +52,16 @@ class RowDraws:
       counts: For each leaf of the model's other state, whether it is an ``nnx.Rngs``
         stream's count: every accumulation slice starts from the step's counts, so the
         streams advance once per step, as on one device.
+      stride: The rows' stride in the whole batch: 1 when a block holds contiguous rows;
+        ``M`` in a pipeline, whose microbatch ``m`` holds rows ``m, m + M, ...`` (the key's
+        phase is then ``m``). Block ``q``'s row ``i`` is the batch's row
+        ``(q * rows + i) * stride + phase``.
     """
 
     dims: tuple[tuple[tuple[int, ...], int | None], ...]
     blocks: int
     counts: tuple[bool, ...] = ()
+    stride: int = 1
 
     def dim(self, shape: Sequence[int]) -> int | None:
         """The dimension of a draw of local ``shape`` split with the rows (None: not split).
@@ -80,7 +85,7 @@ class RowDraws:
         dims = ", ".join(map(str, split)) or "-"
         return (
             f"draws of {len(self.dims) - whole} shape(s) split with the rows (dimension "
-            f"{dims}), of {whole} not; {self.blocks} blocks of rows"
+            f"{dims}), of {whole} not; {self.blocks * self.stride} blocks of rows"
         )
 
 
@@ -89,6 +94,7 @@ def row_draws(
     local: Sequence[tuple[int, ...]],
     blocks: int,
     counts: Sequence[bool] = (),
+    stride: int = 1,
 ) -> RowDraws:
     """Pairs the loss's draws on the whole batch with its draws on one block's rows.
 
@@ -97,6 +103,8 @@ def row_draws(
       local: The same on ``1 / blocks`` of the rows.
       blocks: The blocks of rows (devices over the batch axes times slices).
       counts: See :attr:`RowDraws.counts`.
+      stride: See :attr:`RowDraws.stride`; ``local`` is then ``1 / (blocks * stride)`` of
+        the rows.
 
     Returns:
       The :class:`RowDraws`.
@@ -106,6 +114,7 @@ def row_draws(
         draws, a shape that changes in more than one dimension or not by ``blocks``, or one
         local shape that two draws would split differently.
     """
+    draws, blocks = blocks, blocks * stride  # the local shapes are 1 / blocks of the rows
     if len(whole) != len(local):
         raise ValueError(
             f"the loss draws random numbers {len(whole)} times on the whole batch but "
@@ -130,7 +139,7 @@ def row_draws(
                 f"rows both split with the rows (dimension {dims[tuple(shape)]} or {dim}) and "
                 "not, so one device cannot tell which share of the draw is its own"
             )
-    return RowDraws(tuple(dims.items()), blocks, tuple(counts))
+    return RowDraws(tuple(dims.items()), draws, tuple(counts), stride)
 
 
 def _mul_wide(x: jax.Array, c: int) -> tuple[jax.Array, jax.Array]:
@@ -154,29 +163,39 @@ def _strided_iota(shape: tuple[int, ...], dims: range, stride_of: Callable[[int]
 
 
 def row_counts(
-    shape: tuple[int, ...], dim: int, blocks: int, block: jax.Array
+    shape: tuple[int, ...],
+    dim: int,
+    blocks: int,
+    block: Any,
+    stride: int = 1,
+    phase: Any = 0,
 ) -> tuple[jax.Array, jax.Array]:
     """Threefry's counters, ``(high, low)``, of block ``block`` of a draw split along ``dim``.
 
-    The whole draw has ``shape`` with dimension ``dim`` ``blocks`` times larger; an element's
+    The whole draw has ``shape`` with dimension ``dim`` ``blocks * stride`` times larger, and
+    the block's row ``i`` is its row ``(block * rows + i) * stride + phase``; an element's
     counter is its row-major position there, as jax's partitionable threefry counts.
 
     Raises:
       ValueError: If a block's share or its outer positions exceed 32-bit counts.
     """
-    inner, outer = math.prod(shape[dim:]), math.prod(shape[:dim])
-    if inner >= 2**32 or outer * blocks >= 2**32:
+    rows, after = shape[dim], math.prod(shape[dim + 1 :])
+    outer = math.prod(shape[:dim])
+    if rows * after >= 2**32 or outer * rows * blocks * stride >= 2**32:
         raise ValueError(
             f"a random draw of shape {shape} on one device is too large to split with the "
-            f"rows ({inner} elements past dimension {dim}; at most 2**32 - 1)"
+            f"rows ({rows * after} elements from dimension {dim} on; at most 2**32 - 1)"
         )
     rank = len(shape)
-    # the outer positions' part, on the outer dimensions only (a scalar when dim is 0)
-    outer_shape = (*shape[:dim], *(1,) * (rank - dim))
-    a = _strided_iota(outer_shape, range(dim), lambda i: math.prod(shape[i + 1 : dim]))
-    hi, lo = _mul_wide(a * _U32(blocks) + jnp.asarray(block).astype(_U32), inner)
-    # plus the position inside the block, per element, as jax's own counters are built
-    r = _strided_iota(shape, range(dim, rank), lambda i: math.prod(shape[i + 1 :]))
+    # the whole batch's row of each outer position and row, on those dimensions only
+    row_shape = (*shape[: dim + 1], *(1,) * (rank - dim - 1))
+    a = _strided_iota(row_shape, range(dim), lambda i: math.prod(shape[i + 1 : dim]))
+    i = jax.lax.broadcasted_iota(_U32, row_shape, dim)
+    u32 = functools.partial(jnp.asarray, dtype=_U32)
+    row = (u32(block) * _U32(rows) + i) * _U32(stride) + u32(phase)
+    hi, lo = _mul_wide(a * _U32(blocks * stride * rows) + row, after)
+    # plus the position after the row, per element, as jax's own counters are built
+    r = _strided_iota(shape, range(dim + 1, rank), lambda i: math.prod(shape[i + 1 :]))
     lo_r = lo + r
     return jnp.broadcast_to(hi, shape) + (lo_r < lo).astype(_U32), lo_r
 
@@ -197,30 +216,31 @@ def _bits(data: jax.Array, bit_width: int, counts: tuple[jax.Array, jax.Array]) 
 def rows_impl(draws: RowDraws) -> Any:
     """The PRNG implementation of keys that know their block of rows.
 
-    A key's data is threefry's two words and the block; folding and splitting keep the block,
-    and a draw split with the rows (:meth:`RowDraws.dim`) is that block's share of the whole
-    batch's draw.
+    A key's data is threefry's two words, the block and the phase (see
+    :attr:`RowDraws.stride`); folding and splitting keep the last two, and a draw split with
+    the rows (:meth:`RowDraws.dim`) is that block's share of the whole batch's draw.
     """
 
     def random_bits(data, bit_width, shape):
         dim = draws.dim(shape)
         if dim is None:
             return _THREEFRY.random_bits(data[:2], bit_width, shape)
-        return _bits(data, bit_width, row_counts(tuple(shape), dim, draws.blocks, data[2]))
+        counts = row_counts(tuple(shape), dim, draws.blocks, data[2], draws.stride, data[3])
+        return _bits(data, bit_width, counts)
 
     def fold_in(data, value):
         return jnp.concatenate([_THREEFRY.fold_in(data[:2], value), data[2:]])
 
     def split(data, shape):
         keys = _THREEFRY.split(data[:2], shape)
-        block = jnp.broadcast_to(data[2:], (*keys.shape[:-1], 1))
+        block = jnp.broadcast_to(data[2:], (*keys.shape[:-1], 2))
         return jnp.concatenate([keys, block], axis=-1)
 
     def seed(_):
         raise TypeError("substrax's row keys are made from a stream's key, not from a seed")
 
     return jex_random.define_prng_impl(
-        key_shape=(3,), seed=seed, split=split, random_bits=random_bits, fold_in=fold_in,
+        key_shape=(4,), seed=seed, split=split, random_bits=random_bits, fold_in=fold_in,
         name="substrax_rows", tag="srows",
     )  # fmt: skip
 
@@ -229,12 +249,16 @@ def _is_threefry(leaf: Any) -> bool:
     return is_key(leaf) and jax.random.key_impl(leaf) == "threefry2x32"
 
 
-def on_rows(leaves: Sequence[Any], draws: RowDraws, block: Any) -> list[Any]:
-    """``leaves`` with each threefry key made a row key of block ``block`` (others kept)."""
+def on_rows(leaves: Sequence[Any], draws: RowDraws, block: Any, phase: Any = 0) -> list[Any]:
+    """``leaves`` with each threefry key made a row key of ``block`` and ``phase``.
+
+    Other leaves are kept as they are.
+    """
 
     def wrap(key):
         data = jax.random.key_data(key)
-        index = jnp.broadcast_to(jnp.asarray(block, _U32), (*data.shape[:-1], 1))
+        words = jnp.stack([jnp.asarray(block, _U32), jnp.asarray(phase, _U32)])
+        index = jnp.broadcast_to(words, (*data.shape[:-1], 2))
         return jax.random.wrap_key_data(
             jnp.concatenate([data, index], axis=-1), impl=rows_impl(draws)
         )
@@ -249,7 +273,7 @@ def off_rows(tree: Any) -> Any:
         if not is_key(x) or jax.random.key_impl(x) == "threefry2x32":
             return x
         data = jax.random.key_data(x)
-        if data.shape[-1] != 3:
+        if data.shape[-1] != 4:
             return x
         return jax.random.wrap_key_data(data[..., :2], impl="threefry2x32")
 
