@@ -9,15 +9,12 @@ cannot be made the whole batch's (:func:`batch_stat_obstacle`). Random draws are
 
 from __future__ import annotations
 
-from typing import Any
-
-import jax
 from flax import nnx
 
 from substrax_flax._experts import MixtureOfExperts
 from substrax_flax._state import variables
 
-__all__ = ["batch_stat_obstacle", "fold_key", "sync_batch_norms", "synced_stats"]
+__all__ = ["batch_stat_obstacle", "sync_batch_norms", "synced_stats"]
 
 
 def batch_stat_obstacle(model: nnx.Module) -> str | None:
@@ -66,14 +63,3 @@ def sync_batch_norms(model: nnx.Module, batch_axes: tuple[str, ...]) -> None:
     for _, module in nnx.iter_modules(model):
         if isinstance(module, nnx.BatchNorm) and module.axis_name is None:
             module.axis_name = batch_axes
-
-
-def fold_key(key: jax.Array, data: Any) -> jax.Array:
-    """``jax.random.fold_in`` of every key in a typed key array of any shape.
-
-    A stream of layers stacked with ``nnx.vmap`` holds one key per layer.
-    """
-    if not key.ndim:
-        return jax.random.fold_in(key, data)
-    folded = jax.vmap(jax.random.fold_in, in_axes=(0, None))(key.reshape(-1), data)
-    return folded.reshape(key.shape)
