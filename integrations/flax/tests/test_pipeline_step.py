@@ -373,6 +373,29 @@ def test_dropout_in_stages_draws_one_devices_masks_on_every_layout():
         assert line.reason.startswith("draws of 1 shape(s) split with the rows (dimension 0)")
 
 
+class _NoisyBlock(_DropoutBlock):
+    """Adds noise of one more element than the rows: a draw that does not split with them."""
+
+    def __call__(self, x):
+        noise = jax.random.normal(self.drop.rngs(), (x.shape[0] + 1,))
+        return super().__call__(x) + noise[: x.shape[0], None, None]
+
+
+def test_a_draw_that_does_not_split_with_the_rows_is_refused_naming_its_shapes():
+    layout = Layout.from_degrees(pp=2, dp=4)
+    factory = lambda: _DropoutStack(nnx.Rngs(0), kind=_NoisyBlock)  # noqa: E731
+    model = sf.create_sharded_model(factory, layout=layout)
+    optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.1))
+    step = sf.make_pipeline_train_step(embed, block, head, layout.make_mesh(), layout=layout,
+                                       stack="blocks", microbatches=2)  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"one device's random numbers, but the loss draws .*"
+        r"shape \(9,\) on the whole batch and \(2,\) on 1/8 of its rows",
+    ):
+        step(model, optimizer, tokens())
+
+
 def test_dropout_rate_zero_equals_the_flat_step():
     mesh = DeviceMeshManager.create_device_mesh({"data": 8})
     rules = MeshRules(data="data").extend(layers=None, **NAMES)
