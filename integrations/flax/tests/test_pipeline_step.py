@@ -381,13 +381,18 @@ class _NoisyBlock(_DropoutBlock):
         return super().__call__(x) + noise[: x.shape[0], None, None]
 
 
-def test_a_draw_that_does_not_split_with_the_rows_is_refused_naming_its_shapes():
+def _stack_step(kind):
+    """A pp 2 x dp 4 model of ``kind`` blocks, its optimizer and a pipelined step."""
     layout = Layout.from_degrees(pp=2, dp=4)
-    factory = lambda: _DropoutStack(nnx.Rngs(0), kind=_NoisyBlock)  # noqa: E731
-    model = sf.create_sharded_model(factory, layout=layout)
+    model = sf.create_sharded_model(lambda: _DropoutStack(nnx.Rngs(0), kind=kind), layout=layout)
     optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.1))
     step = sf.make_pipeline_train_step(embed, block, head, layout.make_mesh(), layout=layout,
                                        stack="blocks", microbatches=2)  # fmt: skip
+    return model, optimizer, step
+
+
+def test_a_draw_that_does_not_split_with_the_rows_is_refused_naming_its_shapes():
+    model, optimizer, step = _stack_step(_NoisyBlock)
     with pytest.raises(
         ValueError,
         match=r"one device's random numbers, but the loss draws .*"
@@ -418,12 +423,7 @@ class _NormedBlock(Block):
 
 
 def test_batch_statistics_in_a_stage_are_refused_with_the_reason():
-    layout = Layout.from_degrees(pp=2, dp=4)
-    factory = lambda: _DropoutStack(nnx.Rngs(0), kind=_NormedBlock)  # noqa: E731
-    model = sf.create_sharded_model(factory, layout=layout)
-    optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.1))
-    step = sf.make_pipeline_train_step(embed, block, head, layout.make_mesh(), layout=layout,
-                                       stack="blocks", microbatches=2)  # fmt: skip
+    model, optimizer, step = _stack_step(_NormedBlock)
     with pytest.raises(ValueError, match=r"found \['BatchStat'\].*batch statistics.*make_train_st"):
         step(model, optimizer, tokens())
 
