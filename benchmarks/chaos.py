@@ -42,7 +42,10 @@ def _command(processes: int, steps: int, save_every: int, ckpt: str, out: str) -
 
 
 def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """The environment without a device-count flag: each launched process sets its own count."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    kept = " ".join(f for f in flags if not f.startswith("--xla_force_host_platform_device_count"))
+    return {**os.environ, "XLA_FLAGS": kept}
 
 
 def attempt(command: list[str], kill_after: float | None, ckpt: pathlib.Path | None = None) -> dict:
