@@ -96,3 +96,20 @@ def test_an_unannotated_model_plans_as_it_shards(name):
     for leaf in candidate.leaves:  # bytes per leaf equal the adapter's
         assert leaf.params_per_device * 4 == rows[leaf.path].bytes_per_device, leaf.path
     assert any(any(axes) for leaf in candidate.leaves for axes in leaf.spec)
+
+
+@pytest.mark.parametrize("name", ["tp", "fsdp+tp", "zero1+tp"])
+def test_planner_and_adapter_agree_where_an_axis_moves(name):
+    """4 heads on a tensor axis of 8: the adapter moves the axis to another dimension (the
+    resolver's fourth rule) and the planner estimates the array as it is stored."""
+    layout = Layout.named(name, {"data": 1, "model": 8})
+    leaves = plan_cli.model_leaves(_factory)
+    workload, hardware = Workload(batch_tokens=64, seq=8), Hardware(memory_bytes=2**30)
+    candidate = evaluate(config_from_leaves(leaves), leaves, layout, workload, hardware)
+    rows = {row.path: row for row in sf.plan_model(_factory, layout=layout).rows}
+    moved = [path for path, row in rows.items() if any(r.kind == "moved" for r in row.reasons)]
+    assert "blocks/wq" in moved, moved
+    for leaf in candidate.leaves:
+        planned = tuple(axes[0] if len(axes) == 1 else (axes or None) for axes in leaf.spec)
+        assert planned == tuple(rows[leaf.path].spec), leaf.path
+        assert leaf.params_per_device * 4 == rows[leaf.path].bytes_per_device, leaf.path

@@ -140,6 +140,12 @@ class Resolution:
         return tuple(a for reason in self.of_kind("moved") for a in reason.axes)
 
 
+#: Logical names whose axes :func:`move_left_out` leaves in place wherever substrax moves axes
+#: (the adapter's ``indivisible="move"`` and the planner): a stack's layer dimension is its
+#: pipeline stage, and a pipeline pads an uneven stack instead.
+STAY = ("layers",)
+
+
 def as_axes(entry: Any) -> tuple[str, ...]:
     """A spec entry or rule value (None, an axis name, or a tuple of names) as a tuple."""
     if entry is None:

@@ -19,6 +19,7 @@ from substrax.mesh import (
     Resolution,
     ShardingStrategy,
 )
+from substrax.mesh._resolve import STAY
 from substrax_flax._state import logical_names, shape_and_dtype, typed_spec, variables
 
 __all__ = [
@@ -36,9 +37,6 @@ Strategy = ShardingStrategy | MultiDimensionalStrategy | None
 UnknownNames = Literal["error", "replicate"]
 Indivisible = Literal["move", "replicate"]
 INDIVISIBLE = ("move", "replicate")
-#: Logical names whose axes ``indivisible="move"`` leaves in place: a stack's layer dimension is
-#: its pipeline stage, and a pipeline pads an uneven stack instead.
-STAY = ("layers",)
 
 
 @dataclasses.dataclass(frozen=True)
