@@ -218,13 +218,13 @@ def test_state_bytes_equal_the_compiled_argument_bytes(config, layout):
     assert compiled.memory_analysis().argument_size_in_bytes == candidate.params_per_device * 4
 
 
-def test_warnings_name_indivisible_heads_and_uneven_stages():
+def test_warnings_name_moved_heads_and_uneven_stages():
     config = architecture("llama3-405b")
     leaves = transformer_leaves(config)
     wide_tp = evaluate(config, leaves, Layout.from_degrees(fsdp=256, tp=16), WORK, H100)
     assert any(
-        w.startswith("layers/wk: dim 2 (kv_heads): 8 is not divisible by mesh axes ('model',) "
-                     "of size 16") for w in wide_tp.warnings
+        w.startswith("layers/wk: dim 2 (kv_heads): 8 is not divisible by mesh axes ('model',); "
+                     "moved to dim 3 (128), now sharded model") for w in wide_tp.warnings
     )  # fmt: skip
     staged = evaluate(config, leaves, Layout.from_degrees(pp=4, fsdp=128, tp=8), WORK, H100)
     assert any("126 layers do not divide 4 pipeline stages" in w for w in staged.warnings)

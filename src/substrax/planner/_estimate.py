@@ -163,7 +163,8 @@ class LeafPlan:
       spec: Mesh axes per dimension (empty tuple: replicated).
       params_per_device: Elements one device holds (a layer stack under a pipeline counts
         its padded slots, ``Pipeline.num_slots``).
-      why: Why a dimension that a rule maps stays whole (not divisible, unknown name), if any.
+      why: Why a dimension that a rule maps stays whole (not divisible, unknown name) or
+        where its axes moved (the adapter's ``indivisible="move"``), if any.
       sharded_per_device: Elements per device of its optimizer state (and, for ZeRO-2, its
         gradient): ``params_per_device``, divided by the replicas under a ZeRO layout when a
         dimension divides (:meth:`~substrax.layout.Layout.optimizer_spec`).
@@ -275,7 +276,7 @@ def _leaf_plan(leaf: Leaf, layout: Layout, rules: dict, strategy: Any, mesh: Any
     count = math.prod(
         dim // math.prod(sizes[a] for a in axes) for dim, axes in zip(shape, spec, strict=True)
     )
-    why = "; ".join(str(r) for r in resolution.of_kind("indivisible", "unknown_name"))
+    why = "; ".join(str(r) for r in resolution.of_kind("indivisible", "moved", "unknown_name"))
     sharded = count
     if layout.zero:
         _, whole = layout.optimizer_spec(resolution.spec, shape)
