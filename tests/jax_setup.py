@@ -2,8 +2,8 @@
 
 Eight fake CPU devices, and a compilation cache private to this run, shared by its xdist workers
 and the processes the tests start: tests that build the same program (the same model and layout
-in another test, the example run again with other flags) load it instead of compiling it again. The cache starts
-empty, so no result depends on an earlier run.
+in another test, the example run again with other flags) load it instead of compiling it again.
+The cache starts empty, so no result depends on an earlier run.
 
 XLA:CPU's LLVM backend compiles at optimisation level 0: the tests' programs are small and compile
 far longer than they run, so this cuts the suite's time by about a third. It changes only the
@@ -21,7 +21,7 @@ _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive
 if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
-import jax
+import jax  # noqa: E402 (XLA_FLAGS first)
 
 jax.config.update("jax_num_cpu_devices", 8)
 # The first process of a run (pytest, or xdist's controller) makes the cache and removes it at
