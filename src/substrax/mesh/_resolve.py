@@ -63,6 +63,12 @@ REASON_KINDS = (
 )
 
 
+#: Logical names whose axes :func:`move_left_out` leaves in place wherever substrax moves axes
+#: (the adapter's ``indivisible="move"`` and the planner): a stack's layer dimension is its
+#: pipeline stage, and a pipeline pads an uneven stack instead.
+STAY = ("layers",)
+
+
 @dataclasses.dataclass(frozen=True)
 class Reason:
     """Why one dimension (or a whole array) is not sharded as asked.
@@ -118,7 +124,7 @@ class Resolution:
         return tuple(reason for reason in self.reasons if reason.kind in kinds)
 
     def move_left_out(
-        self, shape: Sequence[int], mesh: Any, *, stay: Collection[str] = ()
+        self, shape: Sequence[int], mesh: Any, *, stay: Collection[str] = STAY
     ) -> Resolution:
         """This resolution with the axes left out for divisibility moved where they divide.
 
@@ -127,7 +133,7 @@ class Resolution:
         Args:
           shape: The array's shape.
           mesh: A ``Mesh``, ``AbstractMesh`` or ``{axis: size}``.
-          stay: Logical names whose axes never move.
+          stay: Logical names whose axes never move (default :data:`STAY`).
 
         Returns:
           The new :class:`Resolution` (``moved`` reasons say where each axis went).
@@ -138,12 +144,6 @@ class Resolution:
     def moved_axes(self) -> tuple[str, ...]:
         """The mesh axes that :meth:`move_left_out` put on another dimension than asked."""
         return tuple(a for reason in self.of_kind("moved") for a in reason.axes)
-
-
-#: Logical names whose axes :func:`move_left_out` leaves in place wherever substrax moves axes
-#: (the adapter's ``indivisible="move"`` and the planner): a stack's layer dimension is its
-#: pipeline stage, and a pipeline pads an uneven stack instead.
-STAY = ("layers",)
 
 
 def as_axes(entry: Any) -> tuple[str, ...]:
@@ -230,7 +230,7 @@ def resolve_axes(
 
 
 def move_left_out(
-    resolution: Resolution, shape: Sequence[int], mesh: Any, *, stay: Collection[str] = ()
+    resolution: Resolution, shape: Sequence[int], mesh: Any, *, stay: Collection[str] = STAY
 ) -> Resolution:
     """Moves the axes a dimension could not take to the largest dimension they divide.
 
@@ -249,8 +249,8 @@ def move_left_out(
       resolution: A resolution of an array of ``shape``.
       shape: The array's shape.
       mesh: A ``Mesh``, ``AbstractMesh`` or ``{axis: size}``.
-      stay: Logical names whose axes never move: a stack's ``"layers"`` dimension is its
-        pipeline stage, which a pipeline pads instead.
+      stay: Logical names whose axes never move (default :data:`STAY`): a stack's
+        ``"layers"`` dimension is its pipeline stage, which a pipeline pads instead.
 
     Returns:
       The resolution with its axes moved (itself when nothing was left out).

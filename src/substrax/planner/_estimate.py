@@ -19,7 +19,7 @@ from jax.sharding import AbstractMesh
 
 from substrax.layout import Layout
 from substrax.mesh import PipelineParallelStrategy
-from substrax.mesh._resolve import STAY, as_axes, resolve_names
+from substrax.mesh._resolve import as_axes, resolve_names
 from substrax.pipeline import SCHEDULES, Schedule
 from substrax.planner._architectures import Leaf, TransformerConfig
 from substrax.spmd import REMAT, region_obstacle
@@ -270,7 +270,7 @@ def _leaf_plan(leaf: Leaf, layout: Layout, rules: dict, strategy: Any, mesh: Any
     else:
         resolution = resolve_names(
             rules, leaf.names, shape, sizes, unknown_names="replicate", where=leaf.path
-        ).move_left_out(shape, sizes, stay=STAY)  # as the adapter stores it by default
+        ).move_left_out(shape, sizes)  # as the adapter stores it by default
     spec = tuple(as_axes(entry) for entry in resolution.spec)
     spec += ((),) * (len(shape) - len(spec))  # a short spec leaves the rest whole
     count = math.prod(

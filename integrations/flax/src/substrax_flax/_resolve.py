@@ -19,7 +19,6 @@ from substrax.mesh import (
     Resolution,
     ShardingStrategy,
 )
-from substrax.mesh._resolve import STAY
 from substrax_flax._state import logical_names, shape_and_dtype, typed_spec, variables
 
 __all__ = [
@@ -162,7 +161,7 @@ class Resolver:
       indivisible: What an annotated dimension does with mesh axes it does not divide:
         ``"move"`` (the default) puts them on the largest dimension they divide
         (:meth:`~substrax.mesh.Resolution.move_left_out`, a ``moved`` reason says where;
-        the axes of a ``"layers"`` dimension stay, see :data:`STAY`);
+        the axes of a ``"layers"`` dimension stay);
         ``"replicate"`` leaves the array replicated over them, with a warning. ``strict``
         raises either way.
       source: Where the rules came from, for messages (``"layout 'fsdp'"``).
@@ -242,7 +241,7 @@ class Resolver:
         elif names is not None:
             resolution, rule = self._from_names(path, shape, names), _rule_text(names, self._table)
             if self.indivisible == "move" and not self.strict:  # strict raises on the original
-                resolution = resolution.move_left_out(shape, self.mesh, stay=STAY)
+                resolution = resolution.move_left_out(shape, self.mesh)
         elif self.strategy is not None:
             resolution = self.strategy.resolve(shape, self.mesh, name=path, layer=layer)
             resolution = dataclasses.replace(
