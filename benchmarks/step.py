@@ -10,12 +10,18 @@ On the example decoder over 8 simulated devices, with the default ``make_train_s
 * **accumulation**: FSDP over 8 with ``microbatches`` K = 1, 2, 4, 8 on one batch: the
   compiled step's temp and peak bytes, its collectives (counts do not grow with K), and the
   losses of three steps against K = 1;
+* **against Flax**: FSDP 4 x DP 2 and TP 4 x DP 2, the default step side by side with Flax's
+  own recipe (``layouts.measure``: interleaved steps, alternating order): median step times and
+  their ratio, the compiled step's traffic against the limit (FSDP 4 x DP 2: one all-gather and
+  one reduce-scatter over the FSDP axis, one all-reduce of the shard over the data axis) and
+  its peak;
 * **paths**: FSDP over 8 with the default step, for the decoder as benchmarked, with two
   ``nnx.Dropout(0.1)`` per block, and each on a ``jax.make_mesh`` mesh (Explicit axes): the
   path the step plan names, the compiled step's traffic against the bound of 1.05 x (one
   all-gather and one reduce-scatter of the parameters), and the losses of three steps.
 
-Run: ``python benchmarks/step.py [--size tiny] [--steps 100] [--output-dir DIR]``; writes
+Run: ``python benchmarks/step.py [--size tiny] [--steps 100] [--flax-steps 40]
+[--output-dir DIR]``; writes
 ``step.json`` and ``step.md``.
 """
 
@@ -38,10 +44,12 @@ import time
 import numpy as np
 from flax import nnx
 from layouts import (  # layouts puts examples/ on the path
+    CASES,
     MIB,
     SIZES,
     compiled_stats,
     gpt,
+    measure,
     write_results,
 )
 
@@ -55,6 +63,7 @@ PRECISION_CASES = {
     "FSDP 4 x DP 2": ("hsdp", {"data": 2, "model": 4}),
 }
 MICROBATCHES = (1, 2, 4, 8)
+AGAINST_FLAX = ("FSDP 4 x DP 2", "TP 4 x DP 2")
 
 
 def _setup(config, layout, mesh_shape, **options):
@@ -112,6 +121,29 @@ def accumulation_rows(config, batch_size, microbatches=MICROBATCHES) -> list[dic
         row["max_loss_difference"] = float(
             np.max(np.abs(np.array(row["losses"]) - np.array(rows[0]["losses"])))
         )
+    return rows
+
+
+def flax_rows(config, batch_size, steps) -> list[dict]:
+    """The default step against Flax's recipe on :data:`AGAINST_FLAX`: time, traffic, peak."""
+    rows = []
+    for label in AGAINST_FLAX:
+        print(f"against Flax: {label} ...", flush=True)
+        layout, mesh_shape = CASES[label]
+        measured = measure(config, label, layout, mesh_shape, steps, batch_size)
+        ours, flax = measured["substrax"], measured["flax"]
+        rows.append({
+            "layout": label,
+            "substrax_step_s": ours["median_step_s"],
+            "flax_step_s": flax["median_step_s"],
+            "time_ratio": ours["median_step_s"] / flax["median_step_s"],
+            "traffic_bytes": ours["traffic_bytes"],
+            "flax_traffic_bytes": flax["traffic_bytes"],
+            "limit_bytes": measured["theory_traffic_bytes"],
+            "peak_bytes": ours["peak_bytes"],
+            "flax_peak_bytes": flax["peak_bytes"],
+            "max_loss_difference": measured["max_loss_difference"],
+        })  # fmt: skip
     return rows
 
 
@@ -192,6 +224,22 @@ def markdown(report: dict) -> str:
         )
     lines += [
         "",
+        f"### Against Flax's recipe (median of {report.get('flax_steps')} interleaved steps)\n",
+        "| layout | substrax ms | Flax ms | ratio | traffic MiB, substrax / Flax (limit) | "
+        "peak MiB, substrax / Flax | largest loss difference |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in report.get("against_flax", []):
+        limit = "-" if row["limit_bytes"] is None else f"{row['limit_bytes'] / MIB:.1f}"
+        lines.append(
+            f"| {row['layout']} | {row['substrax_step_s'] * 1e3:.0f} | "
+            f"{row['flax_step_s'] * 1e3:.0f} | {row['time_ratio']:.2f} | "
+            f"{row['traffic_bytes'] / MIB:.1f} / {row['flax_traffic_bytes'] / MIB:.1f} "
+            f"({limit}) | {row['peak_bytes'] / MIB:.1f} / {row['flax_peak_bytes'] / MIB:.1f} | "
+            f"{row['max_loss_difference']:.1e} |"
+        )
+    lines += [
+        "",
         "### The default step's path (FSDP 8, `make_train_step(loss_fn)`)\n",
         "| decoder | path | mesh | traffic MiB | bound MiB (1.05 x gather + scatter) | "
         "losses of 3 steps |",
@@ -224,6 +272,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--microbatches", type=int, nargs="*", default=list(MICROBATCHES))
     parser.add_argument("--layouts", nargs="*", default=list(PRECISION_CASES),
                         choices=list(PRECISION_CASES))  # fmt: skip
+    parser.add_argument("--flax-steps", type=int, default=40,
+                        help="interleaved steps against Flax (0: no such section)")  # fmt: skip
     parser.add_argument("--no-paths", dest="paths", action="store_false",
                         help="leave out the paths section")  # fmt: skip
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks"))
@@ -243,6 +293,10 @@ def main(argv=None) -> dict:
         "accumulation_batch": args.accumulation_batch,
         "precision": precision,
         "accumulation": accumulation_rows(config, args.accumulation_batch, args.microbatches),
+        "flax_steps": args.flax_steps,
+        "against_flax": flax_rows(config, args.batch_size, args.flax_steps)
+        if args.flax_steps
+        else [],
         "paths": path_rows(config, args.batch_size) if args.paths else [],
     }
     write_results(args.output_dir, "step", report, markdown(report))

@@ -90,7 +90,7 @@ def test_step_benchmark_runs_at_a_tiny_size(tmp_path):
 
     report = step.main(
         ["--size", "tiny", "--steps", "2", "--layouts", "FSDP 8", "--microbatches", "1", "4",
-         "--output-dir", str(tmp_path)]
+         "--flax-steps", "2", "--output-dir", str(tmp_path)]
     )  # fmt: skip
     assert (tmp_path / "step.md").exists()
     (row,) = report["precision"]
@@ -98,6 +98,11 @@ def test_step_benchmark_runs_at_a_tiny_size(tmp_path):
     one, four = report["accumulation"]
     assert four["collectives"] == one["collectives"]  # reductions do not grow with K
     assert four["temp_bytes"] < one["temp_bytes"] and four["max_loss_difference"] < 1e-5
+    against = {row["layout"]: row for row in report["against_flax"]}
+    assert list(against) == ["FSDP 4 x DP 2", "TP 4 x DP 2"]
+    hsdp = against["FSDP 4 x DP 2"]  # at the limit; times are measured, never asserted
+    assert hsdp["traffic_bytes"] <= 1.05 * hsdp["limit_bytes"] < hsdp["flax_traffic_bytes"]
+    assert all(row["max_loss_difference"] < 1e-5 for row in against.values())
     paths = {row["case"]: row for row in report["paths"]}
     for row in paths.values():  # dropout and jax.make_mesh meshes keep the manual step
         assert row["path"] == "manual" and row["traffic_bytes"] <= row["bound_bytes"], row
