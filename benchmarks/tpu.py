@@ -51,6 +51,7 @@ from layouts import write_results
 import substrax_flax as sf
 from substrax.hlo import argument_bytes, compiled_flops, peak_bytes, traffic_by_axes
 from substrax.layout import Layout
+from substrax.mesh import as_axes
 from substrax.target import CompileTarget
 
 SIZES = {
@@ -97,18 +98,14 @@ def limit_bytes(plan, model_rows, axis_sizes: dict[str, int]) -> float:
         row = by_path[param.path]
         used = row.bytes_total / _degree(param.used, axis_sizes)
         g = _degree(param.stored, axis_sizes) // _degree(param.used, axis_sizes)
-        spanned = {a for e in param.stored for a in _axes(e)}
+        spanned = {a for e in param.stored for a in as_axes(e)}
         d = math.prod(axis_sizes[a] for a in plan.batch_axes if a not in spanned)
         total += 2 * used * (g - 1) / g + 2 * (used / g) * (d - 1) / d
     return total
 
 
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _degree(spec, axis_sizes) -> int:
-    return math.prod(axis_sizes[a] for e in spec for a in _axes(e))
+    return math.prod(axis_sizes[a] for e in spec for a in as_axes(e))
 
 
 def split_traffic(collectives, data_axes: set[str]) -> tuple[float, float]:

@@ -39,7 +39,7 @@ from substrax.mesh import (
     TensorParallelStrategy,
 )
 from substrax.mesh._devices import simulate_hint
-from substrax.mesh._resolve import spec_entry
+from substrax.mesh._resolve import as_axes, spec_entry
 
 __all__ = ["LAYOUTS", "ROLES", "Layout"]
 
@@ -137,7 +137,7 @@ class Layout:
             raise ValueError(f"zero must be 0, 1 or 2 (ZeRO's stages), got {self.zero!r}.")
         for field in ("axis_names", "axis_sizes", *(f"{r}_axes" for r in ROLES)):
             value = getattr(self, field)
-            object.__setattr__(self, field, (value,) if isinstance(value, str) else tuple(value))
+            object.__setattr__(self, field, as_axes(value))
         if len(self.axis_names) != len(self.axis_sizes) or not self.axis_names:
             raise ValueError(
                 f"A layout needs one size per mesh axis, got axis_names {self.axis_names} and "

@@ -19,6 +19,8 @@ from substrax.mesh._multi import MultiDimensionalStrategy as MultiDimensionalStr
 from substrax.mesh._resolve import REASON_KINDS as REASON_KINDS
 from substrax.mesh._resolve import Reason as Reason
 from substrax.mesh._resolve import Resolution as Resolution
+from substrax.mesh._resolve import as_axes as as_axes
+from substrax.mesh._resolve import spec_entry as spec_entry
 from substrax.mesh._rules import MeshRules as MeshRules
 from substrax.mesh._rules import create_named_sharding as create_named_sharding
 from substrax.mesh._rules import data_parallel_rules as data_parallel_rules
@@ -44,9 +46,11 @@ __all__ = [
     "ShardingConfig",
     "ShardingStrategy",
     "TensorParallelStrategy",
+    "as_axes",
     "check_mesh",
     "create_named_sharding",
     "data_parallel_rules",
     "fsdp_rules",
     "partition_spec_for_names",
+    "spec_entry",
 ]

@@ -147,14 +147,31 @@ class Resolution:
 
 
 def as_axes(entry: Any) -> tuple[str, ...]:
-    """A spec entry or rule value (None, an axis name, or a tuple of names) as a tuple."""
+    """The mesh axis names of one ``PartitionSpec`` entry or rule value, as a tuple.
+
+    The one normaliser substrax uses wherever a spec entry, a rule's value or an argument such
+    as ``batch_axes`` may be None, one axis name or a sequence of names.
+
+    Args:
+      entry: None, an axis name, or a sequence of axis names.
+
+    Returns:
+      ``()`` for None, ``(entry,)`` for a name, else ``tuple(entry)``.
+    """
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def spec_entry(axes: Sequence[str]) -> Any:
-    """The PartitionSpec entry for ``axes``: None, one name, or a tuple of names."""
+    """The ``PartitionSpec`` entry for ``axes``, the inverse of :func:`as_axes`.
+
+    Args:
+      axes: Mesh axis names, in order.
+
+    Returns:
+      None for no axes, the name for one, else the tuple of names.
+    """
     axes = tuple(axes)
     if not axes:
         return None

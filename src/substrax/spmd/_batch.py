@@ -10,6 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from substrax.mesh._resolve import as_axes
 from substrax.spmd._attention import zigzag
 
 __all__ = ["batch_sharding", "check_batch", "is_replicated_leaf", "replicate", "shard_batch"]
@@ -18,7 +19,7 @@ DataAxes = str | Sequence[str]
 
 
 def _axes(data_axes: DataAxes) -> tuple[str, ...]:
-    axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    axes = as_axes(data_axes)
     if not axes or not all(isinstance(a, str) and a for a in axes):
         raise ValueError(f"data_axes must name one or more mesh axes, got {data_axes!r}.")
     return axes

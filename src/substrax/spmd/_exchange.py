@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from substrax.mesh._resolve import as_axes
 from substrax.spmd._region import reduce_as, vary_as
 
 __all__ = ["Exchange", "plan_exchange", "send", "send_back"]
@@ -76,7 +77,7 @@ def _send(rows, counts, rounds, axes, chunk, capacity):
         return jax.lax.dynamic_update_slice_in_dim(out, got, r * chunk, 1)
 
     out = vary_as(
-        jnp.zeros((devices, capacity, rows.shape[1]), rows.dtype), rows, axes=_names(axes)
+        jnp.zeros((devices, capacity, rows.shape[1]), rows.dtype), rows, axes=as_axes(axes)
     )
     return jax.lax.fori_loop(0, rounds, body, out)
 
@@ -92,7 +93,7 @@ def _send_back(received, counts, rounds, axes, chunk, rows):
         return out.at[index.reshape(-1)].set(got.reshape(-1, got.shape[-1]), mode="drop")
 
     out = vary_as(
-        jnp.zeros((rows, received.shape[-1]), received.dtype), received, axes=_names(axes)
+        jnp.zeros((rows, received.shape[-1]), received.dtype), received, axes=as_axes(axes)
     )
     return jax.lax.fori_loop(0, rounds, body, out)
 
@@ -130,10 +131,6 @@ def send_back(received: jax.Array, exchange: Exchange, axes, rows: int) -> jax.A
 
 def _key(axes):
     return tuple(axes) if isinstance(axes, (tuple, list)) else axes
-
-
-def _names(axes) -> tuple[str, ...]:
-    return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
 
 
 def _forth(rows, counts, rounds, axes, sizes):

@@ -32,9 +32,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from substrax.layout import Layout
-from substrax.mesh import MeshRules
+from substrax.mesh import MeshRules, as_axes, spec_entry
 from substrax.spmd import MixedPrecision, is_replicated_leaf
-from substrax_flax._resolve import axes_entry, entry_axes, without_axes
+from substrax_flax._resolve import without_axes
 from substrax_flax._state import map_variables, values_by_path
 from substrax_flax._streams import RowDraws, rows_loss
 
@@ -53,7 +53,7 @@ def manual_rules(rules: MeshRules, batch_axes: tuple[str, ...]) -> MeshRules:
     """
     drop = set(batch_axes)
     kept = {
-        name: axes_entry([a for a in entry_axes(value) if a not in drop])
+        name: spec_entry([a for a in as_axes(value) if a not in drop])
         for name, value in rules.as_dict().items()
     }
     return MeshRules().extend(**kept)
@@ -84,7 +84,7 @@ def manual_movers(
     by_path = values_by_path(compute)
 
     def over_batch(spec):
-        return without_axes(spec, {a for e in spec for a in entry_axes(e)} - set(batch_axes))
+        return without_axes(spec, {a for e in spec for a in as_axes(e)} - set(batch_axes))
 
     def mover(path, _):
         row = rows[path]
@@ -119,7 +119,7 @@ class Mover:
     grad_spec: PartitionSpec
 
     def _unsharded(self, spec: PartitionSpec) -> tuple[str, ...]:
-        sharded = {a for entry in spec for a in entry_axes(entry)}
+        sharded = {a for entry in spec for a in as_axes(entry)}
         return tuple(a for a in self.batch_axes if a not in sharded)
 
     @property
@@ -143,7 +143,7 @@ class Mover:
         over the batch axes; a nested ``shard_map`` over the tensor axes keeps them.
         """
         tensor = (
-            set() if self.compute is None else {a for e in self.compute.spec for a in entry_axes(e)}
+            set() if self.compute is None else {a for e in self.compute.spec for a in as_axes(e)}
         )
         if not tensor or self._mixed_dimension():
             return fn
@@ -162,8 +162,8 @@ class Mover:
         """
         for spec in (self.stored_spec, self.grad_spec):
             for entry, used in zip(spec, self.compute.spec, strict=False):
-                axes = entry_axes(entry)
-                if any(a in self.batch_axes for a in axes) and set(axes) & set(entry_axes(used)):
+                axes = as_axes(entry)
+                if any(a in self.batch_axes for a in axes) and set(axes) & set(as_axes(used)):
                     return True
         return False
 
@@ -292,7 +292,7 @@ def manual_value_and_grad(
         return (loss, extra), _state(template, grads_pure)
     specs = jax.tree.map(lambda m: m.spec, movers)
     grad_specs = jax.tree.map(lambda m: m.grad_spec, movers)
-    rows = PartitionSpec(axes_entry(batch_axes))
+    rows = PartitionSpec(spec_entry(batch_axes))
     batch_specs = jax.tree.map(lambda x: PartitionSpec() if is_replicated_leaf(x) else rows, batch)
     mapped = jax.shard_map(
         local,

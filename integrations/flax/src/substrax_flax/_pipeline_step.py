@@ -13,14 +13,14 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax import ShardingWarning, warn_user
-from substrax.mesh import PipelineParallelStrategy, check_mesh
+from substrax.mesh import PipelineParallelStrategy, as_axes, check_mesh
 from substrax.pipeline import Pipeline, microbatch_index
 from substrax.spmd import MixedPrecision, as_precision, use_rules
 from substrax_flax._jitted import Built, JittedStep, Update, apply_update, optimizer_shardings
 from substrax_flax._manual import manual_rules
 from substrax_flax._nonfinite import NonFinite, check_policy, guard_decision
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
-from substrax_flax._resolve import Rules, as_rules, entry_axes, without_axes
+from substrax_flax._resolve import Rules, as_rules, without_axes
 from substrax_flax._state import check_filter, map_variables, variables
 from substrax_flax._step_plan import pipeline_plan
 from substrax_flax._streams import RowDraws, on_rows, row_draws, threefry_obstacle
@@ -448,7 +448,7 @@ def _fsdp(plan: Any, name: str, batch_axes: Sequence[str]) -> tuple[str | None, 
         if not row.path.startswith(f"{name}/"):
             continue
         spec = tuple(row.spec) + (None,) * (len(row.shape) - len(row.spec))
-        on = [d for d, entry in enumerate(spec) if axes[0] in entry_axes(entry)]
+        on = [d for d, entry in enumerate(spec) if axes[0] in as_axes(entry)]
         dims.setdefault(tuple(row.shape[1:]), on[0] - 1 if on and on[0] > 0 else None)
     return axes[0], dims
 
@@ -635,6 +635,5 @@ def _data_axes(mesh: Any, rules: Rules, layout: LayoutLike, stage_axis: str) -> 
     if layout is not None:
         named = as_layout(layout, mesh).batch_axes
     else:
-        named = as_rules(rules, mesh).data
-        named = (named,) if isinstance(named, str) else tuple(named or ())
+        named = as_axes(as_rules(rules, mesh).data)
     return tuple(a for a in named if a != stage_axis)

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax.distributed import agree
 from substrax.layout import Layout
-from substrax.mesh import MeshRules, check_mesh
+from substrax.mesh import MeshRules, as_axes, check_mesh, spec_entry
 from substrax_flax._cache import equal
 from substrax_flax._resolve import (
     Indivisible,
@@ -24,8 +24,6 @@ from substrax_flax._resolve import (
     UnknownNames,
     VariableSharding,
     as_rules,
-    axes_entry,
-    entry_axes,
     without_axes,
 )
 from substrax_flax._shortfall import TOLERANCE, warn_replicated, warn_shortfall
@@ -217,7 +215,7 @@ class ModelPlan:
             return self.layout.batch_axes
         table = self.rules.as_dict()
         axes = table.get("batch") or table.get("data")
-        return (axes,) if isinstance(axes, str) else tuple(axes or ())
+        return as_axes(axes)
 
     @property
     def gather_axes(self) -> tuple[str, ...]:
@@ -283,11 +281,11 @@ class ModelPlan:
         moved = {a for reason in row.reasons if reason.kind == "moved" for a in reason.axes}
         spec = without_axes(row.spec, set(self.gather_axes) | moved)
         experts = set(self.layout.expert_axes if self.layout is not None else ())
-        if not experts & {a for e in spec for a in entry_axes(e)}:
+        if not experts & {a for e in spec for a in as_axes(e)}:
             return spec
         names = row.logical_names or (None,) * len(spec)
         return PartitionSpec(*(
-            e if name == "expert" else axes_entry(a for a in entry_axes(e) if a not in experts)
+            e if name == "expert" else spec_entry(a for a in as_axes(e) if a not in experts)
             for e, name in zip(spec, names, strict=False)  # a spec may be short
         ))  # fmt: skip
 
@@ -647,7 +645,7 @@ def _check_stages(rows: tuple[VariableSharding, ...], layout: Layout | None, mes
         return
     for row in rows:
         if "layers" in (row.logical_names or ()) or any(
-            a in stages for entry in row.spec for a in entry_axes(entry)
+            a in stages for entry in row.spec for a in as_axes(entry)
         ):
             return
     raise ValueError(

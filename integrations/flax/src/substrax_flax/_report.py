@@ -9,7 +9,7 @@ from typing import Any
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax.mesh import Reason
+from substrax.mesh import Reason, as_axes
 from substrax_flax._plan import ModelPlan, plan_of
 from substrax_flax._report_table import WIDTH, compact_table, format_bytes, wrap
 from substrax_flax._resolve import VariableSharding
@@ -25,11 +25,7 @@ _COLUMNS = ("path", "shape", "dtype", "logical names", "rule", "spec", "total", 
 
 
 def _mesh_axes(spec: PartitionSpec) -> set[str]:
-    axes: set[str] = set()
-    for entry in spec:
-        if entry is not None:
-            axes.update((entry,) if isinstance(entry, str) else entry)
-    return axes
+    return {axis for entry in spec for axis in as_axes(entry)}
 
 
 class ShardingReport:

@@ -18,6 +18,8 @@ from substrax.mesh import (
     Reason,
     Resolution,
     ShardingStrategy,
+    as_axes,
+    spec_entry,
 )
 from substrax_flax._state import logical_names, shape_and_dtype, typed_spec, variables
 
@@ -25,8 +27,6 @@ __all__ = [
     "Resolver",
     "VariableSharding",
     "as_rules",
-    "axes_entry",
-    "entry_axes",
     "make_row",
     "without_axes",
 ]
@@ -83,7 +83,7 @@ def make_row(
     sizes = dict(mesh.shape)
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
     shard_shape = [
-        dim // math.prod(sizes[a] for a in entry_axes(entry))
+        dim // math.prod(sizes[a] for a in as_axes(entry))
         for dim, entry in zip(shape, entries, strict=True)
     ]
     itemsize = getattr(dtype, "itemsize", 0)
@@ -128,22 +128,9 @@ def as_rules(rules: Rules, mesh: Any) -> MeshRules:
     return rules if mesh is None else rules.validate(mesh)
 
 
-def entry_axes(entry: Any) -> tuple[str, ...]:
-    """A spec entry (None, an axis name, or a tuple of names) as a tuple of axis names."""
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def axes_entry(axes: Any) -> Any:
-    """The spec entry for a sequence of axis names: None, one name, or a tuple of names."""
-    axes = tuple(axes)
-    return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
 def without_axes(spec: PartitionSpec, drop: set[str]) -> PartitionSpec:
     """``spec`` with the mesh axes in ``drop`` removed from every entry."""
-    return PartitionSpec(*(axes_entry(a for a in entry_axes(e) if a not in drop) for e in spec))
+    return PartitionSpec(*(spec_entry(a for a in as_axes(e) if a not in drop) for e in spec))
 
 
 class Resolver:
@@ -282,7 +269,7 @@ class Resolver:
             axes and the pairs that would map the name.
         """
         table = self._table.as_dict()
-        unknown = [n for e in names for n in entry_axes(e) if n is not None and n not in table]
+        unknown = [n for e in names for n in as_axes(e) if n is not None and n not in table]
         if not unknown or self.unknown_names != "error":
             return
         name, axes = unknown[0], tuple(self.mesh.axis_names)
@@ -331,7 +318,7 @@ def _given_names(rules: Rules, resolved: MeshRules) -> set[str]:
 
 def _rule_text(names: tuple[Any, ...], rules: MeshRules) -> str:
     table = rules.as_dict()
-    parts = [f"{name}->{table.get(name, '?')}" for entry in names for name in entry_axes(entry)]
+    parts = [f"{name}->{table.get(name, '?')}" for entry in names for name in as_axes(entry)]
     return ", ".join(parts) or "none"
 
 

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from substrax import ShardingWarning, warn_user
-from substrax_flax._resolve import VariableSharding, entry_axes
+from substrax.mesh import as_axes
+from substrax_flax._resolve import VariableSharding
 
 __all__ = [
     "LARGE_REPLICATED_BYTES",
@@ -42,7 +43,7 @@ LARGE_REPLICATED_BYTES = 1 << 20
 
 def replicated(row: VariableSharding) -> bool:
     """Whether ``row`` is a variable (not a scalar) whole on every device."""
-    return bool(row.shape) and not any(entry_axes(entry) for entry in row.spec)
+    return bool(row.shape) and not any(as_axes(entry) for entry in row.spec)
 
 
 def large_replicated(rows: Sequence[VariableSharding]) -> list[VariableSharding]:

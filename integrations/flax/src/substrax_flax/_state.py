@@ -8,6 +8,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from substrax.mesh import as_axes
 from substrax.spmd import lay_out
 
 __all__ = [
@@ -125,8 +126,7 @@ def typed_spec(variable: Any) -> tuple[Any, ...] | None:
     mesh = sharding.mesh
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     spec = tuple(sharding.spec) + (None,) * (len(getattr(value, "shape", ())) - len(sharding.spec))
-    axes = [a for entry in spec if entry is not None for a in (
-        (entry,) if isinstance(entry, str) else entry)]  # fmt: skip
+    axes = [a for entry in spec for a in as_axes(entry)]
     explicit = jax.sharding.AxisType.Explicit
     if not axes or any(types.get(a) != explicit for a in axes):
         return None

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec
 
+from substrax.mesh import as_axes
 from substrax.spmd import (
     PRECISIONS,
     MixedPrecision,
@@ -37,7 +38,7 @@ from substrax.spmd import (
 )
 from substrax_flax._per_device import batch_stat_obstacle, synced_stats
 from substrax_flax._plan import ModelPlan
-from substrax_flax._resolve import entry_axes, without_axes
+from substrax_flax._resolve import without_axes
 from substrax_flax._state import values_by_path, variables
 from substrax_flax._streams import RowDraws
 from substrax_flax._traced import Traced
@@ -269,7 +270,7 @@ def stacked_experts_obstacle(plan: ModelPlan, mesh, split: tuple[str, ...]) -> s
         if "layers" not in names or "expert" not in names:
             continue
         entry = row.spec[names.index("expert")] if names.index("expert") < len(row.spec) else None
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        axes = as_axes(entry)
         free = tuple(a for a in axes if sizes[a] > 1 and a not in split)
         found = looped_region_obstacle(f"the stacked experts ({row.path})", free)
         if found is not None:
@@ -367,7 +368,7 @@ def all_reduce_extra(plan: ModelPlan, split: tuple[str, ...], wrt: Any, model: n
     paths = {path for path, _ in variables(nnx.state(model, wrt))}
     extra = 0
     for row in plan.rows:
-        axes = {a for entry in row.spec for a in entry_axes(entry)} & set(split)
+        axes = {a for entry in row.spec for a in as_axes(entry)} & set(split)
         if row.path in paths and axes:
             extra += row.bytes_per_device * (math.prod(sizes[a] for a in axes) - 1)
     return extra
@@ -391,7 +392,7 @@ def param_steps(
     for name, _ in variables(params):
         row = rows[name]
         optimizer, kept = plan.optimizer_spec_and_reason(row)
-        on = tuple(a for e in optimizer for a in entry_axes(e) if a in split)
+        on = tuple(a for e in optimizer for a in as_axes(e) if a in split)
         rest = tuple(a for a in split if a not in on)
         if not split:
             gradient = "none"
@@ -445,7 +446,7 @@ def pipeline_plan(
     for row in plan.rows:
         in_stack = row.path.startswith(f"{stack}/")
         optimizer = plan.optimizer_spec(row)
-        on = tuple(a for e in row.spec for a in entry_axes(e) if a == fsdp)
+        on = tuple(a for e in row.spec for a in as_axes(e) if a == fsdp)
         if trained is not None and row.path not in trained:
             gradient = "none: not in wrt (held, never differentiated)"
         elif not split:

@@ -31,6 +31,8 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
+from substrax.mesh import as_axes
+
 __all__ = ["RANDOM_PRIMITIVES", "Traced", "is_key", "trace"]
 
 #: Primitives that draw random bits: typed-key draws (``random_bits``, what every
@@ -142,8 +144,8 @@ def _spec_axes(value: Any) -> Iterator[str]:
     spec = value if isinstance(value, PartitionSpec) else getattr(value, "spec", None)
     if isinstance(spec, PartitionSpec):
         for entry in spec:
-            if entry is not None and entry is not PartitionSpec.UNCONSTRAINED:
-                yield from (entry,) if isinstance(entry, str) else entry
+            if entry is not PartitionSpec.UNCONSTRAINED:
+                yield from as_axes(entry)
 
 
 def _named_axes(jaxpr: Any) -> Iterator[tuple[str, str]]:

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax import ShardingWarning, warn_user
 from substrax.layout import Layout
-from substrax.mesh import MeshRules
+from substrax.mesh import MeshRules, as_axes
 from substrax.spmd import (
     MixedPrecision,
     as_precision,
@@ -38,7 +38,7 @@ from substrax_flax._optimizer import check_owner
 from substrax_flax._per_device import sync_batch_norms
 from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, shardings_of
 from substrax_flax._remat import Marked, use_remat
-from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules, entry_axes
+from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules
 from substrax_flax._state import check_filter, constrain_state, shape_and_dtype, variables
 from substrax_flax._step_plan import (
     Decision,
@@ -515,7 +515,7 @@ def _check_experts(plan: ModelPlan, traced: Callable[[], Traced]) -> None:
     sizes = dict(plan.mesh.shape)
     axes = tuple(a for a in (layout.expert_axes if layout is not None else ()) if sizes[a] > 1)
     used = {r.path: plan.compute_spec(r) for r in plan.rows}
-    rows = [r for r in plan.rows if set(axes) & {a for e in used[r.path] for a in entry_axes(e)}]
+    rows = [r for r in plan.rows if set(axes) & {a for e in used[r.path] for a in as_axes(e)}]
     if not rows or traced().dispatches_tokens:
         return
     degree = math.prod(sizes[a] for a in axes)
@@ -647,8 +647,8 @@ def _axes(value: Sequence[str] | str | None) -> tuple[str, ...] | None:
     """
     if value is None:
         return None
-    axes = (value,) if isinstance(value, str) else value
-    if not isinstance(axes, Sequence) or not all(isinstance(a, str) for a in axes):
+    axes = as_axes(value) if isinstance(value, (str, Sequence)) else None
+    if axes is None or not all(isinstance(a, str) for a in axes):
         raise TypeError(
             f"batch_axes must be a mesh axis name or a sequence of them, such as ('data',); "
             f"got {value!r}."
