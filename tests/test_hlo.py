@@ -3,7 +3,15 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from substrax.hlo import KINDS, Collective, collectives, compiled_flops, loop_runs, traffic_by_kind
+from substrax.hlo import (
+    KINDS,
+    Collective,
+    collectives,
+    compiled_flops,
+    dot_flops,
+    loop_runs,
+    traffic_by_kind,
+)
 
 
 def _hlo(f, *args):
@@ -122,6 +130,32 @@ def test_tpu_fused_reduce_scatter_counts_as_one():
     assert (whole.kind, whole.traffic_bytes) == ("all-reduce", 768.0)  # a real all-reduce
 
 
+def _jax_011_groups(*axes):
+    refs = ", ".join(f'#stablehlo.axis_ref<name = "{a}">' for a in axes)
+    return f"replica_groups = #stablehlo.replica_group_mesh_axes<mesh = @mesh_0, axes = [{refs}]>"
+
+
+# Collectives as jax 0.11.2 lowers them (seen on the lent GPU machine's jax): groups named by
+# the mesh axes they span, where jax 0.10 lists the device ids.
+JAX_011_LOWERED = f"""
+  sdy.mesh @mesh_0 = <["data"=2, "model"=4]> {{stablehlo.mesh = {{axes = []}}}}
+  func.func public @main(%arg0: tensor<4x1024xbf16>) -> (tensor<4x1024xbf16>) {{
+      %1 = "stablehlo.all_gather"(%arg1) <{{all_gather_dim = 1 : i64, {_jax_011_groups("model")},
+        use_global_device_ids}}> : (tensor<2x256xbf16>) -> tensor<2x1024xbf16>
+      %2 = "stablehlo.reduce_scatter"(%1) <{{{_jax_011_groups("model")}, scatter_dimension = 1}}>({{
+      }}) : (tensor<2x1024xbf16>) -> tensor<2x256xbf16>
+      %3 = "stablehlo.all_reduce"(%2) <{{{_jax_011_groups("data", "model")}}}> ({{
+      }}) : (tensor<2x256xbf16>) -> tensor<2x256xbf16>
+"""
+
+
+def test_stablehlo_groups_named_by_mesh_axes_have_those_axes_size():
+    ops = collectives(JAX_011_LOWERED)
+    assert [(op.kind, op.result_bytes, op.group_size) for op in ops] == [
+        ("all-gather", 4096, 4), ("reduce-scatter", 1024, 4), ("all-reduce", 1024, 8)
+    ]  # fmt: skip
+
+
 def test_lowered_stablehlo_keeps_the_dtype_the_program_asks_for(mesh_2x4):
     def gather_and_scatter(x):
         full = jax.lax.all_gather(x, "model", axis=1, tiled=True)  # (2, 1024) per device
@@ -147,6 +181,24 @@ def test_lowered_stablehlo_keeps_the_dtype_the_program_asks_for(mesh_2x4):
     # XLA's CPU compiler widens the bf16 collectives to f32: twice the bytes once compiled
     compiled = traffic_by_kind(lowered.compile().as_text())
     assert compiled["all-gather"]["bytes"] == 2 * ops[0].traffic_bytes
+
+
+# A matrix product as XLA:GPU compiles it (jax 0.11.2 on an H200): a cuBLAS call whose result
+# is a tuple with its workspace and whose dimensions are in its backend config.
+GPU_GEMM = """ENTRY %main (a: bf16[16384,1536], b: bf16[1536,6144]) -> bf16[16384,6144] {
+  %a = bf16[16384,1536]{1,0} parameter(0)
+  %b = bf16[1536,6144]{1,0} parameter(1)
+  %custom-call.2 = (bf16[16384,6144]{1,0}, s8[33554432]{0}) custom-call(%a, %b), \
+custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"alpha_real":1,\
+"dot_dimension_numbers":{"lhs_batch_dimensions":[],"lhs_contracting_dimensions":["1"],\
+"rhs_batch_dimensions":[],"rhs_contracting_dimensions":["0"]},"epilogue":"DEFAULT"}}
+  ROOT %get-tuple-element = bf16[16384,6144]{1,0} get-tuple-element(%custom-call.2), index=0
+}
+"""
+
+
+def test_dot_flops_count_a_cublas_call_as_its_product():
+    assert dot_flops(GPU_GEMM) == 2 * 16384 * 1536 * 6144
 
 
 def test_compiled_flops_count_every_trip_of_a_scanned_product():

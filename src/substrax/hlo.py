@@ -322,8 +322,32 @@ def _tensor_bytes(text: str) -> int:
     return total
 
 
+_SDY_MESH = re.compile(r"sdy\.mesh\s+@([\w.\-]+)\s*=\s*<\[([^\]]*)\]")
+_LISTED_GROUPS = re.compile(r"replica_groups = dense<.*?> : tensor<(\d+)x(\d+)xi64>")
+# jax >= 0.11 names a collective's groups by the mesh axes they span
+_MESH_AXES_GROUPS = re.compile(
+    r"replica_groups = #stablehlo\.replica_group_mesh_axes<mesh = @([\w.\-]+), axes = \[(.*?)\]>"
+)
+
+
+def _stablehlo_group_size(line: str, meshes: dict[str, dict[str, int]], num_devices: int) -> int:
+    """The devices in each replica group of a StableHLO collective (all where it lists none)."""
+    listed = _LISTED_GROUPS.search(line)
+    if listed:
+        return int(listed.group(2))
+    named = _MESH_AXES_GROUPS.search(line)
+    if named:
+        sizes = meshes.get(named.group(1), {})
+        return math.prod(sizes.get(a, 1) for a in re.findall(r'name = "([^"]+)"', named.group(2)))
+    return num_devices
+
+
 def _stablehlo_collectives(text: str, num_devices: int) -> list[Collective]:
     """Collectives of StableHLO text: the result type ends the op's line or its region."""
+    meshes = {
+        name: {a: int(n) for a, n in re.findall(r'"([^"]+)"=(\d+)', axes)}
+        for name, axes in _SDY_MESH.findall(text)
+    }
     found, pending, computation = [], None, ""
     for line in text.splitlines():
         header = re.match(r"\s*func\.func\s+(?:\w+\s+)?@([\w.\-]+)", line)
@@ -331,8 +355,7 @@ def _stablehlo_collectives(text: str, num_devices: int) -> list[Collective]:
             computation = header.group(1)
         match = _STABLEHLO_OP.search(line)
         if match:
-            groups = re.search(r"replica_groups = dense<.*?> : tensor<(\d+)x(\d+)xi64>", line)
-            size = int(groups.group(2)) if groups else num_devices
+            size = _stablehlo_group_size(line, meshes, num_devices)
             pending = (match.group(1).replace("_", "-"), size)
         if pending is not None and ") -> " in line:
             kind, size = pending
@@ -456,6 +479,9 @@ _BODY = re.compile(r"body=%?([\w.\-]+)")
 _CONDITION = re.compile(r"condition=%?([\w.\-]+)")
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
+# XLA:GPU rewrites a dot as a cuBLAS call; its dimensions are in the call's backend config.
+_GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)[^"]*"')
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 
 
 def _dims(text: str) -> list[int]:
@@ -476,7 +502,7 @@ def _parse(hlo_text: str) -> tuple[dict[str, list], str]:
         found = _INSTRUCTION.match(line)
         if current is None or not found:
             continue
-        shape = _SHAPE.match(found.group("shape"))
+        shape = _SHAPE.match(found.group("shape").lstrip("("))  # a tuple's first element
         result = _dims(shape.group(2)) if shape else []
         shapes[found.group("name")] = result
         operands = [
@@ -484,6 +510,13 @@ def _parse(hlo_text: str) -> tuple[dict[str, list], str]:
         ]
         current.append((found.group("op"), result, operands, found.group("attrs")))
     return computations, entry
+
+
+def _matmul_flops(result: list[int], operands: list, contracting: str) -> float:
+    """``2 x`` a matrix product's multiply-adds: its output's elements times the contracted size."""
+    lhs = operands[0] if operands else []
+    size = math.prod(lhs[d] if d < len(lhs) else 1 for d in _dims(contracting))
+    return 2.0 * math.prod(result) * size
 
 
 def _convolution_flops(result: list[int], operands: list, attrs: str) -> float:
@@ -547,8 +580,8 @@ def compiled_flops(compiled: Any) -> float:
     """A compiled program's FLOPs per device, each loop counted as often as it runs.
 
     XLA's ``cost_analysis()`` counts a ``while`` body once (a scanned model's layers, a
-    pipeline's ticks, the blocks of a grouped product); the matrix products of the other trips
-    (:func:`dot_flops`) are added to it.
+    pipeline's ticks, the blocks of a grouped product) and, on XLA:GPU, no product handed to
+    cuBLAS; the matrix products it missed (:func:`dot_flops`) are added to it.
 
     Args:
       compiled: ``jitted.lower(...).compile()``.
@@ -559,14 +592,22 @@ def compiled_flops(compiled: Any) -> float:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     text = compiled.as_text()
-    return float(cost.get("flops", 0.0)) + dot_flops(text) - dot_flops(text, trips=False)
+    counted = dot_flops(text, trips=False, library_calls=False)  # what cost_analysis saw
+    return float(cost.get("flops", 0.0)) + dot_flops(text) - counted
 
 
-def dot_flops(hlo_text: str, *, branch: Callable[..., float] = max, trips: bool = True) -> float:
+def dot_flops(
+    hlo_text: str,
+    *,
+    branch: Callable[..., float] = max,
+    trips: bool = True,
+    library_calls: bool = True,
+) -> float:
     """The matrix-product FLOPs of one execution of a compiled program, per device.
 
     XLA's ``cost_analysis()`` counts a ``while`` body once; this counts each ``dot`` (and each
-    ``convolution``, XLA:TPU's form of a matrix product) as often as its loops run (their
+    ``convolution``, XLA:TPU's form of a matrix product, and each cuBLAS call, XLA:GPU's) as
+    often as its loops run (their
     ``known_trip_count``, or their condition's bound), and of a ``conditional`` its costliest
     branch: a static bound on what any device computes, exact where every device takes a
     branch of the same cost (a pipeline tick with work). Elementwise work is not counted.
@@ -577,6 +618,8 @@ def dot_flops(hlo_text: str, *, branch: Callable[..., float] = max, trips: bool 
         compute), ``min`` (the least: a pipeline's idle ticks).
       trips: Count each loop's body as often as it runs; False counts it once, as
         ``cost_analysis()`` does (the difference is what that misses).
+      library_calls: Count the products XLA:GPU hands to cuBLAS; False counts only what
+        ``cost_analysis()`` sees (it counts no custom call).
 
     Returns:
       ``2 x`` the multiply-adds of the program's ``dot`` ops.
@@ -594,14 +637,11 @@ def dot_flops(hlo_text: str, *, branch: Callable[..., float] = max, trips: bool 
     def one(op, result, operands, attrs) -> float:
         if op == "dot":
             contracting = _CONTRACTING.search(attrs)
-            lhs = operands[0] if operands else []
-            size = 1
-            for d in _dims(contracting.group(1)) if contracting else []:
-                size *= lhs[d] if d < len(lhs) else 1
-            out = 1
-            for d in result:
-                out *= d
-            return 2.0 * out * size
+            return _matmul_flops(result, operands, contracting.group(1) if contracting else "")
+        if op == "custom-call" and library_calls and _GEMM.search(attrs):
+            contracting = _GEMM_CONTRACTING.search(attrs)
+            dims = ",".join(re.findall(r"\d+", contracting.group(1))) if contracting else ""
+            return _matmul_flops(result, operands, dims)
         if op == "convolution":
             return _convolution_flops(result, operands, attrs)
         if op == "while":
