@@ -42,9 +42,11 @@ from substrax.spmd._remat import checkpoint_policy as checkpoint_policy
 from substrax.spmd._routing import ROUTINGS as ROUTINGS
 from substrax.spmd._routing import Route as Route
 from substrax.spmd._routing import route as route
+from substrax.spmd._scatter import reduce_scatter as reduce_scatter
 from substrax.spmd._workarounds import OBSERVED_ON as OBSERVED_ON
 from substrax.spmd._workarounds import looped_region_obstacle as looped_region_obstacle
 from substrax.spmd._workarounds import region_obstacle as region_obstacle
+from substrax.spmd._workarounds import scatter_stages as scatter_stages
 
 __all__ = [
     "DISPATCHES",
@@ -78,8 +80,10 @@ __all__ = [
     "native_grouped_matmul",
     "active_platform",
     "positions",
+    "reduce_scatter",
     "region_obstacle",
     "route",
+    "scatter_stages",
     "replicate",
     "shard_batch",
     "unzigzag",

@@ -15,17 +15,21 @@ Rechecked on jax 0.10.2 with libtpu 0.0.42.1 (compiled for ``v5p:2x2x2``, device
 * the 16-bit all-reduce abort is XLA:CPU's alone: XLA:TPU compiles ``fsdp 4 x tp 2`` at
   ``precision="mixed"`` in the manual region;
 * Shardy's refusal of stacked experts' nested region is raised at lowering, before any
-  backend: every platform.
+  backend: every platform;
+* XLA:TPU compiles a reduce-scatter whose group is every device of the program as an
+  all-reduce and a slice (8, 16, 32 and 64 chips of v5p), and keeps one over a sub-group:
+  :func:`scatter_stages` stages it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import jax
 import numpy as np
 
-__all__ = ["OBSERVED_ON", "looped_region_obstacle", "region_obstacle"]
+__all__ = ["OBSERVED_ON", "looped_region_obstacle", "region_obstacle", "scatter_stages"]
 
 #: The jax version the entries below were observed on (XLA:CPU, and XLA:TPU from libtpu 0.0.42.1).
 OBSERVED_ON = "0.10.2"
@@ -92,3 +96,33 @@ def looped_region_obstacle(what: str, axes: tuple[str, ...]) -> str | None:
         f"{what} enter a region over the mesh axes {axes} inside the layers' loop, which "
         f"Shardy (jax {OBSERVED_ON}) rejects within a manual region that leaves those axes out"
     )
+
+
+def scatter_stages(
+    axis_sizes: Mapping[str, int], axes: tuple[str, ...], platform: str = "cpu"
+) -> tuple[int, int] | None:
+    """How to stage a reduce-scatter over ``axes`` that XLA would compile as an all-reduce.
+
+    * XLA:TPU (jax 0.10.2, libtpu 0.0.42.1) compiles a reduce-scatter whose group is every
+      device of the program as an all-reduce and a slice: twice a reduce-scatter's bytes
+      (seen on v5p with 8, 16, 32 and 64 chips). Over a sub-group (FSDP beside tensor or
+      replica axes) it keeps the reduce-scatter. Two reduce-scatters over index groups
+      (:func:`~substrax.spmd.reduce_scatter`) stay reduce-scatters and move one ring's
+      bytes: 1.00x on ``v5p:2x4x4`` (4 x 8) and ``v5p:4x4x4`` (8 x 8), 1.01x on ``v5p:2x2x2``
+      (4 x 2). XLA:CPU keeps every reduce-scatter an all-reduce, staged or not.
+
+    Args:
+      axis_sizes: The mesh's axis sizes.
+      axes: The axes the reduce-scatter sums over.
+      platform: The platform the program is compiled for (``"cpu"``, ``"gpu"``, ``"tpu"``).
+
+    Returns:
+      ``(outer, inner)``, ``inner`` the largest divisor of the group's devices that is at
+      most their square root; None where one reduce-scatter stays one (another platform, a
+      sub-group, or a prime number of devices).
+    """
+    size = math.prod(axis_sizes[a] for a in axes)
+    if platform != "tpu" or size != math.prod(axis_sizes.values()):
+        return None
+    inner = max(d for d in range(1, math.isqrt(size) + 1) if size % d == 0)
+    return None if inner == 1 else (size // inner, inner)

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec
 
 from substrax.layout import Layout
 from substrax.mesh import MeshRules, as_axes, spec_entry
-from substrax.spmd import MixedPrecision, is_replicated_leaf
+from substrax.spmd import MixedPrecision, is_replicated_leaf, reduce_scatter
 from substrax_flax._resolve import without_axes
 from substrax_flax._state import map_variables, values_by_path
 from substrax_flax._streams import RowDraws, rows_loss
@@ -66,6 +66,7 @@ def manual_movers(
     compute: Any,
     precision: MixedPrecision,
     layout: Layout | None = None,
+    stages: tuple[int, int] | None = None,
 ) -> Any:
     """Each parameter's :class:`Mover`: its spec over the batch axes, compute sharding, policy.
 
@@ -77,6 +78,8 @@ def manual_movers(
       precision: The mixed-precision policy.
       layout: The model's layout: under ZeRO each gradient is reduce-scattered to its
         optimizer state's shard (:meth:`~substrax.layout.Layout.optimizer_spec`).
+      stages: The step plan's stages for a reduce-scatter over every device (its
+        ``scatter_stages``).
 
     Returns:
       A pure dict (``nnx.to_pure_dict`` layout) of movers.
@@ -92,7 +95,7 @@ def manual_movers(
         if layout is not None and layout.zero:
             grad = layout.optimizer_spec(row.spec, row.shape)[0]
         spec = over_batch(row.spec)
-        return Mover(spec, batch_axes, by_path[path], precision, row.spec, over_batch(grad))
+        return Mover(spec, batch_axes, by_path[path], precision, row.spec, over_batch(grad), stages)
 
     return nnx.to_pure_dict(map_variables(mover, params))
 
@@ -109,6 +112,8 @@ class Mover:
       stored_spec: Its planned spec over every axis.
       grad_spec: Its gradient's spec over the batch axes: ``spec``, or under a ZeRO layout
         the optimizer state's (the gradient is reduce-scattered to the shard it updates).
+      stages: ``(outer, inner)``: a reduce-scatter over that many devices (every device of
+        the program) goes in two stages (:func:`substrax.spmd.scatter_stages`); None: one.
     """
 
     spec: PartitionSpec
@@ -117,6 +122,7 @@ class Mover:
     precision: MixedPrecision
     stored_spec: PartitionSpec
     grad_spec: PartitionSpec
+    stages: tuple[int, int] | None = None
 
     def _unsharded(self, spec: PartitionSpec) -> tuple[str, ...]:
         sharded = {a for entry in spec for a in as_axes(entry)}
@@ -205,8 +211,8 @@ class Mover:
     def scatter(self, g: jax.Array, dtype: Any) -> jax.Array:
         """A gathered gradient summed over the devices into this device's shard, as ``dtype``.
 
-        Reduce-scatters each gathered dimension and all-reduces the shard over the replica
-        axes, in the policy's reduction dtype.
+        Reduce-scatters each gathered dimension (in :attr:`stages` over every device) and
+        all-reduces the shard over the replica axes, in the policy's reduction dtype.
         """
         if self.precision.reduce is not None:
             g = g.astype(self.precision.reduce)
@@ -217,7 +223,9 @@ class Mover:
         def scatter(g):
             for dim in reversed(range(len(spec))):
                 if spec[dim] is not None:
-                    g = jax.lax.psum_scatter(g, spec[dim], scatter_dimension=dim, tiled=True)
+                    whole = self.stages and math.prod(self.stages) == jax.lax.axis_size(spec[dim])
+                    stages = self.stages if whole else None
+                    g = reduce_scatter(g, spec[dim], dimension=dim, stages=stages)
             return g
 
         g = self._on_blocks(scatter)(g)

@@ -30,11 +30,13 @@ from jax.sharding import AxisType, PartitionSpec
 
 from substrax.mesh import as_axes
 from substrax.spmd import (
+    OBSERVED_ON,
     PRECISIONS,
     MixedPrecision,
     as_precision,
     looped_region_obstacle,
     region_obstacle,
+    scatter_stages,
 )
 from substrax_flax._per_device import batch_stat_obstacle, synced_stats
 from substrax_flax._plan import ModelPlan
@@ -43,7 +45,16 @@ from substrax_flax._state import values_by_path, variables
 from substrax_flax._streams import RowDraws
 from substrax_flax._traced import Traced
 
-__all__ = ["Decision", "ParamStep", "StepPlan", "choose_path", "pipeline_plan", "step_mesh"]
+__all__ = [
+    "Decision",
+    "ParamStep",
+    "StepPlan",
+    "choose_path",
+    "pipeline_plan",
+    "region_stages",
+    "scatter_decision",
+    "step_mesh",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +118,9 @@ class StepPlan:
         state; see the ``guard`` decision).
       draws: How the manual step's random draws split with the rows (None: no draw from the
         model's streams, one block of rows, or not the manual path).
+      scatter_stages: ``(outer, inner)`` where a gradient's reduce-scatter over every device
+        goes in two stages (:func:`substrax.spmd.scatter_stages`; the ``scatter`` decision),
+        else None.
     """
 
     path: str
@@ -125,6 +139,7 @@ class StepPlan:
     advice: str = ""
     check_state: bool = False
     draws: RowDraws | None = None
+    scatter_stages: tuple[int, int] | None = None
 
     def __str__(self) -> str:
         width = max(len(d.name) for d in self.decisions)
@@ -138,6 +153,31 @@ class StepPlan:
                 for p in self.params
             ]
         return "\n".join(lines)
+
+
+def region_stages(mesh: jax.sharding.Mesh, region: tuple[str, ...]) -> tuple[int, int] | None:
+    """The stages of a reduce-scatter over a manual region's every axis, where it needs them.
+
+    :func:`substrax.spmd.scatter_stages` for the platform of the mesh's devices (a TPU
+    slice's when compiling for one from this machine); None outside a region.
+    """
+    platform = mesh.devices.flat[0].platform
+    return scatter_stages(dict(mesh.shape), region, platform) if region else None
+
+
+def scatter_decision(
+    mesh: jax.sharding.Mesh, stages: tuple[int, int] | None, params: tuple[ParamStep, ...]
+) -> tuple[tuple[int, int] | None, Decision | None]:
+    """``stages`` and the plan's line for them, or ``(None, None)`` where no gradient uses them."""
+    if stages is None or not any(" in 2 stages " in p.gradient for p in params):
+        return None, None
+    return stages, Decision(
+        "scatter",
+        f"2 stages ({stages[0]} x {stages[1]} devices)",
+        f"XLA:{mesh.devices.flat[0].platform.upper()} compiles a reduce-scatter over every "
+        "device as an all-reduce, twice its bytes; two over index groups stay reduce-scatters "
+        f"(observed on jax {OBSERVED_ON})",
+    )
 
 
 def _spec(spec: PartitionSpec) -> str:
@@ -375,7 +415,12 @@ def all_reduce_extra(plan: ModelPlan, split: tuple[str, ...], wrt: Any, model: n
 
 
 def param_steps(
-    plan: ModelPlan, params: Any, used: Any, path: str, split: tuple[str, ...]
+    plan: ModelPlan,
+    params: Any,
+    used: Any,
+    path: str,
+    split: tuple[str, ...],
+    stages: tuple[int, int] | None = None,
 ) -> tuple[ParamStep, ...]:
     """Each differentiated parameter's specs and gradient reduction on ``path``.
 
@@ -385,6 +430,7 @@ def param_steps(
       used: Its shardings where the loss uses them.
       path: ``"manual"`` or ``"xla"``.
       split: The batch axes of size > 1.
+      stages: The manual step's stages for a reduce-scatter over every batch axis.
     """
     rows = {row.path: row for row in plan.rows}
     used_by_path = values_by_path(used)
@@ -402,6 +448,8 @@ def param_steps(
             gradient = f"reduce-scatter over {on}, all-reduce over {rest}"
         elif on:
             gradient = f"reduce-scatter over {on}"
+            if stages is not None and path == "manual" and set(on) == set(split):
+                gradient += f" in 2 stages ({stages[0]} x {stages[1]})"
         else:
             gradient = f"all-reduce over {split}"
         if kept and split and path != "xla":  # ZeRO asked for a slice it could not take

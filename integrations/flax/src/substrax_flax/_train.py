@@ -46,6 +46,8 @@ from substrax_flax._step_plan import (
     choose_path,
     param_steps,
     precision_name,
+    region_stages,
+    scatter_decision,
     step_mesh,
 )
 from substrax_flax._streams import RowDraws, row_draws, threefry_obstacle
@@ -217,8 +219,15 @@ class TrainStep(JittedStep):
             split = step_plan.region_axes
             _check_microbatches(batch, mesh, split, self.microbatches)
             rows = {row.path: row for row in plan.rows}
-            movers = manual_movers(nnx.state(model, self.wrt), rows, split, used,
-                                   self.precision, plan.layout)  # fmt: skip
+            movers = manual_movers(
+                nnx.state(model, self.wrt),
+                rows,
+                split,
+                used,
+                self.precision,
+                plan.layout,
+                step_plan.scatter_stages,
+            )
             zero = plan.layout.zero if plan.layout is not None else 0
             manual = (split, movers, zero == 2, step_plan.draws)
         self._guard.state_checked = step_plan.check_state
@@ -277,7 +286,10 @@ class TrainStep(JittedStep):
         drawn = draws() if path.name == "manual" else None
         seq_axes = plan.layout.context_axes if plan.layout is not None else ()
         _check_sequence_slices(seq_axes, dict(mesh.shape), traced)
-        params = param_steps(plan, nnx.state(model, self.wrt), compute_sh, path.name, split)
+        stages = region_stages(mesh, region)
+        params = param_steps(plan, nnx.state(model, self.wrt), compute_sh, path.name, split,
+                             stages)  # fmt: skip
+        stages, scatter_line = scatter_decision(mesh, stages, params)
         states = (nnx.state(model, self.wrt), nnx.state(optimizer))
         check_state, guard_value, guard_reason = guard_decision(states, self._guard.on_nonfinite)
         decisions = (
@@ -293,6 +305,8 @@ class TrainStep(JittedStep):
             Decision("gather", self.gather, "as asked"),
             Decision("guard", guard_value, guard_reason),
         )  # fmt: skip
+        if scatter_line is not None:
+            decisions += (scatter_line,)
         if drawn is not None:
             share = "each device computes its rows' share of the whole batch's"
             decisions += (Decision("random", "one device's draws", f"{drawn.describe()}; {share}"),)
@@ -302,7 +316,7 @@ class TrainStep(JittedStep):
         step_plan = StepPlan(
             path.name, path.reason, mesh, tuple(batch_axes), region, seq_axes, self.precision,
             self.remat, self.microbatches, self.gather, path.extra_bytes, params, decisions,
-            path.advice, check_state, drawn,
+            path.advice, check_state, drawn, stages,
         )  # fmt: skip
         return step_plan, traced
 
