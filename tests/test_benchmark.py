@@ -152,10 +152,12 @@ def test_tpu_benchmark_runs_at_a_tiny_size(tmp_path):
         assert row["substrax"]["data_bytes"] > 0 and row["substrax"]["other_bytes"] < 4096
     ours, theirs = fsdp["substrax"], fsdp["flax"]
     assert ours["data_bytes"] <= theirs["data_bytes"] and ours["peak_bytes"] <= theirs["peak_bytes"]
-    # ZeRO-1's reduce-scatter of the gradients is compiled by XLA:TPU on a 2x2x2 torus as a
-    # whole all-reduce and a slice, then the update is gathered: 1.5x the limit (DP's one
-    # all-reduce, Flax's row), where XLA:CPU moves the limit. docs/targets.md says why.
-    assert zero["substrax"]["data_bytes"] == pytest.approx(1.5 * zero["limit_bytes"], rel=0.05)
+    assert "peak_bytes" in fsdp["flax donated"]  # the guide's step fits: donated too
+    # ZeRO-1's reduce-scatter over all 8 chips would be compiled by XLA:TPU as a whole
+    # all-reduce and a slice, then the update gathered: 1.5x the limit (DP's one all-reduce,
+    # Flax's row). Staged, it stays two reduce-scatters, except at this size for gradients
+    # whose last dimension splits below a 128-lane tile: 1.33x. docs/targets.md says why.
+    assert zero["limit_bytes"] < zero["substrax"]["data_bytes"] < 1.4 * zero["limit_bytes"]
     assert zero["flax"]["data_bytes"] == pytest.approx(zero["limit_bytes"], rel=0.05)
 
 
