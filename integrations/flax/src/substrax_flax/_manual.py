@@ -142,16 +142,18 @@ class Mover:
         """
         return self.grad_spec == self.spec
 
-    def _on_blocks(self, fn: Callable[[jax.Array], jax.Array]) -> Callable:
-        """``fn`` on the local block of a parameter also sharded over tensor axes.
+    def _on_blocks(self, fn: Callable[[jax.Array], jax.Array], spec: PartitionSpec) -> Callable:
+        """``fn`` (a collective along ``spec``'s batch axes) on a tensor-sharded block.
 
-        XLA would otherwise replicate the parameter over the tensor axes before a collective
-        over the batch axes; a nested ``shard_map`` over the tensor axes keeps them.
+        For a parameter also sharded over tensor axes, XLA would otherwise replicate it over
+        the tensor axes before a collective over the batch axes; a nested ``shard_map`` over
+        the tensor axes keeps them. A parameter with no batch axis in ``spec`` (tensor
+        parallelism's) has nothing to move, so no region is entered.
         """
         tensor = (
             set() if self.compute is None else {a for e in self.compute.spec for a in as_axes(e)}
         )
-        if not tensor or self._mixed_dimension():
+        if not tensor or all(e is None for e in spec) or self._mixed_dimension():
             return fn
         spec = self.compute.spec
         return jax.shard_map(
@@ -202,7 +204,7 @@ class Mover:
                     x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
             return x
 
-        x = self._on_blocks(gather)(x)
+        x = self._on_blocks(gather, self.spec)(x)
         if self.precision.gather is not None:
             x = jax.lax.optimization_barrier(x)  # keeps XLA from gathering before the cast
         compute = self.precision.compute_dtype
@@ -228,7 +230,7 @@ class Mover:
                     g = reduce_scatter(g, spec[dim], dimension=dim, stages=stages)
             return g
 
-        g = self._on_blocks(scatter)(g)
+        g = self._on_blocks(scatter, spec)(g)
         if self._unsharded(spec):
             g = jax.lax.psum(g, self._unsharded(spec))
         return g.astype(dtype)
