@@ -87,7 +87,7 @@ def measure_real(name: str, devices: int) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ShardingWarning)
             plan = sf.plan_model(lambda: factory(nnx.Rngs(0)), mesh, **how)
-        return plan.report()
+        return sf.sharding_report(plan)
 
     layout = ratio(layout=Layout.named("fsdp", {"data": devices}))
     first = ratio(rules=[("data", "data")], strategy=FSDPStrategy("data", 0))

@@ -485,7 +485,7 @@ def train(args) -> dict:
         plan = sf.plan_model(factory, mesh, layout=layout)
         if primary and not args.quiet:
             print(f"mesh {dict(mesh.shape)}, strategy {args.strategy}")
-            print(plan.report())
+            print(sf.sharding_report(plan))
         model = plan.create()
     optimizer = sf.create_sharded_optimizer(
         model, gpt.optimizer(args.learning_rate), wrt=trained(args)
@@ -604,7 +604,7 @@ def load_pretrained(args, mesh, layout, config, primary):
         raise UsageError(f"--init-from {args.init_from}: {error}") from None
     if primary and not args.quiet:
         print(f"mesh {dict(mesh.shape)}, strategy {args.strategy}")
-        print(plan.model.report())
+        print(sf.sharding_report(plan.model))
     if primary:
         print(plan)
     try:

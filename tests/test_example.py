@@ -296,7 +296,9 @@ def test_the_default_report_of_the_example_decoder_fits_a_terminal(monkeypatch):
 
     mesh = DeviceMeshManager.create_device_mesh({"data": 2, "model": 4})
     layout = Layout.named("fsdp+tp", mesh)
-    report = sf.plan_model(lambda: gpt.GPT(gpt.Config(), nnx.Rngs(0)), mesh, layout=layout).report()
+    report = sf.sharding_report(
+        sf.plan_model(lambda: gpt.GPT(gpt.Config(), nnx.Rngs(0)), mesh, layout=layout)
+    )
     text = str(report)
     assert max(map(len, text.splitlines())) <= 120
     full = report.table(full=True)

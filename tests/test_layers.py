@@ -66,3 +66,52 @@ def test_no_private_core_name_is_imported_by_the_adapter():
                 if "._" in module or any(n.strip().startswith("_") for n in names.split(",")):
                     offenders.append(f"{path.name}: {line.strip()}")
     assert offenders == []
+
+
+def _adapter_imports() -> dict[str, set[str]]:
+    """Each adapter module's imports of other adapter modules, at any depth in its code."""
+    import ast
+
+    adapter = ROOT / "integrations" / "flax" / "src" / "substrax_flax"
+    graph = {}
+    for path in adapter.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "substrax_flax."
+            ):
+                found.add(node.module.split(".")[1])
+        graph[path.stem] = found - {"__init__"}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of ``graph`` (a path that returns to its start), or []."""
+    done, path = set(), []
+
+    def visit(node):
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return []
+        path.append(node)
+        for other in sorted(graph.get(node, ())):
+            found = visit(other)
+            if found:
+                return found
+        path.pop()
+        done.add(node)
+        return []
+
+    for node in sorted(graph):
+        found = visit(node)
+        if found:
+            return found
+    return []
+
+
+def test_the_adapter_has_no_import_cycle_even_inside_functions():
+    graph = _adapter_imports()
+    assert {"_plan", "_train", "_optimizer", "_report"} <= set(graph)
+    assert _cycle(graph) == []
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # it can fail

@@ -34,7 +34,7 @@ def test_a_long_annotation_is_an_error_and_a_short_one_is_padded(mesh):
     message = r"'w' of shape \(8, 4\): 3 logical names \('embed', 'mlp', 'kv'\)"
     with pytest.raises(ValueError, match=message):
         sf.plan_model(_one((8, 4), ("embed", "mlp", "kv")), mesh, RULES)
-    row = sf.plan_model(_one((8, 4), ("embed",)), mesh, RULES).report().row("w")
+    row = sf.sharding_report(sf.plan_model(_one((8, 4), ("embed",)), mesh, RULES)).row("w")
     assert row.spec == P("model", None)
     assert [r.kind for r in row.reasons] == ["padded"]
     assert "padded with None, as Flax does" in str(row.reasons[0])
@@ -57,7 +57,7 @@ def test_unknown_logical_name_can_be_replicated_with_a_warning(mesh):
         plan = sf.plan_model(
             _one((8, 4), ("embed", "experts")), mesh, RULES, unknown_names="replicate"
         )
-    row = plan.report().row("w")
+    row = sf.sharding_report(plan).row("w")
     assert row.spec == P("model", None)
     assert [(r.kind, r.dim, r.logical_name) for r in row.reasons] == [
         ("unknown_name", 1, "experts")
@@ -77,7 +77,7 @@ def test_repeated_logical_name_names_the_variable(mesh):
 
 
 def test_indivisible_dimension_moves_its_axis_or_warns_where_it_cannot(mesh):
-    row = sf.plan_model(_one((6, 4), ("embed", None)), mesh, RULES).report().row("w")
+    row = sf.sharding_report(sf.plan_model(_one((6, 4), ("embed", None)), mesh, RULES)).row("w")
     assert row.spec == P(None, "model")  # 'model' moved to the dimension it divides
     assert [str(r) for r in row.reasons] == [
         "dim 0 (embed): 6 is not divisible by mesh axes ('model',); moved to dim 1 (4), now "
@@ -91,13 +91,13 @@ def test_indivisible_dimension_moves_its_axis_or_warns_where_it_cannot(mesh):
         "of size 4; ('model',) left out. It is laid out as P(None, None)."
     )
     assert "4.00x" in total and "although dim 1 (4) divides them: indivisible='move'" in total
-    assert plan.report().row("w").spec == P(None, None)
+    assert sf.sharding_report(plan).row("w").spec == P(None, None)
     with pytest.warns(ShardingWarning) as caught:
         plan = sf.plan_model(_one((6, 3), ("embed", None)), mesh, RULES)  # nowhere to move
     variable, total = (str(w.message) for w in caught)
     assert variable.startswith("Variable 'w' of shape (6, 3): dim 0 (embed): 6 is not divisible")
     assert "no dimension divides their 4 devices (dim 0 (6) asked for them)" in total
-    assert plan.report().row("w").spec == P(None, None)
+    assert sf.sharding_report(plan).row("w").spec == P(None, None)
 
 
 def test_indivisible_dimension_raises_when_strict(mesh):
@@ -110,8 +110,8 @@ def test_tuple_rule_keeps_the_axes_that_divide(mesh):
     with pytest.warns(ShardingWarning) as caught:
         plan = sf.plan_model(_one((6, 4), ("embed", None)), mesh, rules, indivisible="replicate")
     assert "dim 0 (embed): 6 is not divisible" in str(caught[0].message)
-    assert plan.report().row("w").spec == P("data", None)
-    moved = sf.plan_model(_one((6, 4), ("embed", None)), mesh, rules).report().row("w")
+    assert sf.sharding_report(plan).row("w").spec == P("data", None)
+    moved = sf.sharding_report(sf.plan_model(_one((6, 4), ("embed", None)), mesh, rules)).row("w")
     assert moved.spec == P("data", "model")
 
 
@@ -148,12 +148,12 @@ def test_no_warning_when_everything_divides(mesh):
 def test_logical_names_without_rules_are_not_replicated_quietly(mesh):
     with pytest.warns(ShardingWarning, match="rules=None means logical names are mesh axis names"):
         plan = sf.plan_model(_one((8, 4), ("embed", None)), mesh)
-    assert plan.report().row("w").spec == P(None, None)
+    assert sf.sharding_report(plan).row("w").spec == P(None, None)
     with pytest.raises(ValueError, match=r"rules=None .* \(strict=True\)"):
         sf.plan_model(_one((8, 4), ("embed", None)), mesh, strict=True)
-    assert sf.plan_model(_one((8, 4), ("model", None)), mesh).report().row("w").spec == P(
-        "model", None
-    )  # a mesh axis name is honoured as given
+    assert sf.sharding_report(sf.plan_model(_one((8, 4), ("model", None)), mesh)).row(
+        "w"
+    ).spec == P("model", None)  # a mesh axis name is honoured as given
 
 
 class _Small(nnx.Module):

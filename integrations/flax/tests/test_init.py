@@ -62,7 +62,7 @@ def test_compiled_init_holds_no_full_sharded_parameter(axis_types):
     assert _full_shape_buffers(compiled.as_text(), plan.rows) == []
     # Output bytes per device: the shards, plus the 8-byte pointer table of the output tuple.
     output = compiled.memory_analysis().output_size_in_bytes
-    assert output == plan.report().bytes_per_device + 8 * len(plan.rows)
+    assert output == sf.sharding_report(plan).bytes_per_device + 8 * len(plan.rows)
 
 
 def test_the_full_buffer_detector_fires_on_a_naive_init():
@@ -82,7 +82,9 @@ def test_planning_and_compiling_the_init_allocate_nothing():
     plan = sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, FSDP_TP)
     stats = plan.compile_init().memory_analysis()
     assert [a.shape for a in jax.live_arrays() if id(a) not in before] == []
-    assert stats.output_size_in_bytes == plan.report().bytes_per_device + 8 * len(plan.rows)
+    assert stats.output_size_in_bytes == sf.sharding_report(plan).bytes_per_device + 8 * len(
+        plan.rows
+    )
     model = plan.create()
     created = {id(a) for a in jax.live_arrays()} - before
     assert {id(a) for a in jax.tree.leaves(nnx.state(model))} <= created

@@ -39,7 +39,7 @@ def test_plan_resolves_flax_annotations(mesh):
     assert specs["blocks/0/up/kernel"] == P("model", None)
     assert specs["blocks/0/up/bias"] == P("model")
     assert specs["head"] == P("model", None)
-    row = plan.report().row("blocks/0/up/kernel")
+    row = sf.sharding_report(plan).row("blocks/0/up/kernel")
     assert row.logical_names == ("embed", "mlp")
     assert row.rule == "embed->model, mlp->model"
     assert row.bytes_total == EMBED * MLP * 4 and row.bytes_per_device == EMBED * MLP
@@ -98,14 +98,17 @@ def test_unannotated_model_follows_the_strategy(mesh):
     assert specs["attn/query/kernel"] == P("model", None, None)
     assert specs["up/bias"] == P("model")
     assert specs["down/bias"] == P("model")  # (32,): 32 >= min_weight_size
-    reason = plan.report().row("attn/out/kernel").reasons[0]
+    reason = sf.sharding_report(plan).row("attn/out/kernel").reasons[0]
     assert reason.kind == "below_threshold" and "below min_weight_size" in str(reason)
     # in the report's words (as its rule column), not the strategy's class name
-    assert str(reason).startswith("fsdp over model: ") and "Strategy" not in plan.report().table()
+    assert (
+        str(reason).startswith("fsdp over model: ")
+        and "Strategy" not in sf.sharding_report(plan).table()
+    )
 
 
 def test_unannotated_without_strategy_is_replicated_and_says_so(mesh):
-    report = sf.plan_model(lambda: Plain(nnx.Rngs(0)), mesh).report()
+    report = sf.sharding_report(sf.plan_model(lambda: Plain(nnx.Rngs(0)), mesh))
     row = report.row("up/kernel")
     assert row.spec == P(None, None) and row.rule == "none"
     assert [(r.kind, str(r)) for r in row.reasons] == [
@@ -124,7 +127,11 @@ def test_stacked_layers_keep_their_layer_axis(mesh):
     plan = sf.plan_model(lambda: StackedTransformer(nnx.Rngs(0)), mesh, RULES)
     specs = _specs(plan.specs)
     assert specs["blocks/up/kernel"] == P(None, "model", None)
-    assert plan.report().row("blocks/up/kernel").logical_names == ("layers", "embed", "mlp")
+    assert sf.sharding_report(plan).row("blocks/up/kernel").logical_names == (
+        "layers",
+        "embed",
+        "mlp",
+    )
     on_layers = RULES.extend(layers="data")
     stacked = _specs(sf.plan_model(lambda: StackedTransformer(nnx.Rngs(0)), mesh, on_layers).specs)
     assert stacked["blocks/wq"] == P("data", "model", None, None)
@@ -156,7 +163,9 @@ def test_report_totals_and_warnings(mesh):
             self.sharded = nnx.Param(np.zeros((8, 4), np.float32), out_sharding=("embed", None))
 
     with pytest.warns(ShardingWarning, match=r"keeps 1 large one\(s\) whole .*big \(512, 1024\)"):
-        report = sf.plan_model(Big, mesh, RULES).report()  # said at creation, and in the report
+        report = sf.sharding_report(
+            sf.plan_model(Big, mesh, RULES)
+        )  # said at creation, and in the report
     assert report.bytes_total == (512 * 1024 + 32) * 4
     assert report.bytes_per_device == 512 * 1024 * 4 + 32
     assert report.devices_sharded_over == 4 and report.devices == 8

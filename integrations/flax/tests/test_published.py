@@ -68,9 +68,9 @@ def vocab_plans():
 
 def test_an_axis_a_vocabulary_does_not_divide_moves_and_trains_like_one_device(vocab_plans):
     plan = vocab_plans["move"]
-    assert plan.report().ratio_to_ideal <= 1.10
-    assert vocab_plans["replicate"].report().ratio_to_ideal > 3  # what moving saves
-    row = plan.report().row("embed/embedding")
+    assert sf.sharding_report(plan).ratio_to_ideal <= 1.10
+    assert sf.sharding_report(vocab_plans["replicate"]).ratio_to_ideal > 3  # what moving saves
+    row = sf.sharding_report(plan).row("embed/embedding")
     assert row.spec == P(None, ("data", "model"))
     (moved,) = row.reasons
     assert moved.kind == "moved" and moved.axes == ("model",) and "dim 1 (64)" in str(moved)
@@ -125,8 +125,8 @@ def test_a_published_30b_moe_plans_near_the_ideal_on_256_devices():
         warnings.simplefilter("ignore", ShardingWarning)
         kept = sf.plan_model(lambda: PublishedMoE(nnx.Rngs(0)), mesh, indivisible="replicate")
     moved = sf.plan_model(lambda: PublishedMoE(nnx.Rngs(0)), mesh)  # no warning: all placed
-    assert kept.report().ratio_to_ideal > 200  # 128 experts on 256 devices: replicated
-    report = moved.report()
+    assert sf.sharding_report(kept).ratio_to_ideal > 200  # 128 experts on 256 devices: replicated
+    report = sf.sharding_report(moved)
     assert report.ratio_to_ideal <= 1.05
     assert report.bytes_total > 30e9 * 4  # the real size: 30.5B float32 parameters
     assert report.row("w_in").spec == P(None, None, "fsdp", None)  # d_model 2048 takes it

@@ -27,7 +27,7 @@ def _ratio(name, devices, **how):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ShardingWarning)
         plan = sf.plan_model(lambda: REAL[name][0](nnx.Rngs(0)), _mesh(devices), **how)
-    return plan.report().ratio_to_ideal
+    return sf.sharding_report(plan).ratio_to_ideal
 
 
 @pytest.mark.parametrize("devices", [8, 64])

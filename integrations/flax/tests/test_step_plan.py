@@ -238,21 +238,33 @@ def test_a_sharded_model_without_a_live_plan_is_not_replanned():
     sharded = nnx.clone(copy)
     del copy
     gc.collect()
-    with pytest.raises(ValueError, match=r"sharded .* no substrax plan.*plan.train_step"):
+    with pytest.raises(ValueError, match=r"sharded .* no substrax plan.*plan=plan"):
         sf.create_sharded_optimizer(sharded, optax.adamw(1e-2))
 
 
-def test_the_plan_builds_the_optimizer_and_the_step_and_checks_the_model():
+def test_a_plan_passed_to_the_optimizer_and_the_step_checks_the_model():
     plan, model = _placed()
-    optimizer = plan.optimizer(model, optax.adamw(1e-2))
-    step = plan.train_step(_loss)
-    assert step(model, optimizer, _batch())["path"] == "manual"
+    copy = nnx.clone(model)
+    optimizer = sf.create_sharded_optimizer(copy, optax.adamw(1e-2), plan=plan)
+    step = sf.make_train_step(_loss, plan=plan)
+    assert step(copy, optimizer, _batch())["path"] == "manual"
+    assert step.plan_for(copy, optimizer, _batch()).path == "manual"
     mesh = DeviceMeshManager.create_device_mesh({"data": 8})
     other = sf.create_sharded_model(lambda: MLP(nnx.Rngs(0)), mesh, layout="dp")
     with pytest.raises(ValueError, match="placed by another plan"):
-        plan.optimizer(other, optax.adamw(1e-2))
-    with pytest.raises(TypeError, match="takes the plan's layout"):
-        plan.train_step(_loss, layout="dp")
+        sf.create_sharded_optimizer(other, optax.adamw(1e-2), plan=plan)
+    with pytest.raises(ValueError, match="placed by another plan"):
+        step(other, sf.create_sharded_optimizer(other, optax.adamw(1e-2)), _batch())
+    with pytest.raises(TypeError, match=r"plan= holds the layout; pass the plan or layout"):
+        sf.make_train_step(_loss, plan=plan, layout="dp")
+    with pytest.raises(TypeError, match=r"plan= holds the mesh; pass the plan or mesh"):
+        sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, plan=plan)
+
+
+def test_the_plan_is_a_value_no_method_of_it_builds_a_step_an_optimizer_or_a_report():
+    plan, _ = _placed()
+    assert not any(hasattr(plan, name) for name in ("train_step", "optimizer", "report"))
+    assert sf.sharding_report(plan).row(plan.rows[0].path).spec == plan.rows[0].spec
 
 
 def test_a_strategy_that_differs_only_in_a_setting_is_not_the_models():

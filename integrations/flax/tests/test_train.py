@@ -106,7 +106,7 @@ def test_fsdp_tp_on_degenerate_meshes(shape, transformer_reference):
     _assert_same(reference, sharded)
     assert [str(w.message) for w in caught] == []
     if shape["model"] == 8:  # 4 heads do not divide 8 devices: the axis moves to head_dim
-        row = sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, rules).report()
+        row = sf.sharding_report(sf.plan_model(lambda: Transformer(nnx.Rngs(0)), mesh, rules))
         row = row.row("blocks/0/wq")
         assert row.spec == P("data", None, "model")  # 'data' has size 1
         assert ("moved", 1) in [(r.kind, r.dim) for r in row.reasons]
@@ -118,7 +118,7 @@ def test_unannotated_model_with_fsdp_strategy_matches_one_device():
     mesh = DeviceMeshManager.create_device_mesh({"data": 8})
     strategy = FSDPStrategy("data", 0, min_weight_size=8)
     sharded = _sharded(factory, mesh, MeshRules(data="data"), batches, regression_loss, strategy)
-    model_specs = sf.plan_model(factory, mesh, strategy=strategy).report()
+    model_specs = sf.sharding_report(sf.plan_model(factory, mesh, strategy=strategy))
     assert model_specs.row("up/kernel").spec == P("data", None)
     _assert_same(_reference(factory, batches, regression_loss), sharded)
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec
 from substrax import warn_user
 from substrax.layout import Layout
 from substrax.mesh import Reason
-from substrax_flax._plan import model_plan, remember, shardings_of
+from substrax_flax._plan import ModelPlan, model_plan, remember, shardings_of
 from substrax_flax._resolve import Rules, Strategy, VariableSharding, make_row
 from substrax_flax._state import (
     check_filter,
@@ -112,6 +112,7 @@ def create_sharded_optimizer(
     *,
     wrt: Any = nnx.Param,
     strategy: Strategy = None,
+    plan: ModelPlan | None = None,
 ) -> nnx.Optimizer:
     """Creates an ``nnx.Optimizer`` for ``model`` with its optax state already sharded.
 
@@ -131,14 +132,17 @@ def create_sharded_optimizer(
       rules: For a model substrax did not place: its rules (see :func:`plan_model`).
       wrt: The variables the optimizer updates, as for ``nnx.Optimizer``.
       strategy: For a model substrax did not place: its strategy.
+      plan: The plan that laid ``model`` out (a copy of a placed model whose plan is gone,
+        for one); instead of ``mesh``, ``rules`` and ``strategy``.
 
     Returns:
       The optimizer, its state sharded like the parameters it mirrors.
 
     Raises:
-      TypeError: If ``tx`` is not an optax transformation (has no ``init`` and ``update``).
-      ValueError: As :func:`plan_model`, or when ``mesh``, ``rules`` or ``strategy`` differ
-        from the plan the model remembers.
+      TypeError: If ``tx`` is not an optax transformation (has no ``init`` and ``update``),
+        or ``plan`` comes with ``mesh``, ``rules`` or ``strategy``.
+      ValueError: As :func:`plan_model`, when ``mesh``, ``rules`` or ``strategy`` differ
+        from the plan the model remembers, or the model is not laid out by ``plan``.
     """
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         raise TypeError(
@@ -147,7 +151,11 @@ def create_sharded_optimizer(
         )
     graphdef, model_state = nnx.split(model)
     check_filter(wrt)
-    plan = model_plan(model, mesh, rules, strategy, what="create_sharded_optimizer")
+    what = "create_sharded_optimizer"
+    if plan is None:
+        plan = model_plan(model, mesh, rules, strategy, what=what)
+    else:
+        plan.adopt(model, what, mesh=mesh, rules=rules, strategy=strategy)
     mesh, param_rows = plan.mesh, plan.rows
 
     def make(state):

@@ -445,17 +445,26 @@ class ModelPlan:
         remember(model, self)
         return model
 
-    def adopt(self, model: nnx.Module, what: str) -> None:
+    def adopt(self, model: nnx.Module, what: str, **arguments: Any) -> None:
         """Makes ``model`` remember this plan, checking that it is laid out by it.
 
         Args:
           model: A model this plan created, or a copy of one (``nnx.clone``, ``nnx.merge``).
           what: The call, for the message.
+          **arguments: The call's own ``mesh``, ``rules``, ``layout`` or ``strategy``, which
+            a plan replaces: each must be None.
 
         Raises:
+          TypeError: If an argument in ``arguments`` is given: the plan holds it.
           ValueError: If ``model`` remembers another plan, or its graph or an array's
             sharding is not this plan's.
         """
+        given = sorted(name for name, value in arguments.items() if value is not None)
+        if given:
+            raise TypeError(
+                f"{what}: plan= holds the {', '.join(given)}; pass the plan or "
+                f"{', '.join(given)}, not both."
+            )
         own = plan_of(model)
         if own is self:
             return
@@ -473,57 +482,6 @@ class ModelPlan:
                 "Create it with plan.create() (or create_sharded_model)."
             )
         remember(model, self)
-
-    def optimizer(self, model: nnx.Module, tx: Any, *, wrt: Any = nnx.Param) -> nnx.Optimizer:
-        """An ``nnx.Optimizer`` for ``model`` with its optax state sharded by this plan.
-
-        Args:
-          model: A model laid out by this plan (see :meth:`adopt`).
-          tx: The optax transformation.
-          wrt: The variables the optimizer updates.
-
-        Returns:
-          As :func:`~substrax_flax.create_sharded_optimizer`.
-
-        Raises:
-          ValueError: As :meth:`adopt`.
-        """
-        from substrax_flax._optimizer import create_sharded_optimizer
-
-        self.adopt(model, "plan.optimizer")
-        return create_sharded_optimizer(model, tx, wrt=wrt)
-
-    def train_step(self, loss_fn: Callable[..., Any], **options: Any) -> Any:
-        """A training step that runs this plan: :func:`~substrax_flax.make_train_step`.
-
-        Args:
-          loss_fn: ``loss_fn(model, batch)``.
-          **options: The step's options (``has_aux``, ``microbatches``, ``precision``, ...);
-            not ``mesh``, ``rules``, ``layout`` or ``strategy``, which are the plan's.
-
-        Returns:
-          A :class:`~substrax_flax.TrainStep` that uses this plan for every model it is
-          called with (each checked by :meth:`adopt`).
-
-        Raises:
-          TypeError: If ``options`` names the plan's own arguments.
-        """
-        from substrax_flax._train import make_train_step
-
-        own = sorted({"mesh", "rules", "layout", "strategy"} & set(options))
-        if own:
-            raise TypeError(f"plan.train_step takes the plan's {', '.join(own)}; leave it out.")
-        return make_train_step(loss_fn, **options)._with_plan(self)
-
-    def report(self) -> Any:
-        """The plan as a sharding report.
-
-        Returns:
-          A :class:`ShardingReport` with one row per variable.
-        """
-        from substrax_flax._report import ShardingReport
-
-        return ShardingReport(self.rows, self.mesh, self.layout_label)
 
     @property
     def layout_label(self) -> str | None:
@@ -626,8 +584,8 @@ def _plan_of_copy(model: nnx.Module, what: str) -> ModelPlan | None:
             f"{what} was given a model whose arrays are sharded (over the mesh "
             f"{', '.join(str(dict(m)) for m in meshes) or 'of its arrays'}) but that has no "
             "substrax plan: it is a copy (nnx.clone, nnx.merge) of a model whose plan is gone, "
-            "or was placed by hand. Pass its plan's mesh and layout (or rules), or build the "
-            "step from the plan: plan.train_step(loss_fn)."
+            "or was placed by hand. Pass its plan's mesh and layout (or rules), or the plan "
+            "itself: make_train_step(loss_fn, plan=plan)."
         )
     return None
 

@@ -238,7 +238,8 @@ def sharding_report(model_or_state: Any) -> ShardingReport:
       TypeError: For anything else.
     """
     if isinstance(model_or_state, ModelPlan):
-        return model_or_state.report()
+        plan = model_or_state
+        return ShardingReport(plan.rows, plan.mesh, plan.layout_label)
     if isinstance(model_or_state, nnx.Pytree):
         state = nnx.state(model_or_state)
     elif isinstance(model_or_state, nnx.State):

@@ -88,6 +88,7 @@ class TrainStep(JittedStep):
         data_parallel: str = "auto",
         microbatches: int = 1,
         precision: MixedPrecision | None = None,
+        plan: ModelPlan | None = None,
     ):
         """Stores the configuration; compilation happens on the first call.
 
@@ -109,6 +110,7 @@ class TrainStep(JittedStep):
           data_parallel: ``"auto"``, ``"manual"`` or ``"xla"`` (see :func:`make_train_step`).
           microbatches: Gradient-accumulation slices (see :func:`make_train_step`).
           precision: The mixed-precision policy (see :func:`make_train_step`).
+          plan: The plan every model must be laid out by (None: each model's own).
         """
         super().__init__(on_nonfinite)
         self.remat = remat
@@ -119,7 +121,7 @@ class TrainStep(JittedStep):
         self.mesh, self.rules, self.layout, self.strategy = mesh, rules, layout, strategy
         self.compute_rules, self.gather = compute_rules, gather
         self.batch_axes, self.donate = batch_axes, donate
-        self._given: ModelPlan | None = None
+        self._given = plan
 
     def _compute(self, plan: ModelPlan, params: Any) -> tuple[Any, MeshRules]:
         """Parameter shardings at the point of use, and the rules for activations."""
@@ -193,14 +195,9 @@ class TrainStep(JittedStep):
 
         return step
 
-    def _with_plan(self, plan: ModelPlan) -> TrainStep:
-        """This step, bound to ``plan`` (see :meth:`ModelPlan.train_step`)."""
-        self._given = plan
-        return self
-
     def _build(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Built:
         if self._given is not None:
-            self._given.adopt(model, "plan.train_step")
+            self._given.adopt(model, "make_train_step(plan=...)")
             plan = self._given
         else:
             plan = model_plan(
@@ -688,6 +685,7 @@ def make_train_step(
     data_parallel: str = "auto",
     microbatches: int = 1,
     precision: MixedPrecision | str | None = None,
+    plan: ModelPlan | None = None,
 ) -> TrainStep:
     """Builds a jitted training step that realises the model's layout, at its best by default.
 
@@ -772,12 +770,17 @@ def make_train_step(
         manual step the gathers and reductions run in the policy's dtypes (bf16 halves
         their traffic); with ``data_parallel="xla"`` XLA chooses where to cast, and its
         collectives may stay in the stored dtype.
+      plan: The :class:`ModelPlan` the step runs, instead of the one each model remembers
+        (a copy of a placed model whose plan is gone, for one); every model the step is
+        called with must be laid out by it. Not with ``mesh``, ``rules``, ``layout`` or
+        ``strategy``, which the plan holds.
 
     Returns:
       A :class:`TrainStep`.
 
     Raises:
-      TypeError: If ``loss_fn`` is not callable; on the first call, if ``loss_fn``'s result
+      TypeError: If ``loss_fn`` is not callable, or ``plan`` comes with ``mesh``, ``rules``,
+        ``layout`` or ``strategy``; on the first call, if ``loss_fn``'s result
         does not match ``has_aux`` or is not a scalar, or a differentiated variable is not
         floating point.
       ValueError: If ``gather`` is not ``"keep"`` or ``"regather"``, ``on_nonfinite`` is not
@@ -795,6 +798,13 @@ def make_train_step(
         )
     if gather not in ("keep", "regather"):
         raise ValueError(f"gather must be 'keep' or 'regather', got {gather!r}.")
+    given = {"mesh": mesh, "rules": rules, "layout": layout, "strategy": strategy}
+    given = sorted(name for name, value in given.items() if value is not None)
+    if plan is not None and given:
+        raise TypeError(
+            f"make_train_step: plan= holds the {', '.join(given)}; pass the plan or "
+            f"{', '.join(given)}, not both."
+        )
     check_filter(wrt)
     check_policy(on_nonfinite)
     checkpoint_policy(remat)  # raises for an unknown name
@@ -823,5 +833,5 @@ def make_train_step(
         loss_fn, mesh=mesh, rules=rules, layout=layout, strategy=strategy, compute_rules=compute,
         has_aux=has_aux, wrt=wrt, gather=gather, batch_axes=axes, donate=donate,
         on_nonfinite=on_nonfinite, remat=remat, data_parallel=data_parallel,
-        microbatches=microbatches, precision=as_precision(precision),
+        microbatches=microbatches, precision=as_precision(precision), plan=plan,
     )  # fmt: skip
