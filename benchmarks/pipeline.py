@@ -68,7 +68,7 @@ def formula(schedule: str, stages: int, micro: int, repeats: int) -> float:
 def measure(mesh, label, options, micro, size, repeats_timing):
     stages = dict(mesh.shape)["pipe"]
     pipe = Pipeline(layer_fn, loss_fn, mesh, PipelineParallelStrategy("pipe", 0, stages),
-                    num_microbatches=micro, data_axes=("data",), **options)  # fmt: skip
+                    num_microbatches=micro, batch_axes=("data",), **options)  # fmt: skip
     width, rows = size["width"], size["rows"]
     params = {"w": jax.random.normal(jax.random.key(0), (size["layers"], width, width)) / width}
     padded, mask = pipe.stack(params)

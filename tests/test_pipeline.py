@@ -43,7 +43,7 @@ def _pipeline(mesh, schedule, micro, repeats=1, **kwargs):
     stages = dict(mesh.shape)["pipe"]
     strategy = PipelineParallelStrategy("pipe", mesh.axis_names.index("pipe"), stages)
     return Pipeline(layer_fn, loss_fn, mesh, strategy, num_microbatches=micro,
-                    schedule=schedule, repeats=repeats, data_axes=("data",), **kwargs)  # fmt: skip
+                    schedule=schedule, repeats=repeats, batch_axes=("data",), **kwargs)  # fmt: skip
 
 
 def _check(pipe, params, rows):
@@ -168,7 +168,7 @@ def test_gradients_reduce_scatter_along_their_grad_dims(mesh, schedule, repeats)
     with pytest.raises(ValueError, match=r"dimension 0 of a layer of shape \(3,\) does not div"):
         pipe.value_and_grad(odd, mask, x, t, grad_dims={"w": None, "b": 0})
     fsdp = _pipeline(mesh, schedule, micro=4, repeats=repeats, fsdp_axis="data")
-    with pytest.raises(ValueError, match="grad_dims reduce-scatter over the data axes; not with"):
+    with pytest.raises(ValueError, match="grad_dims reduce-scatter over the batch axes; not with"):
         fsdp.value_and_grad(padded, mask, x, t, grad_dims=dims)
 
 
@@ -302,7 +302,7 @@ def test_head_and_input_gradients_match_no_pipeline(mesh, schedule):
     strategy = PipelineParallelStrategy("pipe", 0, 4)
     repeats = _repeats(schedule)
     pipe = Pipeline(layer_fn, head_loss, mesh, strategy, num_microbatches=4,
-                    schedule=schedule, repeats=repeats, data_axes=("data",))  # fmt: skip
+                    schedule=schedule, repeats=repeats, batch_axes=("data",))  # fmt: skip
     params, head = _params(8), {"proj": jax.random.normal(jax.random.key(5), (D, D)) / 4}
     x, t = _batch(16)
     padded, mask = pipe.stack(params)
@@ -336,7 +336,7 @@ def test_layer_and_loss_functions_see_their_microbatch(mesh, schedule):
         return jnp.mean(y) + (0.0 if index is None else 10.0 * index)
 
     pipe = Pipeline(shifted, loss, mesh, PipelineParallelStrategy("pipe", 0, 4),
-                    num_microbatches=4, schedule=schedule, data_axes=("data",),
+                    num_microbatches=4, schedule=schedule, batch_axes=("data",),
                     repeats=_repeats(schedule))  # fmt: skip
     params = {"w": jnp.ones((8, D, D))}
     x, t = _batch(16)
@@ -367,7 +367,9 @@ def test_fsdp_inside_the_pipeline_gathers_before_and_scatters_after_the_loop(mes
 
 
 def test_fsdp_axis_must_be_a_data_axis(mesh):
-    with pytest.raises(ValueError, match=r"fsdp_axis 'model' must be one of data_axes \('data',\)"):
+    with pytest.raises(
+        ValueError, match=r"fsdp_axis 'model' must be one of batch_axes \('data',\)"
+    ):
         _pipeline(mesh, "gpipe", micro=4, fsdp_axis="model")
 
 
@@ -381,7 +383,7 @@ def _loss_and_aux(y, t):
 def test_aux_is_the_mean_over_every_microbatch(mesh, schedule, grad_dims):
     strategy = PipelineParallelStrategy("pipe", 0, 4)
     pipe = Pipeline(layer_fn, _loss_and_aux, mesh, strategy, num_microbatches=4,
-                    schedule=schedule, data_axes=("data",), has_aux=True,
+                    schedule=schedule, batch_axes=("data",), has_aux=True,
                     repeats=_repeats(schedule))  # fmt: skip
     params = _params(8)
     x, t = _batch(16)
@@ -407,7 +409,7 @@ def _layer_with_frozen(pair, x):
 def test_frozen_layer_parameters_are_used_but_not_differentiated(mesh, schedule, fsdp):
     strategy = PipelineParallelStrategy("pipe", 0, 4)
     pipe = Pipeline(_layer_with_frozen, loss_fn, mesh, strategy, num_microbatches=4,
-                    schedule=schedule, data_axes=("data",),
+                    schedule=schedule, batch_axes=("data",),
                     fsdp_axis="data" if fsdp else None)  # fmt: skip
     params = _params(8)
     trained = {"w": params["w"]}
@@ -442,7 +444,7 @@ def test_frozen_layer_parameters_are_used_but_not_differentiated(mesh, schedule,
             strategy,
             num_microbatches=4,
             schedule=schedule,
-            data_axes=("data",),
+            batch_axes=("data",),
             fsdp_axis="data" if fsdp else None,
         ).value_and_grad
     )

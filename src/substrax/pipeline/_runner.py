@@ -4,7 +4,8 @@ A :class:`Pipeline` splits a stack of layers (parameters with a leading layer ax
 stage axis of a :class:`~substrax.mesh.PipelineParallelStrategy`, splits each batch into
 microbatches and runs them through the stages, moving activations forward and cotangents back
 with ``lax.ppermute`` along the strategy's own communication patterns. Other mesh axes given as
-``data_axes`` split each microbatch (data parallelism); the gradient is reduced over them once,
+``batch_axes`` split each microbatch (data parallelism, FSDP); the gradient is reduced over them
+once,
 after the pipeline loop. Mesh axes that are neither stay Auto, for XLA to shard inside a stage.
 
 Schedules, for ``S`` stages and ``M`` microbatches (a tick runs one stage step on every stage):
@@ -78,7 +79,7 @@ class Pipeline:
         schedule: str = "gpipe",
         repeats: int = 1,
         remat: bool | str = False,
-        data_axes: Sequence[str] = (),
+        batch_axes: Sequence[str] = (),
         fsdp_axis: str | None = None,
         fsdp_dims: Mapping[tuple[int, ...], int | None] | None = None,
         has_aux: bool = False,
@@ -103,8 +104,8 @@ class Pipeline:
             ``"full"`` (the stage's input: the stage is recomputed). True is ``"full"``,
             False ``"none"``. The split schedules apply it per layer, and recompute in both
             halves of the backward (input and weight gradients) what it leaves out.
-          data_axes: Mesh axes that split each microbatch (data parallelism).
-          fsdp_axis: One of ``data_axes`` over which the layer parameters are also sharded
+          batch_axes: Mesh axes that split each microbatch (data parallelism).
+          fsdp_axis: One of ``batch_axes`` over which the layer parameters are also sharded
             (FSDP): each stage gathers its layers once before the loop and reduce-scatters
             their gradients once after it. A parameter is sharded on its first per-layer
             dimension that the axis size divides; one with none stays whole.
@@ -127,15 +128,15 @@ class Pipeline:
                 f"{strategy.axis_name!r} has size {stage_size} (mesh axes {dict(mesh.shape)})."
             )
         timetable = Schedule(schedule, strategy.num_stages, num_microbatches, repeats)
-        data_axes = tuple(data_axes)
-        bad = [a for a in data_axes if a not in mesh.axis_names or a == strategy.axis_name]
+        batch_axes = tuple(batch_axes)
+        bad = [a for a in batch_axes if a not in mesh.axis_names or a == strategy.axis_name]
         if bad:
             raise ValueError(
-                f"data_axes {data_axes} must be mesh axes other than the stage axis "
+                f"batch_axes {batch_axes} must be mesh axes other than the stage axis "
                 f"{strategy.axis_name!r}; the mesh has {tuple(mesh.axis_names)}."
             )
-        if fsdp_axis is not None and fsdp_axis not in data_axes:
-            raise ValueError(f"fsdp_axis {fsdp_axis!r} must be one of data_axes {data_axes}.")
+        if fsdp_axis is not None and fsdp_axis not in batch_axes:
+            raise ValueError(f"fsdp_axis {fsdp_axis!r} must be one of batch_axes {batch_axes}.")
         fields = {
             "layer_fn": layer_fn,
             "loss_fn": loss_fn,
@@ -147,10 +148,10 @@ class Pipeline:
             "schedule": schedule,
             "repeats": repeats,
             "remat": _remat_name(remat),
-            "data_axes": data_axes,
+            "batch_axes": batch_axes,
             "fsdp_axis": fsdp_axis,
             "has_aux": bool(has_aux),
-            "data_size": math.prod(dict(mesh.shape)[a] for a in data_axes),
+            "batch_devices": math.prod(dict(mesh.shape)[a] for a in batch_axes),
             "timetable": timetable,
             "layout": StageLayout(
                 mesh, strategy, repeats, fsdp_axis, tuple((fsdp_dims or {}).items())
@@ -299,23 +300,24 @@ class Pipeline:
           The microbatches.
 
         Raises:
-          ValueError: If ``B`` is not a multiple of ``M`` times the data axes' size.
+          ValueError: If ``B`` is not a multiple of ``M`` times the batch axes' size.
         """
         micro, rows = self.num_microbatches, x.shape[0]
-        if rows % (micro * self.data_size):
+        if rows % (micro * self.batch_devices):
             raise ValueError(
                 f"A batch of {rows} rows does not split into {micro} microbatches of "
-                f"{self.data_size} data shards each; use a multiple of {micro * self.data_size}."
+                f"{self.batch_devices} batch shards each; use a multiple of "
+                f"{micro * self.batch_devices}."
             )
         return jnp.swapaxes(x.reshape(rows // micro, micro, *x.shape[1:]), 0, 1)
 
     def _split(self, x: jax.Array, microbatched: bool) -> jax.Array:
         if not microbatched:
             return self.microbatch(x)
-        if x.shape[0] != self.num_microbatches or x.shape[1] % self.data_size:
+        if x.shape[0] != self.num_microbatches or x.shape[1] % self.batch_devices:
             raise ValueError(
                 f"Microbatched inputs must be [{self.num_microbatches}, rows, ...] with rows a "
-                f"multiple of {self.data_size}, got shape {x.shape}."
+                f"multiple of {self.batch_devices}, got shape {x.shape}."
             )
         return x
 
@@ -324,7 +326,7 @@ class Pipeline:
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[3:], a.dtype), tree)
 
         layer = one(padded) if frozen is None else (one(padded), one(frozen))
-        rows = xs.shape[1] // self.data_size
+        rows = xs.shape[1] // self.batch_devices
         sample = jax.ShapeDtypeStruct((rows, *xs.shape[2:]), xs.dtype)
         out = jax.eval_shape(self.layer_fn, layer, sample)
         if (out.shape, out.dtype) != (sample.shape, sample.dtype):
@@ -350,7 +352,7 @@ class Pipeline:
             return jax.lax.scan(body, x, (params, mask, frozen))[0]
 
     def _specs(self, padded: Any) -> tuple[Any, PartitionSpec, PartitionSpec]:
-        data = self.data_axes if len(self.data_axes) != 1 else self.data_axes[0]
+        data = self.batch_axes if len(self.batch_axes) != 1 else self.batch_axes[0]
         param_spec = jax.tree.map(lambda a: self.layout.param_spec(a.shape[3:]), padded)
         return param_spec, PartitionSpec(self.stage_axis), PartitionSpec(None, data or None)
 
@@ -363,7 +365,7 @@ class Pipeline:
         cross the stage axis, and XLA gathers them over the model axis, within a host, where
         they are used.
         """
-        manual = {self.stage_axis, *self.data_axes}
+        manual = {self.stage_axis, *self.batch_axes}
         others = tuple(a for a in self.mesh.axis_names if a not in manual)
         size = math.prod(dict(self.mesh.shape)[a] for a in others)
         if size == 1 or x.ndim < 2 or x.shape[-1] % size:
@@ -372,18 +374,18 @@ class Pipeline:
         return lay_out(x, NamedSharding(self.mesh, spec))
 
     def _vary(self, tree: Any) -> Any:
-        """Marks parameters as varying over the data axes, so gradients reduce after the loop."""
+        """Marks parameters as varying over the batch axes, so gradients reduce after the loop."""
 
         def cast(x):
             have = set(jax.typeof(x).manual_axis_type.varying)
-            missing = tuple(a for a in self.data_axes if a not in have)
+            missing = tuple(a for a in self.batch_axes if a not in have)
             return jax.lax.pcast(x, missing, to="varying") if missing else x
 
         return jax.tree.map(cast, tree)
 
     def _varying(self, tree: Any) -> Any:
         """Marks a scan's initial carry as varying over every manual axis, as its output is."""
-        axes = (self.stage_axis, *self.data_axes)
+        axes = (self.stage_axis, *self.batch_axes)
 
         def cast(x):
             have = set(jax.typeof(x).manual_axis_type.varying)
@@ -393,7 +395,7 @@ class Pipeline:
         return jax.tree.map(cast, tree)
 
     def _reduce_grad(self, grad: jax.Array, scatter: int = -1, lead: int = 1) -> jax.Array:
-        """Sums a gradient over the data axes, scattering it back over FSDP.
+        """Sums a gradient over the batch axes, scattering it back over FSDP.
 
         The gradient has ``lead`` slot dimensions (``[Lc, ...]``: 1) before a layer's and is
         whole along its FSDP dimension (the layers were gathered), so its shape is the global
@@ -402,10 +404,10 @@ class Pipeline:
         """
         if scatter >= 0:
             return jax.lax.psum_scatter(
-                grad, self.data_axes, scatter_dimension=lead + scatter, tiled=True
+                grad, self.batch_axes, scatter_dimension=lead + scatter, tiled=True
             )
         dim = self.fsdp_dim(grad.shape[lead:])
-        others = tuple(a for a in self.data_axes if dim is None or a != self.fsdp_axis)
+        others = tuple(a for a in self.batch_axes if dim is None or a != self.fsdp_axis)
         grad = jax.lax.psum(grad, others) if others else grad
         if dim is None:
             return grad
@@ -413,7 +415,7 @@ class Pipeline:
 
     def _mean(self, value: jax.Array) -> jax.Array:
         value = jax.lax.psum(value, self.stage_axis) / self.num_microbatches
-        return jax.lax.pmean(value, self.data_axes) if self.data_axes else value
+        return jax.lax.pmean(value, self.batch_axes) if self.batch_axes else value
 
     def _loss(
         self, y: jax.Array, target: jax.Array, head: Any, index: Any = None
@@ -461,7 +463,7 @@ class Pipeline:
             mesh=self.mesh,
             in_specs=(param_spec, mask_spec, batch_spec, batch_spec, head_spec, frozen_spec),
             out_specs=out_specs,
-            axis_names={self.stage_axis, *self.data_axes},
+            axis_names={self.stage_axis, *self.batch_axes},
         )
 
     def loss(
@@ -572,9 +574,9 @@ class Pipeline:
     ) -> tuple[jax.Array, tuple[Any, Any, jax.Array]]:
         """The loss, and the gradients of the layers, the loss's parameters and the inputs.
 
-        The layers' gradients are summed over the data axes once, after the loop: all-reduced,
+        The layers' gradients are summed over the batch axes once, after the loop: all-reduced,
         or, for a leaf whose ``grad_dims`` entry names a per-layer dimension, reduce-scattered
-        along it over the data axes (ZeRO: each replica keeps the slice its optimizer state
+        along it over the batch axes (ZeRO: each replica keeps the slice its optimizer state
         updates, and the step moves half the bytes of an all-reduce).
 
         Args:
@@ -591,13 +593,13 @@ class Pipeline:
         Returns:
           ``(loss, (grads, head_grads, input_grads))`` (with ``has_aux``, ``loss`` is
           ``(loss, aux)``): ``grads`` shaped like ``padded``
-          (padding slots exactly zero) and sharded like it, plus the data axes on a
+          (padding slots exactly zero) and sharded like it, plus the batch axes on a
           ``grad_dims`` dimension; ``head_grads`` like ``head`` (None without one),
           ``input_grads`` like ``inputs``, for backpropagating into what produced them.
 
         Raises:
           ValueError: For a batch that does not split, a ``layer_fn`` that changes shapes,
-            ``grad_dims`` with an ``fsdp_axis``, or a dimension the data axes do not divide.
+            ``grad_dims`` with an ``fsdp_axis``, or a dimension the batch axes do not divide.
         """
         if not self.timetable.split and grad_dims is None:  # jax.grad reduces the gradients
             loss = functools.partial(self.loss, microbatched=microbatched, frozen=frozen)
@@ -629,14 +631,15 @@ class Pipeline:
         if grad_dims is None:
             return jax.tree.map(lambda _: -1, padded)
         if self.fsdp_axis is not None:
-            raise ValueError("grad_dims reduce-scatter over the data axes; not with fsdp_axis.")
+            raise ValueError("grad_dims reduce-scatter over the batch axes; not with fsdp_axis.")
         dims = jax.tree.leaves(grad_dims, is_leaf=lambda d: d is None)
         scatter = jax.tree.unflatten(jax.tree.structure(padded), map(_or_minus_one, dims))
         for leaf, dim in zip(jax.tree.leaves(padded), jax.tree.leaves(scatter), strict=True):
-            if dim >= 0 and leaf.shape[3 + dim] % self.data_size:
+            if dim >= 0 and leaf.shape[3 + dim] % self.batch_devices:
                 raise ValueError(
                     f"grad_dims: dimension {dim} of a layer of shape {leaf.shape[3:]} does not "
-                    f"divide over the {self.data_size} devices of the data axes {self.data_axes}."
+                    f"divide over the {self.batch_devices} devices of the batch axes "
+                    f"{self.batch_axes}."
                 )
         return scatter
 
@@ -645,14 +648,14 @@ class Pipeline:
         if scatter < 0:
             return PartitionSpec(*spec)
         spec += [None] * (padded.ndim - len(spec))
-        spec[3 + scatter] = self.data_axes if len(self.data_axes) != 1 else self.data_axes[0]
+        spec[3 + scatter] = self.batch_axes if len(self.batch_axes) != 1 else self.batch_axes[0]
         return PartitionSpec(*spec)
 
     def _grads_in_map(self, params, mask, xs, targets, head, frozen=None, *, dims, frozen_dims,
                       scatter):  # fmt: skip
         """GPipe and circular differentiated inside the map, so the reduction is explicit.
 
-        The parameters are marked as varying over the data axes first: their per-device
+        The parameters are marked as varying over the batch axes first: their per-device
         gradients then stay apart (the loss's mean has already divided them by the replicas)
         and are reduce-scattered, not implicitly all-reduced.
         """
@@ -664,7 +667,7 @@ class Pipeline:
 
         grad_fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
         value, (grads, dxs, dhead) = grad_fn(varied, xs, head)
-        if self.data_axes:
+        if self.batch_axes:
             grads = jax.tree.map(lambda g, d: self._reduce_grad(g, d, lead=3), grads, scatter)
         return value, grads, dhead, dxs
 
@@ -706,17 +709,17 @@ class Pipeline:
     def _split_results(self, grads, dhead, dxs, total, aux, scatter, lead, used):
         """A split schedule's sums, reduced once after its loop.
 
-        Over the data axes (the layers' gradients reduce-scattered where FSDP or ``grad_dims``
+        Over the batch axes (the layers' gradients reduce-scattered where FSDP or ``grad_dims``
         say), and the head's and inputs' gradients over the stages, which each hold their own.
         """
-        data = self.data_size
-        if self.data_axes:
+        data = self.batch_devices
+        if self.batch_axes:
             grads = jax.tree.map(
                 lambda g, d: self._reduce_grad(g, d, lead=lead) / data, grads, scatter
             )
         # one all-reduce over every stage and replica (the last stage holds the sums); a
         # parameter the loss never reads (an embedding passed with the head) has none to reduce
-        everywhere = (*self.data_axes, self.stage_axis)
+        everywhere = (*self.batch_axes, self.stage_axis)
 
         def reduce(g, read):
             return jax.lax.psum(g, everywhere) / data if read else jnp.zeros(g.shape, g.dtype)

@@ -15,39 +15,39 @@ from substrax.spmd._attention import zigzag
 
 __all__ = ["batch_sharding", "check_batch", "is_replicated_leaf", "replicate", "shard_batch"]
 
-DataAxes = str | Sequence[str]
+BatchAxes = str | Sequence[str]
 
 
-def _axes(data_axes: DataAxes) -> tuple[str, ...]:
-    axes = as_axes(data_axes)
+def _axes(batch_axes: BatchAxes) -> tuple[str, ...]:
+    axes = as_axes(batch_axes)
     if not axes or not all(isinstance(a, str) and a for a in axes):
-        raise ValueError(f"data_axes must name one or more mesh axes, got {data_axes!r}.")
+        raise ValueError(f"batch_axes must name one or more mesh axes, got {batch_axes!r}.")
     return axes
 
 
 def batch_sharding(
-    mesh: Mesh, data_axes: DataAxes = "data", seq_axes: Sequence[str] = ()
+    mesh: Mesh, batch_axes: BatchAxes = "data", seq_axes: Sequence[str] = ()
 ) -> NamedSharding:
-    """The sharding of a batch: leading dimension over ``data_axes``, the rest replicated.
+    """The sharding of a batch: leading dimension over ``batch_axes``, the rest replicated.
 
     Args:
       mesh: The device mesh.
-      data_axes: The mesh axis, or axes, the batch is split over.
+      batch_axes: The mesh axis, or axes, the batch is split over.
       seq_axes: Mesh axes the second dimension (the sequence) is split over: context
         parallelism (none by default).
 
     Returns:
-      ``NamedSharding(mesh, P(data_axes))``, or ``P(data_axes, seq_axes)``.
+      ``NamedSharding(mesh, P(batch_axes))``, or ``P(batch_axes, seq_axes)``.
 
     Raises:
       ValueError: If an axis is not in the mesh or is named twice.
     """
-    axes, seq = _axes(data_axes), tuple(seq_axes)
+    axes, seq = _axes(batch_axes), tuple(seq_axes)
     every = axes + seq
     missing = [a for a in every if a not in mesh.axis_names]
     if missing or len(set(every)) != len(every):
         raise ValueError(
-            f"data_axes {axes} and seq_axes {seq} must be distinct axes of the mesh; its axes "
+            f"batch_axes {axes} and seq_axes {seq} must be distinct axes of the mesh; its axes "
             f"are {tuple(mesh.axis_names)}."
         )
     entries = [axes if len(axes) > 1 else axes[0]]
@@ -126,7 +126,7 @@ def check_batch(batch: Any) -> int:
 
 
 def shard_batch(
-    batch: Any, mesh: Mesh, data_axes: DataAxes = "data", *, seq_axes: Sequence[str] = ()
+    batch: Any, mesh: Mesh, batch_axes: BatchAxes = "data", *, seq_axes: Sequence[str] = ()
 ) -> Any:
     """Puts a host batch on the mesh, split along its leading dimension.
 
@@ -144,7 +144,7 @@ def shard_batch(
       batch: A pytree of arrays (numpy or jax) with a common leading batch dimension, and
         0-d leaves, which are replicated (see :func:`check_batch`).
       mesh: The device mesh.
-      data_axes: The mesh axis, or axes, the batch is split over.
+      batch_axes: The mesh axis, or axes, the batch is split over.
       seq_axes: Mesh axes the sequence (second dimension) is split over, in zigzag order.
 
     Returns:
@@ -159,7 +159,7 @@ def shard_batch(
         not split into ``2 x cp`` chunks.
     """
     check_batch(batch)
-    axes, seq = _axes(data_axes), tuple(seq_axes)
+    axes, seq = _axes(batch_axes), tuple(seq_axes)
     devices = math.prod(dict(mesh.shape)[a] for a in axes)
     cp = math.prod(dict(mesh.shape)[a] for a in seq)
     processes = len({d.process_index for d in mesh.devices.flat})

@@ -218,7 +218,7 @@ class PipelineTrainStep(JittedStep):
 
         def make(rest_frozen=None):
             return self.make_pipeline(
-                layer_fn, functools.partial(loss_fn, rest_frozen), data_axes=batch_axes,
+                layer_fn, functools.partial(loss_fn, rest_frozen), batch_axes=batch_axes,
                 fsdp_axis=fsdp_axis, fsdp_dims=fsdp_dims, has_aux=self.has_aux,
             )  # fmt: skip
 
@@ -603,14 +603,14 @@ def make_pipeline_train_step(
             f"stage_axis {stage_axis!r} is not a mesh axis; the mesh has {tuple(mesh.axis_names)}."
         )
     if batch_axes is None and (rules is not None or layout is not None):
-        batch_axes = _data_axes(mesh, rules, layout, stage_axis)
+        batch_axes = _batch_axes(mesh, rules, layout, stage_axis)
     strategy = PipelineParallelStrategy(stage_axis, tuple(mesh.axis_names).index(stage_axis),
                                         dict(mesh.shape)[stage_axis])  # fmt: skip
     options = dict(num_microbatches=microbatches, schedule=schedule, repeats=repeats,
                    remat=remat)  # fmt: skip
     # validate now
     timetable = Pipeline(
-        lambda p, x: x, lambda y, t: 0.0, mesh, strategy, data_axes=batch_axes or (), **options
+        lambda p, x: x, lambda y, t: 0.0, mesh, strategy, batch_axes=batch_axes or (), **options
     ).timetable
 
     def make_pipeline(layer_fn, loss_fn, **extra):
@@ -631,7 +631,7 @@ def make_pipeline_train_step(
                              has_aux=has_aux, wrt=wrt)  # fmt: skip
 
 
-def _data_axes(mesh: Any, rules: Rules, layout: LayoutLike, stage_axis: str) -> tuple[str, ...]:
+def _batch_axes(mesh: Any, rules: Rules, layout: LayoutLike, stage_axis: str) -> tuple[str, ...]:
     if layout is not None:
         named = as_layout(layout, mesh).batch_axes
     else:
