@@ -1,8 +1,10 @@
 """What every substrax step shares: the compiled program, batch placement, calls and lowering.
 
 :class:`JittedStep` is the one step core: :class:`~substrax_flax.TrainStep` (flat, accumulated)
-and :class:`~substrax_flax.PipelineTrainStep` build a :class:`Built` from their plan, and it
-places the batch, runs or lowers the program, keeps the jit cache and the non-finite guard.
+and :class:`~substrax_flax.PipelineTrainStep` each make a step plan and a gradient function,
+:func:`jit_step` compiles the one step body around it (the guard, the update, the metrics, the
+planned shardings), and :class:`JittedStep` places the batch, runs or lowers the program, and
+keeps the jit cache and the non-finite guard.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from substrax_flax._step_plan import StepPlan
 
 __all__ = [
     "Built",
+    "Gradient",
     "JittedStep",
     "Update",
     "apply_update",
     "guarded_update",
+    "jit_step",
     "optimizer_shardings",
     "rehome",
 ]
@@ -170,6 +174,54 @@ def apply_update(
         constrain_state(new_model, shardings[0]),
         constrain_state(new_opt, shardings[1]),
         metrics,
+    )
+
+
+#: ``gradient(model_state, batch) -> Update``: the one part of a step that differs by path
+#: (XLA's partitioning, the manual region, a pipeline schedule).
+Gradient = Callable[[Any, Any], Update]
+
+
+def jit_step(
+    gradient: Gradient,
+    context: Callable[[], Any],
+    defs: tuple[Any, Any],
+    shardings: tuple[Any, Any],
+    mesh: jax.sharding.Mesh,
+    *,
+    on_nonfinite: NonFinite,
+    check_state: bool,
+    donate: bool,
+) -> Any:
+    """The jitted step every path shares: its gradient function, then :func:`apply_update`.
+
+    Args:
+      gradient: The path's gradient function, traced inside ``context``.
+      context: A new context manager for the trace (the step's rules on its mesh).
+      defs: ``(model graph definition, optimizer graph definition)``.
+      shardings: ``(model shardings, optimizer shardings)``, the plan's: the step's inputs
+        and outputs keep them.
+      mesh: The mesh the step runs on.
+      on_nonfinite: The guard's policy.
+      check_state: Whether the guard checks the updated state too.
+      donate: Donate the model's and optimizer's buffers.
+
+    Returns:
+      ``jax.jit(step)``, ``step(model_state, opt_state, batch) -> (model_state, opt_state,
+      metrics)``.
+    """
+
+    def step(model_state, opt_state, batch):
+        with context(), nnx.use_eager_sharding(False):
+            update = gradient(model_state, batch)
+        return apply_update(update, *defs, model_state, opt_state, shardings, on_nonfinite,
+                            check_state)  # fmt: skip
+
+    return jax.jit(
+        step,
+        in_shardings=(*shardings, None),
+        out_shardings=(*shardings, NamedSharding(mesh, PartitionSpec())),
+        donate_argnums=(0, 1) if donate else (),
     )
 
 

@@ -16,7 +16,7 @@ from substrax import ShardingWarning, warn_user
 from substrax.mesh import PipelineParallelStrategy, as_axes, check_mesh
 from substrax.pipeline import Pipeline, microbatch_index
 from substrax.spmd import MixedPrecision, as_precision, use_rules
-from substrax_flax._jitted import Built, JittedStep, Update, apply_update, optimizer_shardings
+from substrax_flax._jitted import Built, JittedStep, Update, jit_step, optimizer_shardings
 from substrax_flax._manual import manual_rules
 from substrax_flax._nonfinite import NonFinite, check_policy, guard_decision
 from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
@@ -259,13 +259,9 @@ class PipelineTrainStep(JittedStep):
         with use_rules(plan.mesh, outer), nnx.use_eager_sharding(False):
             draws = _row_draws(flat, stack, rest, batch, plan.mesh, batch_axes, pipeline)
 
-        def step(model_state, opt_state, batch):
-            with use_rules(plan.mesh, outer), nnx.use_eager_sharding(False):
-                return body(model_state, opt_state, batch)
-
         rest_stored = self._rest(model_shardings)
 
-        def body(model_state, opt_state, batch):
+        def gradient(model_state, batch):
             stack_state = model_state[self.stack]
             # the embedding and head: whole over the batch axes, gathered once (an FSDP axis)
             rest = _gathered(self._rest(model_state), rest_stored, batch_axes)
@@ -275,10 +271,7 @@ class PipelineTrainStep(JittedStep):
             held = (stack_frozen, rest_frozen)  # in the stages, each microbatch's rows' keys
             loss, aux, grads = gradients((stack_state, stack_trained, rest_trained, held), batch)
             counts = advanced(stack_state, rest, batch) if draws is not None else None
-            return apply_update(
-                Update(loss, aux, counts, grads), model_def, opt_def, model_state, opt_state,
-                (model_shardings, opt_shardings), self._guard.on_nonfinite, guard[0],
-            )  # fmt: skip
+            return Update(loss, aux, counts, grads)
 
         def gradients(parts, batch):
             """The loss, aux and gradients of ``batch``, summed over its microbatches."""
@@ -302,13 +295,11 @@ class PipelineTrainStep(JittedStep):
             dstack = pipeline.unstack(dpadded, num_layers, keep_padding=stored != num_layers)
             return loss, aux, nnx.State({**dict(drest), self.stack: dstack})
 
-        replicated = NamedSharding(plan.mesh, PartitionSpec())
-        jitted = jax.jit(
-            step,
-            in_shardings=(model_shardings, opt_shardings, None),
-            out_shardings=(model_shardings, opt_shardings, replicated),
-            donate_argnums=(0, 1) if self.donate else (),
-        )
+        jitted = jit_step(
+            gradient, lambda: use_rules(plan.mesh, outer), (model_def, opt_def),
+            (model_shardings, opt_shardings), plan.mesh, on_nonfinite=self._guard.on_nonfinite,
+            check_state=guard[0], donate=self.donate,
+        )  # fmt: skip
         trained = {path for path, _ in variables(nnx.state(model, self.wrt))}
         step_plan = pipeline_plan(
             plan, self.stack, batch_axes, pipeline, self.precision, self.settings, grad_dims,

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding
 
 from substrax import ShardingWarning, warn_user
 from substrax.layout import Layout
@@ -26,9 +26,10 @@ from substrax.spmd import (
 )
 from substrax_flax._jitted import (
     Built,
+    Gradient,
     JittedStep,
     Update,
-    apply_update,
+    jit_step,
     optimizer_shardings,
     rehome,
 )
@@ -162,38 +163,33 @@ class TrainStep(JittedStep):
             loss_of = jax.checkpoint(loss_of, policy=policy)
         return loss_of
 
-    def _step_fn(self, model_def, opt_def, compute_shardings, rules, model_sh, opt_sh, mesh,
-                 manual, check_state):  # fmt: skip
-        """The jitted step; ``manual`` is None, or ``(batch_axes, specs)`` for manual DP."""
+    def _gradient(self, model_def, compute_shardings, manual, mesh) -> Gradient:
+        """The flat step's gradient function: XLA's partitioning, or the manual region.
 
-        def step(model_state, opt_state, batch):
-            # Inside the manual region the batch axes are manual: activations and
-            # parameters are constrained over the other axes only.
-            active = manual_rules(rules, manual[0]) if manual else rules
-            region = manual[0] if manual else ()
-            with use_rules(mesh, active, manual_batch_axes=region), nnx.use_eager_sharding(False):
-                model = nnx.merge(model_def, model_state)
-                _, params, rest = nnx.split(model, self.wrt, ...)
-                rest_leaves, rest_def = jax.tree.flatten(rest)
-                loss_of = self._loss_fn(model_def, compute_shardings, rest_def, region)
-                with use_remat(self.remat) as marked:
-                    if manual:
-                        (loss, (aux, rest)), grads = manual_value_and_grad(
-                            loss_of, params, rest_leaves, batch, mesh=mesh,
-                            batch_axes=manual[0], movers=manual[1],
-                            microbatches=self.microbatches, scatter_each=manual[2],
-                            draws=manual[3],
-                        )  # fmt: skip
-                    else:
-                        grad_fn = jax.value_and_grad(loss_of, has_aux=True)
-                        (loss, (aux, rest)), grads = grad_fn(params, rest_leaves, batch)
-                _check_marked(marked)
-                return apply_update(
-                    Update(loss, aux, rest, grads), model_def, opt_def, model_state, opt_state,
-                    (model_sh, opt_sh), self._guard.on_nonfinite, check_state,
-                )  # fmt: skip
+        ``manual`` is None, or ``(batch axes, movers, scatter_each, draws)`` for the manual
+        region over the batch axes.
+        """
+        region = manual[0] if manual else ()
 
-        return step
+        def gradient(model_state, batch):
+            model = nnx.merge(model_def, model_state)
+            _, params, rest = nnx.split(model, self.wrt, ...)
+            rest_leaves, rest_def = jax.tree.flatten(rest)
+            loss_of = self._loss_fn(model_def, compute_shardings, rest_def, region)
+            with use_remat(self.remat) as marked:
+                if manual:
+                    (loss, (aux, rest)), grads = manual_value_and_grad(
+                        loss_of, params, rest_leaves, batch, mesh=mesh, batch_axes=region,
+                        movers=manual[1], microbatches=self.microbatches,
+                        scatter_each=manual[2], draws=manual[3],
+                    )  # fmt: skip
+                else:
+                    grad_fn = jax.value_and_grad(loss_of, has_aux=True)
+                    (loss, (aux, rest)), grads = grad_fn(params, rest_leaves, batch)
+            _check_marked(marked)
+            return Update(loss, aux, rest, grads)
+
+        return gradient
 
     def _build(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Built:
         if self._given is not None:
@@ -228,16 +224,17 @@ class TrainStep(JittedStep):
             zero = plan.layout.zero if plan.layout is not None else 0
             manual = (split, movers, zero == 2, step_plan.draws)
         self._guard.state_checked = step_plan.check_state
-        fn = self._step_fn(
-            nnx.graphdef(model), nnx.graphdef(optimizer), used, rules, model_sh, opt_sh, mesh,
-            manual, step_plan.check_state,
+        # Inside the manual region the batch axes are manual: activations and parameters are
+        # constrained over the other axes only.
+        region = manual[0] if manual else ()
+        active = manual_rules(rules, region) if manual else rules
+        jitted = jit_step(
+            self._gradient(nnx.graphdef(model), used, manual, mesh),
+            lambda: use_rules(mesh, active, manual_batch_axes=region),
+            (nnx.graphdef(model), nnx.graphdef(optimizer)), (model_sh, opt_sh), mesh,
+            on_nonfinite=self._guard.on_nonfinite, check_state=step_plan.check_state,
+            donate=self.donate,
         )  # fmt: skip
-        jitted = jax.jit(
-            fn,
-            in_shardings=(model_sh, opt_sh, None),
-            out_shardings=(model_sh, opt_sh, NamedSharding(mesh, PartitionSpec())),
-            donate_argnums=(0, 1) if self.donate else (),
-        )
         home = plan.mesh if mesh is not plan.mesh else None
         return Built(jitted, mesh, step_plan.batch_axes, step_plan.path, step_plan.seq_axes,
                      step_plan, home)  # fmt: skip
