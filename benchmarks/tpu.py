@@ -142,10 +142,9 @@ def run_substrax(config, target, layout, mesh, batch):
         return gpt.StackedGPT(config, nnx.Rngs(0))
 
     if layout == "pp":
-        step = sf.make_pipeline_train_step(
-            gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh, stack="blocks",
-            microbatches=4,
-        )  # fmt: skip
+        stages = sf.Stages(gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head,
+                           stack="blocks")  # fmt: skip
+        step = sf.make_train_step(stages, mesh, microbatches=4)
         report = sf.compile_for(factory, gpt.optimizer(), step, batch, target=target,
                                 layout=layout, mesh=mesh)  # fmt: skip
     else:

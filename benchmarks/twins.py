@@ -3,7 +3,7 @@
 For Llama-3 8B and GPT-2 small (tied head) under ``pp x dp``, ``pp x zero1 dp`` and
 ``pp x fsdp``, this builds each layout's twin (``pp 2`` and its data axes on 8 simulated
 devices, 2 layers per stage, 4 microbatches), compiles one step of
-``make_pipeline_train_step`` and puts XLA's figures next to the estimate
+``make_train_step(Stages(...))`` and puts XLA's figures next to the estimate
 (``substrax_flax.planner``'s validation; collective bytes counted per loop trip).
 
 Run: ``python benchmarks/twins.py [--output-dir DIR]``; writes ``twins.json`` and ``twins.md``.

@@ -633,11 +633,12 @@ def make_step(args, mesh):
             precision=args.precision, wrt=trained(args),
         )  # fmt: skip
     try:
-        return sf.make_pipeline_train_step(
-            gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh,
-            layout=Layout.named("pp", mesh), stack="blocks", microbatches=args.microbatches,
-            schedule=args.schedule, repeats=args.repeats, remat=args.remat,
-            precision=args.precision, num_layers=args.layers,
+        stages = sf.Stages(gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head,
+                           stack="blocks", schedule=args.schedule, repeats=args.repeats,
+                           num_layers=args.layers)  # fmt: skip
+        return sf.make_train_step(
+            stages, mesh, layout=Layout.named("pp", mesh), microbatches=args.microbatches,
+            remat=args.remat, precision=args.precision,
         )  # fmt: skip
     except ValueError as error:
         raise UsageError(str(error)) from None

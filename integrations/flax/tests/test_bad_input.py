@@ -284,9 +284,11 @@ def test_a_loss_that_fails_is_told_how_the_step_calls_it(mesh):
 
 
 def _pipeline_step(mesh, **changes):
-    arguments = dict(embed_fn=_mean_loss, layer_fn=_mean_loss, head_fn=_mean_loss, mesh=mesh,
-                     stack="blocks", microbatches=2)  # fmt: skip
-    return sf.make_pipeline_train_step(**{**arguments, **changes})
+    stages = dict(embed=_mean_loss, layer=_mean_loss, head=_mean_loss, stack="blocks")
+    step = dict(mesh=mesh, microbatches=2)
+    stages.update({k: v for k, v in changes.items() if k in stages})
+    step.update({k: v for k, v in changes.items() if k not in stages})
+    return sf.make_train_step(sf.Stages(**stages), **step)
 
 
 # (call, exception, what the message says); each names the argument, what it got, what is valid
@@ -334,10 +336,16 @@ ENTRY_CASES = {
         TypeError,
         "stack must name the model's attribute holding the layer stack",
     ),
-    "pipeline layer_fn not callable": (
-        lambda mesh, model: _pipeline_step(mesh, layer_fn="blocks"),
+    "pipeline layer not callable": (
+        lambda mesh, model: _pipeline_step(mesh, layer="blocks"),
         TypeError,
-        "layer_fn must be a function, got str 'blocks'.",
+        "layer must be a function, got str 'blocks'.",
+    ),
+    "a flat step's option with stages": (
+        lambda mesh, model: _pipeline_step(mesh, data_parallel="xla"),
+        TypeError,
+        "make_train_step(Stages(...)) runs a pipeline; data_parallel are the flat step's "
+        "options: leave them out.",
     ),
     "pipeline microbatches 0": (
         lambda mesh, model: _pipeline_step(mesh, microbatches=0),

@@ -5,6 +5,7 @@ FSDP step (each parameter gathered once, each gradient reduced once), state byte
 the plan, and a pipeline and a dropless-experts layout compiling with their own collectives.
 """
 
+import dataclasses
 import json
 import math
 
@@ -21,6 +22,7 @@ from substrax_flax.compile import main
 
 TINY = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=2, seq=16)
 ROWS = jax.ShapeDtypeStruct((16, TINY.seq + 1), jnp.int32)
+STAGES = sf.Stages(gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, stack="blocks")
 
 
 def tiny():
@@ -96,10 +98,7 @@ def test_report_prints_and_serialises_what_the_compiler_said(fsdp):
 def test_pipeline_layout_compiles_with_its_permutes_over_the_stages():
     target = CompileTarget.parse("v5p:2x2x2")
     mesh = target.make_mesh({"pipe": 2, "data": 4})
-    step = sf.make_pipeline_train_step(
-        gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh, stack="blocks",
-        microbatches=4,
-    )  # fmt: skip
+    step = sf.make_train_step(STAGES, mesh, microbatches=4)
     report = sf.compile_for(lambda: gpt.StackedGPT(TINY, nnx.Rngs(0)), gpt.optimizer(), step,
                             ROWS, target=target, layout="pp", mesh=mesh)  # fmt: skip
     assert report.plan.path == "pipeline"
@@ -220,10 +219,8 @@ def test_each_pipeline_schedule_compiles_for_the_target(schedule, repeats):
     target = CompileTarget.parse("v5p:2x2x2")
     mesh = target.make_mesh({"pipe": 2, "data": 4})
     config = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=4, seq=16)
-    step = sf.make_pipeline_train_step(
-        gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, mesh, stack="blocks",
-        microbatches=4, schedule=schedule, repeats=repeats,
-    )  # fmt: skip
+    stages = dataclasses.replace(STAGES, schedule=schedule, repeats=repeats)
+    step = sf.make_train_step(stages, mesh, microbatches=4)
     report = sf.compile_for(lambda: gpt.StackedGPT(config, nnx.Rngs(0)), gpt.optimizer(), step,
                             ROWS, target=target, layout="pp", mesh=mesh)  # fmt: skip
     assert report.plan.path == "pipeline"

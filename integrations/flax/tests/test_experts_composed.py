@@ -60,8 +60,8 @@ def test_experts_in_pp_x_fsdp_pipeline_stages_equal_the_flat_step(one_device):
     model = sf.create_sharded_model(_stacked, mesh, layout=layout)
     optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.5))
     assert model.blocks.moe.w_in[...].sharding.spec[0] == "pipe"
-    step = sf.make_pipeline_train_step(gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head,
-                                       mesh, stack="blocks", microbatches=2)  # fmt: skip
+    stages = sf.Stages(gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head, stack="blocks")
+    step = sf.make_train_step(stages, mesh, microbatches=2)
     losses = [float(step(model, optimizer, batch)["loss"]) for batch in BATCHES]
     np.testing.assert_allclose(losses, one_device["task"][0], rtol=1e-5)
     want = one_device["task"][1]

@@ -70,10 +70,12 @@ def test_pipelined_training_matches_and_keeps_shardings(reference, schedule, rep
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
     assert model.blocks.wq[...].sharding.spec == P("pipe", None, None, None)
     planned = [a.sharding for a in jax.tree.leaves((nnx.state(model), nnx.state(optimizer)))]
-    step = sf.make_pipeline_train_step(
-        embed, block, head, mesh, rules, stack="blocks", microbatches=4,
-        schedule=schedule, repeats=repeats,
-    )  # fmt: skip
+    step = sf.make_train_step(
+        sf.Stages(embed, block, head, stack="blocks", schedule=schedule, repeats=repeats),
+        mesh,
+        rules,
+        microbatches=4,
+    )
     losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
     ref_losses, ref_state = reference[layers]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -109,8 +111,8 @@ def test_a_padded_uneven_stack_is_sharded_over_the_stages_and_trains_like_its_la
                                           stack, nnx.state(model.blocks)))  # fmt: skip
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
     assert model.blocks.wq[...].sharding.spec == P("pipe", None, None, None)
-    step = sf.make_pipeline_train_step(
-        embed, block, head, mesh, rules, stack="blocks", microbatches=4, num_layers=6
+    step = sf.make_train_step(
+        sf.Stages(embed, block, head, stack="blocks", num_layers=6), mesh, rules, microbatches=4
     )
     losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -126,12 +128,14 @@ def test_an_uneven_stack_warns_and_a_wrong_layer_count_is_named():
     with pytest.warns(ShardingWarning):
         model = sf.create_sharded_model(_factory(6), mesh, rules)  # 6 does not divide 4
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
-    step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
-                                       microbatches=4)  # fmt: skip
+    step = sf.make_train_step(
+        sf.Stages(embed, block, head, stack="blocks"), mesh, rules, microbatches=4
+    )
     with pytest.warns(ShardingWarning, match=r"step.num_slots\(6\) = 8 layers"):
         step(model, optimizer, tokens())
-    step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
-                                       microbatches=4, num_layers=5)  # fmt: skip
+    step = sf.make_train_step(
+        sf.Stages(embed, block, head, stack="blocks", num_layers=5), mesh, rules, microbatches=4
+    )
     with pytest.raises(ValueError, match="num_layers=5: the stack stores 6 layers, but 5 layers "
                                          "take 8 padded slots"):  # fmt: skip
         step(model, optimizer, tokens())
@@ -140,13 +144,15 @@ def test_an_uneven_stack_warns_and_a_wrong_layer_count_is_named():
 def test_bad_configuration():
     mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
     with pytest.raises(ValueError, match="stage_axis 'stage' is not a mesh axis"):
-        sf.make_pipeline_train_step(embed, block, head, mesh, stack="blocks",
-                                    stage_axis="stage", microbatches=4)  # fmt: skip
+        sf.make_train_step(
+            sf.Stages(embed, block, head, stack="blocks", stage_axis="stage"), mesh, microbatches=4
+        )
     rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
     model = sf.create_sharded_model(_factory(4), mesh, rules)
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
-    step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="layers",
-                                       microbatches=4)  # fmt: skip
+    step = sf.make_train_step(
+        sf.Stages(embed, block, head, stack="layers"), mesh, rules, microbatches=4
+    )
     with pytest.raises(ValueError, match="no attribute 'layers' holding the layer stack"):
         step(model, optimizer, tokens())
 
@@ -154,8 +160,8 @@ def test_bad_configuration():
 def test_one_step_trains_two_models_each_with_its_own_pipeline(reference):
     mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
     rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
-    step = sf.make_pipeline_train_step(
-        embed, block, head, mesh, rules, stack="blocks", microbatches=4
+    step = sf.make_train_step(
+        sf.Stages(embed, block, head, stack="blocks"), mesh, rules, microbatches=4
     )
     runs = {}
     for layers in (4, 8):
@@ -198,8 +204,9 @@ def test_constrain_inside_a_stage_resolves_through_the_rules():
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
     counts = {}
     for name, fn in (("constrained", _constrained_block), ("plain", block)):
-        step = sf.make_pipeline_train_step(embed, fn, head, mesh, rules, stack="blocks",
-                                           microbatches=2)  # fmt: skip
+        step = sf.make_train_step(
+            sf.Stages(embed, fn, head, stack="blocks"), mesh, rules, microbatches=2
+        )
         counts[name] = _constraints_on_model(step, model, optimizer, tokens())
     # the plain block's are the stage boundary's (each device sends its 1/tp of an
     # activation); the constrained block adds its own, forward (and its transpose)
@@ -212,8 +219,10 @@ def test_a_pp_x_fsdp_layout_trains_from_create_sharded_model_like_the_flat_step(
     model = sf.create_sharded_model(_factory(4), mesh, layout=layout)
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2))
     assert model.blocks.wq[...].sharding.spec == P("pipe", "fsdp", None, None)
-    step = sf.make_pipeline_train_step(embed, block, head, mesh, stack="blocks",
-                                       microbatches=2)  # fmt: skip
+    # as the flat step: the model's plan brings the mesh and the layout
+    step = sf.make_train_step(sf.Stages(embed, block, head, stack="blocks"), microbatches=2)
+    with pytest.raises(ValueError, match=r"num_slots needs the stage count: make the step with"):
+        step.num_slots(4)
     plan = step.plan_for(model, optimizer, tokens())
     assert "fsdp          'fsdp'" in str(plan) and plan.path == "pipeline"
     (wq,) = [p for p in plan.params if p.path == "blocks/wq"]
@@ -228,12 +237,18 @@ def test_remat_takes_the_names_the_flat_step_takes(reference):
     mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
     rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
     with pytest.raises(ValueError, match=r"remat must be one of \('none', 'selective', 'full'\)"):
-        sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
-                                    microbatches=4, remat="some")  # fmt: skip
+        sf.make_train_step(
+            sf.Stages(embed, block, head, stack="blocks"), mesh, rules, microbatches=4, remat="some"
+        )
     model = sf.create_sharded_model(_factory(4), mesh, rules)
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
-    step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
-                                       microbatches=4, remat="selective")  # fmt: skip
+    step = sf.make_train_step(
+        sf.Stages(embed, block, head, stack="blocks"),
+        mesh,
+        rules,
+        microbatches=4,
+        remat="selective",
+    )
     plan = step.plan_for(model, optimizer, tokens())
     assert plan.remat == "selective" and "remat         selective" in str(plan)
     losses = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(3)]
@@ -264,15 +279,21 @@ def test_aux_outputs_are_the_flat_steps(schedule):
     rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
     model = sf.create_sharded_model(_factory(4), mesh, rules)
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
-    step = sf.make_pipeline_train_step(embed, block, _head_with_aux, mesh, rules, stack="blocks",
-                                       microbatches=4, schedule=schedule, has_aux=True)  # fmt: skip
+    step = sf.make_train_step(
+        sf.Stages(embed, block, _head_with_aux, stack="blocks", schedule=schedule),
+        mesh,
+        rules,
+        microbatches=4,
+        has_aux=True,
+    )
     got = [step(model, optimizer, tokens(seed=i)) for i in range(2)]
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(float(g["loss"]), float(w["loss"]), rtol=1e-5)
         np.testing.assert_allclose(float(g["accuracy"]), float(w["accuracy"]), atol=1e-6)
     assert got[0]["path"] == "pipeline" and want[0]["path"] == "manual"
-    step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
-                                       microbatches=4, has_aux=True)  # fmt: skip
+    step = sf.make_train_step(
+        sf.Stages(embed, block, head, stack="blocks"), mesh, rules, microbatches=4, has_aux=True
+    )
     with pytest.raises(TypeError, match="has_aux=True, so head_fn must return"):
         step(model, optimizer, tokens())
 
@@ -293,8 +314,9 @@ def test_wrt_trains_a_subset_like_the_flat_step_and_leaves_the_rest():
     model = sf.create_sharded_model(_factory(4), mesh, rules)
     before = {k: np.asarray(v) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules, wrt=WRT)
-    step = sf.make_pipeline_train_step(embed, block, head, mesh, rules, stack="blocks",
-                                       microbatches=4, wrt=WRT)  # fmt: skip
+    step = sf.make_train_step(
+        sf.Stages(embed, block, head, stack="blocks"), mesh, rules, microbatches=4, wrt=WRT
+    )
     plan = step.plan_for(model, optimizer, tokens())
     (wq,) = [p for p in plan.params if p.path == "blocks/wq"]
     assert wq.gradient.startswith("none: not in wrt")
@@ -341,10 +363,13 @@ def _spread(model, y, targets):
 def _dropout_run(layout, microbatches, rate=0.5, steps=2, batch=None, step=None):
     model = sf.create_sharded_model(lambda: _DropoutStack(nnx.Rngs(0), rate=rate), layout=layout)
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2))
-    step = step or sf.make_pipeline_train_step(embed, block, _spread, layout.make_mesh(),
-                                               layout=layout, stack="blocks",
-                                               microbatches=microbatches,
-                                               has_aux=True)  # fmt: skip
+    step = step or sf.make_train_step(
+        sf.Stages(embed, block, _spread, stack="blocks"),
+        layout.make_mesh(),
+        layout=layout,
+        microbatches=microbatches,
+        has_aux=True,
+    )
     batches = [tokens(seed=i) if batch is None else batch for i in range(steps)]
     metrics = [{k: float(v) for k, v in step(model, optimizer, b).items() if k != "path"}
                for b in batches]  # fmt: skip
@@ -386,8 +411,12 @@ def _stack_step(kind):
     layout = Layout.from_degrees(pp=2, dp=4)
     model = sf.create_sharded_model(lambda: _DropoutStack(nnx.Rngs(0), kind=kind), layout=layout)
     optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.1))
-    step = sf.make_pipeline_train_step(embed, block, head, layout.make_mesh(), layout=layout,
-                                       stack="blocks", microbatches=2)  # fmt: skip
+    step = sf.make_train_step(
+        sf.Stages(embed, block, head, stack="blocks"),
+        layout.make_mesh(),
+        layout=layout,
+        microbatches=2,
+    )
     return model, optimizer, step
 
 
@@ -435,10 +464,15 @@ def _schedule_run(layout, schedule, repeats, factory, precision=None, remat="non
     """Losses, aux and parameters after ``steps`` sgd steps (a step's update is its gradient)."""
     model = sf.create_sharded_model(factory, layout=layout)
     optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.5))
-    step = sf.make_pipeline_train_step(embed, block, _spread, layout.make_mesh(), layout=layout,
-                                       stack="blocks", microbatches=2, schedule=schedule,
-                                       repeats=repeats, precision=precision, remat=remat,
-                                       has_aux=True)  # fmt: skip
+    step = sf.make_train_step(
+        sf.Stages(embed, block, _spread, stack="blocks", schedule=schedule, repeats=repeats),
+        layout.make_mesh(),
+        layout=layout,
+        microbatches=2,
+        precision=precision,
+        remat=remat,
+        has_aux=True,
+    )
     metrics = [step(model, optimizer, tokens(seed=i)) for i in range(steps)]
     losses = [(float(m["loss"]), float(m["square"])) for m in metrics]
     return losses, jax.tree.leaves(nnx.state(model, nnx.Param)), step

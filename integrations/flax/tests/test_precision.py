@@ -110,10 +110,8 @@ def test_pipeline_stages_compute_in_bf16():
         model = sf.create_sharded_model(lambda: StackedTransformer(nnx.Rngs(0), layers=4), mesh,
                                         rules)  # fmt: skip
         optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
-        step = sf.make_pipeline_train_step(
-            embed, block, head, mesh, rules, stack="blocks", microbatches=4,
-            precision=precision,
-        )  # fmt: skip
+        step = sf.make_train_step(sf.Stages(embed, block, head, stack="blocks"), mesh, rules,
+                                  microbatches=4, precision=precision)  # fmt: skip
         lowered = step.lower(model, optimizer, tokens(seed=0)).as_text()
         runs[precision] = [float(step(model, optimizer, tokens(seed=i))["loss"]) for i in range(2)]
     assert _dtypes(lowered, "collective_permute") == {"bf16"}  # activations between stages

@@ -101,7 +101,7 @@ def test_twins_keep_the_kinds_of_parallelism():
     ids=lambda v: getattr(v, "label", v),
 )
 def test_pipeline_state_is_exact_and_traffic_close_on_twins(name, layout):
-    """A pipelined twin trains through make_pipeline_train_step with the layout's data axes.
+    """A pipelined twin trains through make_train_step(Stages(...)) with the layout's data axes.
 
     Traffic counts every tick of the pipeline's loops (``trips=True``). Measured: pp x fsdp
     -2.6% (XLA moves a sharded lookup's gradient as activations), pp x zero1 +0.1%.

@@ -132,9 +132,8 @@ def test_a_pipeline_with_zero_shards_the_optimizer_and_trains_alike():
     runs = {}
     for zero in (0, 1):  # 3 layers on 2 stages: stored padded to 4 slots
         layout = Layout.from_degrees(pp=2, dp=4, zero=zero)
-        step = sf.make_pipeline_train_step(embed, block, head, layout.make_mesh(), layout=layout,
-                                           stack="blocks", microbatches=2,
-                                           num_layers=3)  # fmt: skip
+        stages = sf.Stages(embed, block, head, stack="blocks", num_layers=3)
+        step = sf.make_train_step(stages, layout.make_mesh(), layout=layout, microbatches=2)
         slots = step.num_slots(3)
         assert slots == 4
         model = sf.create_sharded_model(

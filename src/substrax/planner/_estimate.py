@@ -67,8 +67,8 @@ class Workload:
         depth, or 1); None lets :func:`~substrax.planner.plan` choose per layout.
       schedule: The pipeline schedule, a name of :data:`substrax.pipeline.SCHEDULES`; its
         idle share and the activations it holds are read off its table, as the step runs it.
-        The default is ``make_pipeline_train_step``'s; None lets :func:`~substrax.planner.plan`
-        choose per layout (with ``chunks``).
+        The default is the pipelined training step's (``"zb-h1"``); None lets
+        :func:`~substrax.planner.plan` choose per layout (with ``chunks``).
       chunks: Chunks of layers per stage for ``"interleaved"`` and ``"circular"`` (1
         otherwise); None lets :func:`~substrax.planner.plan` choose.
     """

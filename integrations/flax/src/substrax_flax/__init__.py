@@ -27,7 +27,7 @@ from substrax_flax._experts import RouterBias as RouterBias
 from substrax_flax._nonfinite import NonFiniteWarning as NonFiniteWarning
 from substrax_flax._optimizer import create_sharded_optimizer as create_sharded_optimizer
 from substrax_flax._pipeline_step import PipelineTrainStep as PipelineTrainStep
-from substrax_flax._pipeline_step import make_pipeline_train_step as make_pipeline_train_step
+from substrax_flax._pipeline_step import Stages as Stages
 from substrax_flax._plan import ModelPlan as ModelPlan
 from substrax_flax._remat import remat as remat
 from substrax_flax._report import ShardingReport as ShardingReport
@@ -60,6 +60,7 @@ __all__ = [
     "NonFiniteWarning",
     "ParamStep",
     "PipelineTrainStep",
+    "Stages",
     "ProgramMemory",
     "ShardingReport",
     "StepPlan",
@@ -74,7 +75,6 @@ __all__ = [
     "create_sharded_optimizer",
     "get_shardings",
     "load_weights",
-    "make_pipeline_train_step",
     "make_train_step",
     "plan_model",
     "plan_weights",

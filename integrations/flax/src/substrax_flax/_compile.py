@@ -233,7 +233,7 @@ def compile_for(
       tx: The optax transformation, such as ``optax.adamw(1e-4)``.
       step: ``loss_fn(model, batch)`` (the step is ``make_train_step(loss_fn,
         **step_options)``), or a step already built: a pipeline's
-        (:func:`make_pipeline_train_step` on ``mesh``) or a configured :class:`TrainStep`.
+        (``make_train_step(Stages(...), mesh)``) or a configured :class:`TrainStep`.
       batch: The global batch's shapes: a pytree of ``jax.ShapeDtypeStruct`` (or arrays,
         whose shapes are taken), rows first, as the step splits them.
       target: The slice, ``"v5p:4x4x4"`` or ``"v5p-128"`` (:meth:`CompileTarget.parse`).
@@ -323,8 +323,8 @@ def _step_of(step: Any, options: dict[str, Any]) -> JittedStep:
         return step
     if not callable(step):
         raise TypeError(
-            "step must be loss_fn(model, batch) or a step from make_train_step / "
-            f"make_pipeline_train_step, got {type(step).__name__}."
+            "step must be loss_fn(model, batch) or a step from make_train_step, got "
+            f"{type(step).__name__}."
         )
     return make_train_step(step, **options)
 

@@ -1,7 +1,13 @@
-"""make_pipeline_train_step: train a Flax NNX model whose layer stack runs as a pipeline."""
+"""The pipelined training step: a Flax NNX model whose layer stack runs as a pipeline.
+
+``make_train_step(Stages(embed, layer, head, stack="blocks"), microbatches=M)`` builds it:
+the one step body (:func:`~substrax_flax._jitted.jit_step`) around a pipeline schedule's
+gradient function.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -19,14 +25,14 @@ from substrax.spmd import MixedPrecision, as_precision, use_rules
 from substrax_flax._jitted import Built, JittedStep, Update, jit_step, optimizer_shardings
 from substrax_flax._manual import manual_rules
 from substrax_flax._nonfinite import NonFinite, check_policy, guard_decision
-from substrax_flax._plan import LayoutLike, as_layout, model_plan, shardings_of
-from substrax_flax._resolve import Rules, as_rules, without_axes
+from substrax_flax._plan import LayoutLike, model_plan, shardings_of
+from substrax_flax._resolve import Rules, without_axes
 from substrax_flax._state import check_filter, map_variables, variables
 from substrax_flax._step_plan import pipeline_plan
 from substrax_flax._streams import RowDraws, on_rows, row_draws, threefry_obstacle
 from substrax_flax._traced import is_key, trace
 
-__all__ = ["PipelineTrainStep", "make_pipeline_train_step"]
+__all__ = ["PipelineTrainStep", "Stages", "pipelined_step"]
 
 
 def _check_state(state: Any, what: str) -> None:
@@ -70,67 +76,164 @@ def _is_variable(node: Any) -> bool:
     return isinstance(node, nnx.Variable)
 
 
+@dataclasses.dataclass(frozen=True)
+class Stages:
+    """A model's pipeline: the parts :func:`~substrax_flax.make_train_step` runs as stages.
+
+    ``make_train_step(Stages(embed, layer, head, stack="blocks"), microbatches=4)`` runs the
+    model's layer stack through a :class:`substrax.pipeline.Pipeline`: ``embed`` on every
+    device (data parallel), the stack over the stage axis, ``head`` on the last stage for
+    each microbatch.
+
+    Attributes:
+      embed: ``embed(model, batch) -> (inputs, targets)``: what enters the stack, and the
+        targets the head needs (both with the batch's leading dimension).
+      layer: ``layer(layer_module, x) -> x`` with ``layer_module`` one layer of the stack.
+      head: ``head(model, y, targets) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``):
+        a microbatch's mean loss from the stack's output.
+      stack: The model attribute holding the stacked layers (``nnx.vmap`` with
+        ``transform_metadata={nnx.PARTITION_NAME: "layers"}``).
+      schedule: One of :data:`substrax.pipeline.SCHEDULES`: ``"gpipe"``, ``"1f1b"``,
+        ``"circular"``, ``"interleaved"`` or ``"zb-h1"`` (see
+        :class:`substrax.pipeline.Pipeline`; the plan's ``schedule`` line shows its idle
+        share and the activations it holds). The default, ZB-H1, idles least of the
+        schedules with one chunk per stage (about a third of 1F1B's bubble) and holds one
+        microbatch more than 1F1B, flat in the microbatches; GPipe holds every microbatch.
+      repeats: Chunks of layers per stage: rounds of the ring for ``"circular"``, virtual
+        stages per device for ``"interleaved"``.
+      num_layers: The real layer count of a stack stored padded: a stack whose layers do
+        not divide the stages cannot be sharded over the stage axis, so build it with
+        :meth:`PipelineTrainStep.num_slots` layers (126 layers on 16 stages: 128) and give
+        ``num_layers``; the padding slots are masked (identity, zero gradients). None: every
+        stored layer is real.
+      stage_axis: The mesh axis of the pipeline stages.
+
+    Raises:
+      TypeError: If a function is not callable or ``stack`` is not a str.
+      ValueError: If ``repeats`` is not a positive integer.
+    """
+
+    embed: Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]]
+    layer: Callable[[nnx.Module, jax.Array], jax.Array]
+    head: Callable[[nnx.Module, jax.Array, jax.Array], Any]
+    stack: str
+    schedule: str = "zb-h1"
+    repeats: int = 1
+    num_layers: int | None = None
+    stage_axis: str = "pipe"
+
+    def __post_init__(self):
+        for name in ("embed", "layer", "head"):
+            fn = getattr(self, name)
+            if not callable(fn):
+                raise TypeError(f"{name} must be a function, got {type(fn).__name__} {fn!r:.80}.")
+        if not isinstance(self.stack, str):
+            raise TypeError(
+                f"stack must name the model's attribute holding the layer stack (a str such "
+                f"as 'blocks'), got {self.stack!r}."
+            )
+        _check_count("repeats", self.repeats)
+
+
+def _check_count(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
 class PipelineTrainStep(JittedStep):
     """A jitted training step whose layer stack runs through a :class:`substrax.pipeline.Pipeline`.
 
-    Build it with :func:`make_pipeline_train_step`; call it like a :class:`TrainStep`. Each
-    model (graph definition) gets its own immutable :class:`~substrax.pipeline.Pipeline`, built
-    with that model's layer and head functions.
+    Build it with :func:`~substrax_flax.make_train_step` and :class:`Stages`; call it like a
+    :class:`TrainStep`. Each model (graph definition) gets its own immutable
+    :class:`~substrax.pipeline.Pipeline`, built with that model's layer and head functions.
     """
 
     def __init__(
         self,
-        make_pipeline: Callable[[Callable, Callable], Pipeline],
-        embed_fn: Callable[..., Any],
-        layer_fn: Callable[..., Any],
-        head_fn: Callable[..., Any],
+        stages: Stages,
         *,
-        mesh: jax.sharding.Mesh,
+        mesh: jax.sharding.Mesh | None,
         rules: Rules,
         layout: LayoutLike,
-        stack: str,
-        batch_axes: Sequence[str] | None,
-        num_layers: int | None = None,
+        microbatches: int,
+        remat: bool | str = "none",
+        batch_axes: Sequence[str] | None = None,
         on_nonfinite: NonFinite = "skip",
         precision: MixedPrecision | None = None,
         donate: bool = True,
-        settings: tuple[tuple[str, str, str], ...] = (),
-        stage_axis: str = "pipe",
         has_aux: bool = False,
         wrt: Any = nnx.Param,
     ):
-        """Stores the configuration; see :func:`make_pipeline_train_step`.
+        """Stores the configuration; see :func:`~substrax_flax.make_train_step`.
 
         Args:
-          make_pipeline: ``make_pipeline(layer_fn, loss_fn)`` builds the pipeline runner.
-          embed_fn: ``embed_fn(model, batch) -> (inputs, targets)``.
-          layer_fn: ``layer_fn(layer, x) -> x`` with ``layer`` one layer of the stack.
-          head_fn: ``head_fn(model, y, targets) -> loss``.
-          mesh: The mesh.
+          stages: The model's pipeline parts.
+          mesh: The mesh (None: the model's plan's, at the first call).
           rules: The rules, for a model substrax did not place.
           layout: The layout, for a model substrax did not place.
-          stack: The attribute holding the stacked layers.
+          microbatches: Microbatches per batch.
+          remat: ``"none"``, ``"selective"`` or ``"full"``.
           batch_axes: Mesh axes of the batch (None: the plan's batch axes but the stage axis).
-          num_layers: The real layer count of a stack stored padded (see
-            :func:`make_pipeline_train_step`), or None.
           on_nonfinite: ``"skip"``, ``"raise"`` or ``"apply"`` (see :func:`make_train_step`).
-          precision: The mixed-precision policy (see :func:`make_pipeline_train_step`).
+          precision: The mixed-precision policy.
           donate: Donate the model and optimizer buffers to the step.
-          settings: The pipeline's settings as ``(name, value, reason)`` lines of the plan.
-          stage_axis: The mesh axis of the stages.
-          has_aux: Whether ``head_fn`` returns ``(loss, aux)``.
+          has_aux: Whether the head returns ``(loss, aux)``.
           wrt: The variables that are differentiated and updated.
         """
         super().__init__(on_nonfinite)
+        self.stages = stages
         self.precision = precision or MixedPrecision()
-        self.make_pipeline = make_pipeline
-        self.embed_fn, self.user_layer_fn, self.head_fn = embed_fn, layer_fn, head_fn
+        self.embed_fn, self.user_layer_fn, self.head_fn = stages.embed, stages.layer, stages.head
         self.mesh, self.rules, self.layout = mesh, rules, layout
-        self.stack = stack
+        self.stack, self.stage_axis, self.num_layers = (
+            stages.stack,
+            stages.stage_axis,
+            stages.num_layers,
+        )
+        self.microbatches, self.remat = microbatches, remat
         self.batch_axes = tuple(batch_axes) if batch_axes is not None else None
-        self.num_layers = num_layers
-        self.donate, self.settings, self.stage_axis = donate, settings, stage_axis
-        self.has_aux, self.wrt = has_aux, wrt
+        self.donate, self.has_aux, self.wrt = donate, has_aux, wrt
+        self._runners: dict[jax.sharding.Mesh, tuple[Callable[..., Pipeline], tuple]] = {}
+        if mesh is not None:
+            self._runner(mesh)  # checks the stages against the mesh now
+
+    def _runner(self, mesh: jax.sharding.Mesh) -> tuple[Callable[..., Pipeline], tuple]:
+        """``(make_pipeline, settings)`` on ``mesh``: the runner's factory and the plan lines.
+
+        Raises:
+          ValueError: If ``mesh`` has no stage axis, or as :class:`substrax.pipeline.Pipeline`.
+        """
+        check_mesh(mesh)
+        if mesh not in self._runners:
+            self._runners[mesh] = self._make_runner(mesh)
+        return self._runners[mesh]
+
+    def _make_runner(self, mesh: jax.sharding.Mesh) -> tuple[Callable[..., Pipeline], tuple]:
+        axis = self.stage_axis
+        if axis not in mesh.axis_names:
+            raise ValueError(
+                f"stage_axis {axis!r} is not a mesh axis; the mesh has {tuple(mesh.axis_names)}."
+            )
+        strategy = PipelineParallelStrategy(axis, tuple(mesh.axis_names).index(axis),
+                                            dict(mesh.shape)[axis])  # fmt: skip
+        options = dict(num_microbatches=self.microbatches, schedule=self.stages.schedule,
+                       repeats=self.stages.repeats, remat=self.remat)  # fmt: skip
+        batch_axes = self.batch_axes or tuple(a for a in mesh.axis_names if a != axis)
+        timetable = Pipeline(lambda p, x: x, lambda y, t: 0.0, mesh, strategy,
+                             batch_axes=batch_axes, **options).timetable  # fmt: skip
+
+        def make_pipeline(layer_fn, loss_fn, **extra):
+            return Pipeline(layer_fn, loss_fn, mesh, strategy, **options, **extra)
+
+        schedule, repeats = self.stages.schedule, self.stages.repeats
+        settings = (
+            ("stages", f"{strategy.num_stages} on {axis!r}", "the mesh's stage axis"),
+            ("schedule", f"{schedule}" + (f" x {repeats} chunks" if repeats > 1 else ""),
+             f"as asked: idle {timetable.idle_fraction():.3f} of the stages' ticks, "
+             f"{timetable.held()} microbatch chunks of activations held per stage"),
+            ("microbatches", str(self.microbatches), "as asked"),
+        )  # fmt: skip
+        return make_pipeline, settings
 
     def num_slots(self, num_layers: int) -> int:
         """The layers a stack of ``num_layers`` is stored with on this step's stages.
@@ -141,12 +244,19 @@ class PipelineTrainStep(JittedStep):
         Returns:
           ``Pipeline.num_slots(num_layers)``: ``num_layers`` when the stages divide it, else
           the padded count to build the stack with (then pass ``num_layers`` to
-          :func:`make_pipeline_train_step`).
+          :class:`Stages`).
 
         Raises:
-          ValueError: If there are fewer layers than stages (or chunks, for circular).
+          ValueError: If there are fewer layers than stages (or chunks, for circular), or the
+            step was made without a mesh (the stage count comes from it).
         """
-        return self.make_pipeline(lambda p, x: x, lambda y, t: 0.0).num_slots(num_layers)
+        if self.mesh is None:
+            raise ValueError(
+                "num_slots needs the stage count: make the step with mesh=... (the stack's "
+                "size is chosen before the model exists)."
+            )
+        make_pipeline, _ = self._runner(self.mesh)
+        return make_pipeline(lambda p, x: x, lambda y, t: 0.0).num_slots(num_layers)
 
     def _parts(self, model: nnx.Module):
         state = nnx.state(model)
@@ -170,9 +280,9 @@ class PipelineTrainStep(JittedStep):
         _check_state(rest, "other attributes")
         stored = jax.tree.leaves(stack)[0].shape[0]
         num_layers = self.num_layers or stored
-        plan = model_plan(
-            model, self.mesh, self.rules, None, self.layout, what="make_pipeline_train_step"
-        )
+        plan = model_plan(model, self.mesh, self.rules, None, self.layout,
+                          what="make_train_step(Stages(...))")  # fmt: skip
+        make_pipeline, settings = self._runner(plan.mesh)
         model_shardings = shardings_of(plan.rows, nnx.state(model), plan.mesh)
         opt_shardings = optimizer_shardings(optimizer, plan)
         batch_axes = self.batch_axes
@@ -217,7 +327,7 @@ class PipelineTrainStep(JittedStep):
             return self.precision.cast_to_output(_loss_and_aux(out, self.has_aux))
 
         def make(rest_frozen=None):
-            return self.make_pipeline(
+            return make_pipeline(
                 layer_fn, functools.partial(loss_fn, rest_frozen), batch_axes=batch_axes,
                 fsdp_axis=fsdp_axis, fsdp_dims=fsdp_dims, has_aux=self.has_aux,
             )  # fmt: skip
@@ -302,7 +412,7 @@ class PipelineTrainStep(JittedStep):
         )  # fmt: skip
         trained = {path for path, _ in variables(nnx.state(model, self.wrt))}
         step_plan = pipeline_plan(
-            plan, self.stack, batch_axes, pipeline, self.precision, self.settings, grad_dims,
+            plan, self.stack, batch_axes, pipeline, self.precision, settings, grad_dims,
             trained, guard, draws,
         )  # fmt: skip
         return Built(jitted, plan.mesh, batch_axes, "pipeline", plan=step_plan)
@@ -411,8 +521,8 @@ def _loss_and_aux(out: Any, has_aux: bool) -> Any:
         raise TypeError("has_aux=True, so head_fn must return (loss, aux); it returned "
                         f"{type(out).__name__}. Return a pair, or leave has_aux out.")  # fmt: skip
     if not has_aux and isinstance(out, (tuple, list)):
-        raise TypeError("head_fn returned a pair; for (loss, aux) pass has_aux=True to "
-                        "make_pipeline_train_step, else return the scalar loss alone.")  # fmt: skip
+        raise TypeError("the head returned a pair; for (loss, aux) pass has_aux=True to "
+                        "make_train_step, else return the scalar loss alone.")  # fmt: skip
     return tuple(out) if has_aux else out
 
 
@@ -463,168 +573,33 @@ def _check_stack(pipeline: Pipeline, stored: int, num_layers: int, given: int | 
         )
 
 
-def make_pipeline_train_step(
-    embed_fn: Callable[[nnx.Module, Any], tuple[jax.Array, jax.Array]],
-    layer_fn: Callable[[nnx.Module, jax.Array], jax.Array],
-    head_fn: Callable[[nnx.Module, jax.Array, jax.Array], jax.Array],
-    mesh: jax.sharding.Mesh,
-    rules: Rules = None,
+def pipelined_step(
+    stages: Stages,
+    mesh: jax.sharding.Mesh | None,
+    rules: Rules,
     *,
-    layout: LayoutLike = None,
-    stack: str,
-    stage_axis: str = "pipe",
+    layout: LayoutLike,
     microbatches: int,
-    schedule: str = "zb-h1",
-    repeats: int = 1,
-    remat: bool | str = "none",
-    batch_axes: Sequence[str] | None = None,
-    num_layers: int | None = None,
-    on_nonfinite: NonFinite = "skip",
-    precision: MixedPrecision | str | None = None,
-    donate: bool = True,
-    has_aux: bool = False,
-    wrt: Any = nnx.Param,
+    remat: bool | str,
+    batch_axes: Sequence[str] | None,
+    on_nonfinite: NonFinite,
+    precision: MixedPrecision | str | None,
+    donate: bool,
+    has_aux: bool,
+    wrt: Any,
 ) -> PipelineTrainStep:
-    """Builds a training step that runs a model's layer stack as a pipeline.
-
-    The model keeps its layers stacked (``nnx.vmap`` with ``transform_metadata=
-    {nnx.PARTITION_NAME: "layers"}``) under attribute ``stack``; map ``layers`` to the stage
-    axis in ``rules`` so each stage holds its own layers. A step runs ``embed_fn`` on every
-    device (data parallel), the stack through the pipeline, and ``head_fn`` on the last stage
-    for each microbatch; the embedding and head are trained through the pipeline's input and
-    loss gradients. Gradients come back as an ``nnx.State`` for the optimizer, and every
-    parameter and optimizer leaf keeps its planned sharding.
-
-    Args:
-      embed_fn: ``embed_fn(model, batch) -> (inputs, targets)``: what enters the stack, and
-        the targets the head needs (both with the batch's leading dimension).
-      layer_fn: ``layer_fn(layer, x) -> x`` with ``layer`` one layer of the stack (a module).
-      head_fn: ``head_fn(model, y, targets) -> loss``: a microbatch's mean loss from the
-        stack's output.
-      mesh: The mesh, with ``stage_axis``.
-      rules: For a model substrax did not place: its rules (``layers`` on ``stage_axis``).
-        A model from :func:`create_sharded_model` brings its own plan.
-      layout: For a model substrax did not place: its layout (``pp``).
-      stack: The model attribute holding the stacked layers.
-      stage_axis: The mesh axis of the pipeline stages.
-      microbatches: Microbatches per batch (as ``make_train_step`` and the planner's
-        ``Workload`` name them): the step's gradient accumulation, as ``make_train_step``'s
-        ``microbatches`` are. Their gradients are summed in one pass, reduced once; with
-        a split schedule (``"1f1b"``, ``"interleaved"``, ``"zb-h1"``) activation memory is
-        bounded by the stages, not by ``microbatches``, and more of them shrink the bubble,
-        so a larger batch takes more microbatches rather than several passes (each would
-        pay the bubble and the reduction again).
-      schedule: One of :data:`substrax.pipeline.SCHEDULES`: ``"gpipe"``, ``"1f1b"``,
-        ``"circular"``, ``"interleaved"`` or ``"zb-h1"`` (see
-        :class:`substrax.pipeline.Pipeline`; the plan's ``schedule`` line shows its idle
-        share and the activations it holds). The default, ZB-H1, idles least of the
-        schedules with one chunk per stage (about a third of 1F1B's bubble) and holds one
-        microbatch more than 1F1B, flat in ``microbatches``; GPipe holds every microbatch.
-      repeats: Chunks of layers per stage: rounds of the ring for ``"circular"``, virtual
-        stages per device for ``"interleaved"``.
-      remat: ``"none"``, ``"selective"`` or ``"full"``, as :func:`make_train_step` takes
-        them: which activations the backward pass keeps, per stage (GPipe, circular) or per
-        layer (the split schedules). True and False still mean ``"full"`` and ``"none"``.
-      batch_axes: Mesh axes of the batch; by default the layout's (or the model's plan's)
-        batch axes but ``stage_axis``, or every axis
-        but ``stage_axis`` that the rules' ``data`` names.
-      num_layers: The real layer count of a stack stored padded: a stack whose layers do
-        not divide the stages cannot be sharded over the stage axis (a sharded dimension
-        must divide its mesh axis), so build it with :meth:`PipelineTrainStep.num_slots`
-        layers (126 layers on 16 stages: 128) and give ``num_layers``; the slots run in
-        slot order, the padding slots are masked (identity, zero gradients). None: every
-        stored layer is real (a stack that does not divide the stages then stays whole on
-        every stage, with a ``ShardingWarning``).
-      on_nonfinite: A step with a NaN or inf loss or gradient: ``"skip"`` its update (and
-        warn), ``"raise"``, or ``"apply"`` it; as for :func:`make_train_step`.
-      precision: A :class:`substrax.spmd.MixedPrecision` policy or a name of
-        :data:`substrax.spmd.PRECISIONS` (``"f32"`` / None, ``"mixed"``, ``"bf16"``), as for
-        :func:`make_train_step`: the embedding, each stage and the head compute with
-        parameters (and floating-point batch leaves) cast to the compute dtype, and the
-        stack's inputs and each layer's output are cast to it, so the activations passed
-        between stages are in it; the optimizer sees gradients in the stored dtype and the
-        loss is in the output dtype.
-      donate: Donate the model and optimizer buffers to the step.
-      has_aux: Whether ``head_fn`` returns ``(loss, aux)``: ``aux`` a dict (or one value) of
-        a microbatch's scalar means; the step's metrics hold their mean over every
-        microbatch, as the loss is, as :func:`make_train_step` returns its aux.
-      wrt: The variables to differentiate and update, as for ``nnx.Optimizer`` (create the
-        optimizer with the same): the others (a frozen base under LoRA adapters) are held,
-        gathered and used by each stage, but never differentiated, reduced or updated.
-
-    The rules are in force inside the stages, as in :func:`make_train_step`:
-    :func:`substrax.spmd.constrain` in ``layer_fn`` or ``head_fn`` resolves through the
-    plan's compute rules without the stage and data axes (manual there). A layout with an
-    FSDP axis (``Layout.from_degrees(pp=2, fsdp=4)``) shards each layer over it as the plan
-    stores it; each stage gathers its layers once per step and reduce-scatters their
-    gradients once. ``step.plan_for(model, optimizer, batch)`` shows the step's plan.
-
-    Random streams (``nnx.Dropout``, ``nnx.Rngs`` in the model) draw one device's numbers:
-    inside a stage or the head each device computes its microbatch rows' share of the whole
-    batch's draw (:mod:`substrax_flax._streams`), and the counts advance once per step, as on
-    one device, so the step equals the flat step on one device with dropout on. A draw whose
-    shape does not split with the rows raises ``ValueError``.
-
-    Returns:
-      A :class:`PipelineTrainStep`.
+    """:func:`~substrax_flax.make_train_step` for :class:`Stages`, its options checked.
 
     Raises:
-      ValueError: As :class:`substrax.pipeline.Pipeline`, for an unknown ``on_nonfinite``,
-        when the model holds variables other than parameters and random streams (batch
-        statistics), or when its stack has
-        neither ``num_layers`` layers nor their padded slots (both checked on the first
-        call).
+      ValueError: As :func:`~substrax_flax.make_train_step` and
+        :class:`substrax.pipeline.Pipeline` (checked now where ``mesh`` is given, else on
+        the first call).
     """
-    for name, fn in (("embed_fn", embed_fn), ("layer_fn", layer_fn), ("head_fn", head_fn)):
-        if not callable(fn):
-            raise TypeError(f"{name} must be a function, got {type(fn).__name__} {fn!r:.80}.")
-    if not isinstance(stack, str):
-        raise TypeError(
-            f"stack must name the model's attribute holding the layer stack (a str such as "
-            f"'blocks'), got {stack!r}."
-        )
-    for name, value in (("microbatches", microbatches), ("repeats", repeats)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-    check_mesh(mesh)
+    _check_count("microbatches", microbatches)
     check_filter(wrt)
     check_policy(on_nonfinite)
-    if stage_axis not in mesh.axis_names:
-        raise ValueError(
-            f"stage_axis {stage_axis!r} is not a mesh axis; the mesh has {tuple(mesh.axis_names)}."
-        )
-    if batch_axes is None and (rules is not None or layout is not None):
-        batch_axes = _batch_axes(mesh, rules, layout, stage_axis)
-    strategy = PipelineParallelStrategy(stage_axis, tuple(mesh.axis_names).index(stage_axis),
-                                        dict(mesh.shape)[stage_axis])  # fmt: skip
-    options = dict(num_microbatches=microbatches, schedule=schedule, repeats=repeats,
-                   remat=remat)  # fmt: skip
-    # validate now
-    timetable = Pipeline(
-        lambda p, x: x, lambda y, t: 0.0, mesh, strategy, batch_axes=batch_axes or (), **options
-    ).timetable
-
-    def make_pipeline(layer_fn, loss_fn, **extra):
-        return Pipeline(layer_fn, loss_fn, mesh, strategy, **options, **extra)
-
-    settings = (
-        ("stages", f"{strategy.num_stages} on {stage_axis!r}", "the mesh's stage axis"),
-        ("schedule", f"{schedule}" + (f" x {repeats} chunks" if repeats > 1 else ""),
-         f"as asked: idle {timetable.idle_fraction():.3f} of the stages' ticks, "
-         f"{timetable.held()} microbatch chunks of activations held per stage"),
-        ("microbatches", str(microbatches), "as asked"),
+    return PipelineTrainStep(
+        stages, mesh=mesh, rules=rules, layout=layout, microbatches=microbatches, remat=remat,
+        batch_axes=batch_axes, on_nonfinite=on_nonfinite, precision=as_precision(precision),
+        donate=donate, has_aux=has_aux, wrt=wrt,
     )  # fmt: skip
-    return PipelineTrainStep(make_pipeline, embed_fn, layer_fn, head_fn, mesh=mesh, rules=rules,
-                             layout=layout, stack=stack, batch_axes=batch_axes,
-                             num_layers=num_layers, on_nonfinite=on_nonfinite,
-                             precision=as_precision(precision), donate=donate,
-                             settings=settings, stage_axis=stage_axis,
-                             has_aux=has_aux, wrt=wrt)  # fmt: skip
-
-
-def _batch_axes(mesh: Any, rules: Rules, layout: LayoutLike, stage_axis: str) -> tuple[str, ...]:
-    if layout is not None:
-        named = as_layout(layout, mesh).batch_axes
-    else:
-        named = as_axes(as_rules(rules, mesh).data)
-    return tuple(a for a in named if a != stage_axis)

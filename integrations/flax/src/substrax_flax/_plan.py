@@ -611,7 +611,7 @@ def _check_stages(rows: tuple[VariableSharding, ...], layout: Layout | None, mes
         f"over the stage axes {stages}, but no variable of the model has a 'layers' "
         "dimension: every device would hold the whole model. Stack the blocks with "
         "nnx.vmap(..., transform_metadata={nnx.PARTITION_NAME: 'layers'}) and train with "
-        "make_pipeline_train_step (see docs/pipeline.md), or use a layout without pipeline "
+        "make_train_step(Stages(...)) (see docs/pipeline.md), or use a layout without pipeline "
         "stages ('fsdp', 'fsdp+tp')."
     )
 

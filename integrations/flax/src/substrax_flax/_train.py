@@ -37,6 +37,7 @@ from substrax_flax._manual import manual_movers, manual_rules, manual_value_and_
 from substrax_flax._nonfinite import NonFinite, check_policy, guard_decision
 from substrax_flax._optimizer import check_owner
 from substrax_flax._per_device import sync_batch_norms
+from substrax_flax._pipeline_step import PipelineTrainStep, Stages, pipelined_step
 from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, shardings_of
 from substrax_flax._remat import Marked, use_remat
 from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules
@@ -665,7 +666,7 @@ def _axes(value: Sequence[str] | str | None) -> tuple[str, ...] | None:
 
 
 def make_train_step(
-    loss_fn: Callable[..., Any],
+    loss_fn: Callable[..., Any] | Stages,
     mesh: jax.sharding.Mesh | None = None,
     rules: Rules = None,
     *,
@@ -683,8 +684,15 @@ def make_train_step(
     microbatches: int = 1,
     precision: MixedPrecision | str | None = None,
     plan: ModelPlan | None = None,
-) -> TrainStep:
+) -> TrainStep | PipelineTrainStep:
     """Builds a jitted training step that realises the model's layout, at its best by default.
+
+    One step for every layout: given a loss function it splits the batch (XLA's partitioning
+    or the manual region, :attr:`TrainStep.plan` says which and why); given :class:`Stages`
+    (``make_train_step(Stages(embed, layer, head, stack="blocks"), microbatches=4)``) it runs
+    the model's layer stack as a pipeline over the stage axis (a ``pp`` layout), the
+    embedding and head data parallel; both are the same step body around another gradient
+    function.
 
     The step differentiates ``loss_fn`` with respect to ``wrt``, applies the optimizer, and
     returns the whole new state, so no update is lost (the trap of a ``jax.jit`` step that
@@ -705,7 +713,9 @@ def make_train_step(
 
     Args:
       loss_fn: ``loss_fn(model, batch)`` returning a scalar loss, or ``(loss, aux)`` with
-        ``has_aux=True``.
+        ``has_aux=True``; or the model's :class:`Stages` for a pipelined step (whose
+        ``head`` returns the loss; ``strategy``, ``compute_rules``, ``gather`` and
+        ``data_parallel`` are the flat step's alone).
       mesh: For a model substrax did not place: the device mesh.
       rules: For a model substrax did not place: its parameter rules.
       layout: For a model substrax did not place: its layout (or layout name).
@@ -736,7 +746,8 @@ def make_train_step(
         ``"selective"`` (the outputs of products with the weights; element-wise work and
         attention scores are recomputed) or ``"full"`` (only each block's input: the block
         is recomputed). Blocks are recomputed one at a time. With no marked block a
-        ``RuntimeWarning`` says that nothing is recomputed.
+        ``RuntimeWarning`` says that nothing is recomputed. A pipeline applies it per stage
+        (GPipe, circular) or per layer (the split schedules).
       data_parallel: How the batch axes are split. ``"manual"``: each device computes the
         loss of its own rows inside ``shard_map`` over the batch axes, gathers FSDP
         parameters with ``all_gather`` and reduce-scatters their gradients (on every
@@ -749,15 +760,18 @@ def make_train_step(
         default) is ``"manual"`` unless that would change the model's numbers -- batch
         statistics outside ``nnx.BatchNorm`` (a BatchNorm's moments are reduced over the
         devices, so it stays manual), random draws from a key that is not an ``nnx.Rngs``
-        stream (each device would draw the same numbers; a stream is folded with each
-        device's position, so dropout stays manual), or a mesh with Explicit axes -- and
+        stream (each device would draw the same numbers; an ``nnx.Rngs`` stream's draw is
+        split with the rows, each device computing its share of one device's draw, so
+        dropout stays manual), or a mesh with Explicit axes -- and
         then ``"xla"``, with a warning where it costs traffic;
         :meth:`TrainStep.data_parallel_for` says which.
       microbatches: Gradient accumulation (in the manual step): each device runs its rows as
         this many slices, one after the other, and the gradients are reduced once per step
         (the reductions do not grow with it; activations are held for one slice; ``zero2``
         layouts reduce each slice's). The loss is the mean of the slices' losses. With one
-        replica (batch axes of size 1) the slices run without a manual region.
+        replica (batch axes of size 1) the slices run without a manual region. For
+        :class:`Stages`, the pipeline's microbatches: with a split schedule activation
+        memory is bounded by the stages, not by them, and more of them shrink the bubble.
       precision: A :class:`substrax.spmd.MixedPrecision` policy or a name of
         :data:`substrax.spmd.PRECISIONS`, as the planner names them: ``"mixed"`` (float32
         master weights and optimizer state, bfloat16 gathers, compute and gradient
@@ -773,10 +787,11 @@ def make_train_step(
         ``strategy``, which the plan holds.
 
     Returns:
-      A :class:`TrainStep`.
+      A :class:`TrainStep`, or a :class:`PipelineTrainStep` for :class:`Stages`.
 
     Raises:
-      TypeError: If ``loss_fn`` is not callable, or ``plan`` comes with ``mesh``, ``rules``,
+      TypeError: If ``loss_fn`` is not callable (nor :class:`Stages`), a flat step's option
+        comes with :class:`Stages`, or ``plan`` comes with ``mesh``, ``rules``,
         ``layout`` or ``strategy``; on the first call, if ``loss_fn``'s result
         does not match ``has_aux`` or is not a scalar, or a differentiated variable is not
         floating point.
@@ -788,6 +803,22 @@ def make_train_step(
         ``"manual"`` or ``microbatches`` above 1 would change the model's numbers, or
         ``precision`` names a parameter dtype the parameters do not have (TypeError).
     """
+    if isinstance(loss_fn, Stages):
+        flat = {"strategy": strategy, "compute_rules": compute_rules}
+        flat = [name for name, value in flat.items() if value is not None]
+        flat += ["gather"] if gather != "keep" else []
+        flat += ["data_parallel"] if data_parallel != "auto" else []
+        flat += ["plan"] if plan is not None else []
+        if flat:
+            raise TypeError(
+                f"make_train_step(Stages(...)) runs a pipeline; {', '.join(flat)} are the flat "
+                "step's options: leave them out."
+            )
+        return pipelined_step(
+            loss_fn, mesh, rules, layout=layout, microbatches=microbatches, remat=remat,
+            batch_axes=batch_axes, on_nonfinite=on_nonfinite, precision=precision,
+            donate=donate, has_aux=has_aux, wrt=wrt,
+        )  # fmt: skip
     if not callable(loss_fn):
         raise TypeError(
             f"loss_fn must be a function loss_fn(model, batch) -> loss, got "

@@ -12,7 +12,7 @@ FLOPs, and the step's plan; ``--json PATH`` writes the same.
 The batch (``--batch ROWSxSEQ``) is ``{"inputs", "targets"}``, each ``int32[ROWS, SEQ]``, and
 the default loss is next-token cross-entropy of ``model(inputs)``; ``--loss module:function``
 takes your own ``loss_fn(model, batch)``. With ``--pipeline module:embed,module:layer,
-module:head`` (``--layout pp``) the step is :func:`~substrax_flax.make_pipeline_train_step`'s
+module:head`` (``--layout pp``) the step is ``make_train_step(Stages(embed, layer, head))``
 and the batch is token rows ``int32[ROWS, SEQ + 1]``, which ``embed`` shifts.
 """
 
@@ -131,11 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.pipeline:
             embed, layer, head = (_load(n, "--pipeline") for n in args.pipeline.split(","))
             mesh = target.make_mesh(options.pop("axis_sizes") or {"pipe": target.chips})
-            step = sf.make_pipeline_train_step(
-                embed, layer, head, mesh, stack=args.stack,
-                microbatches=args.microbatches, schedule=args.schedule, repeats=args.repeats,
-                remat=args.remat, precision=precision,
-            )  # fmt: skip
+            stages = sf.Stages(embed, layer, head, stack=args.stack, schedule=args.schedule,
+                               repeats=args.repeats)  # fmt: skip
+            step = sf.make_train_step(stages, mesh, microbatches=args.microbatches,
+                                      remat=args.remat, precision=precision)  # fmt: skip
             options["mesh"] = mesh
         else:
             step = _load(args.loss, "--loss") if args.loss else next_token_loss

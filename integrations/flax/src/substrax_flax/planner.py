@@ -48,7 +48,7 @@ from substrax.target import CompileTarget
 from substrax_flax._compile import CompileRefused, compile_for
 from substrax_flax._create import create_sharded_model
 from substrax_flax._optimizer import create_sharded_optimizer
-from substrax_flax._pipeline_step import make_pipeline_train_step
+from substrax_flax._pipeline_step import Stages
 from substrax_flax._remat import remat
 from substrax_flax._report import sharding_report
 from substrax_flax._state import layer_kinds, logical_names, shape_and_dtype, variables
@@ -272,9 +272,10 @@ def _pipeline_step(
         logits = _logits(config, lambda n: model.params[n][...], y)
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
-    return make_pipeline_train_step(
-        embed, layer, head, mesh if mesh is not None else layout.make_mesh(), layout=layout,
-        stack="layers", microbatches=microbatches, schedule=schedule, **options,
+    return make_train_step(
+        Stages(embed, layer, head, stack="layers", schedule=schedule),
+        mesh if mesh is not None else layout.make_mesh(), layout=layout,
+        microbatches=microbatches, **options,
     )  # fmt: skip
 
 
