@@ -92,3 +92,33 @@ def test_compiling_for_the_slice_bypasses_the_persistent_cache():
             warnings.simplefilter("always")
             step.lower(x).compile()
     assert any("Error reading persistent compilation cache" in str(w.message) for w in seen)
+
+
+def test_xla_tpu_compiles_ragged_dot_to_a_grouped_kernel():
+    """What native_grouped_matmul's docstring says of TPU: active FLOPs, no dense temporary.
+
+    (XLA:GPU with jax 0.11.2 compiles it densely, every row times every expert: measured in
+    benchmarks/results/gpu.md; XLA:CPU too, hence the blocked loop there.)
+    """
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from substrax.hlo import compiled_flops
+    from substrax.spmd import native_grouped_matmul
+
+    target = CompileTarget.parse("v5p:2x2x2")
+    whole = NamedSharding(target.make_mesh({"data": 8}), P())
+    experts, rows, width, hidden = 16, 2048, 256, 512
+    args = (
+        jax.ShapeDtypeStruct((rows, width), jnp.bfloat16, sharding=whole),
+        jax.ShapeDtypeStruct((experts, width, hidden), jnp.bfloat16, sharding=whole),
+        jax.ShapeDtypeStruct((experts,), jnp.int32, sharding=whole),
+    )
+    with target.compiling():
+        compiled = jax.jit(jax.lax.ragged_dot).lower(*args).compile()
+    assert native_grouped_matmul("tpu") and not native_grouped_matmul("cpu")
+    assert compiled_flops(compiled) == 2 * rows * width * hidden  # the active products only
+    dense = experts * rows * width * 2  # the [experts, rows, width] operand a dense product needs
+    assert compiled.memory_analysis().temp_size_in_bytes < dense / 8
+    assert "tpu_custom_call" in compiled.as_text()
