@@ -148,14 +148,3 @@ class StageLayout:
         if dim is None:
             return PartitionSpec(self.stage_axis)
         return PartitionSpec(self.stage_axis, None, None, *([None] * dim), self.fsdp_axis)
-
-    def gather(self, params: Any) -> Any:
-        """Inside the map: every parameter whole along its FSDP dimension, once."""
-
-        def gather(a):
-            dim = self.fsdp_dim(a.shape[3:])
-            if dim is None:
-                return a
-            return jax.lax.all_gather(a, self.fsdp_axis, axis=3 + dim, tiled=True)
-
-        return jax.tree.map(gather, params)

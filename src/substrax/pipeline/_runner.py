@@ -39,12 +39,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from substrax.mesh import PipelineParallelStrategy
+from substrax.mesh import PipelineParallelStrategy, spec_entry
 from substrax.pipeline._layout import StageLayout
 from substrax.pipeline._microbatch import computing
 from substrax.pipeline._schedule import Schedule, ScheduleSlot
 from substrax.pipeline._split import run_split
-from substrax.spmd import checkpoint_policy, lay_out
+from substrax.spmd import checkpoint_policy, gather_shard, lay_out, scatter_shard
 
 __all__ = ["Pipeline"]
 
@@ -399,19 +399,18 @@ class Pipeline:
 
         The gradient has ``lead`` slot dimensions (``[Lc, ...]``: 1) before a layer's and is
         whole along its FSDP dimension (the layers were gathered), so its shape is the global
-        one the FSDP dimension was chosen from. ``scatter`` >= 0 names a per-layer dimension
-        to reduce-scatter it along over every data axis instead (ZeRO).
+        one the FSDP dimension was chosen from. It is reduce-scattered over the FSDP axis
+        first, then its shard all-reduced over the other batch axes
+        (:func:`~substrax.spmd.scatter_shard`). ``scatter`` >= 0 names a per-layer dimension
+        to reduce-scatter it along over every batch axis instead (ZeRO).
         """
         if scatter >= 0:
-            return jax.lax.psum_scatter(
-                grad, self.batch_axes, scatter_dimension=lead + scatter, tiled=True
-            )
+            return scatter_shard(grad, _along(lead + scatter, spec_entry(self.batch_axes)))
         dim = self.fsdp_dim(grad.shape[lead:])
-        others = tuple(a for a in self.batch_axes if dim is None or a != self.fsdp_axis)
-        grad = jax.lax.psum(grad, others) if others else grad
         if dim is None:
-            return grad
-        return jax.lax.psum_scatter(grad, self.fsdp_axis, scatter_dimension=lead + dim, tiled=True)
+            return jax.lax.psum(grad, self.batch_axes) if self.batch_axes else grad
+        others = tuple(a for a in self.batch_axes if a != self.fsdp_axis)
+        return scatter_shard(grad, _along(lead + dim, self.fsdp_axis), replicas=others)
 
     def _mean(self, value: jax.Array) -> jax.Array:
         value = jax.lax.psum(value, self.stage_axis) / self.num_microbatches
@@ -514,9 +513,7 @@ class Pipeline:
         """Inside the map: each parameter whole along its FSDP dimension (-1: none), once."""
 
         def gather(a, dim):
-            if dim < 0:
-                return a
-            return jax.lax.all_gather(a, self.fsdp_axis, axis=3 + dim, tiled=True)
+            return a if dim < 0 else gather_shard(a, _along(3 + dim, self.fsdp_axis))
 
         if params is None:
             return None
@@ -750,3 +747,8 @@ class Pipeline:
             return self._loss(y, t, head)[0]
 
         return jnp.mean(jax.vmap(one)(xs, ts))
+
+
+def _along(dim: int, entry: Any) -> PartitionSpec:
+    """The spec of a value split along dimension ``dim`` over the axes ``entry``."""
+    return PartitionSpec(*(None,) * dim, entry)

@@ -42,7 +42,9 @@ from substrax.spmd._remat import checkpoint_policy as checkpoint_policy
 from substrax.spmd._routing import ROUTINGS as ROUTINGS
 from substrax.spmd._routing import Route as Route
 from substrax.spmd._routing import route as route
+from substrax.spmd._scatter import gather_shard as gather_shard
 from substrax.spmd._scatter import reduce_scatter as reduce_scatter
+from substrax.spmd._scatter import scatter_shard as scatter_shard
 from substrax.spmd._workarounds import OBSERVED_ON as OBSERVED_ON
 from substrax.spmd._workarounds import looped_region_obstacle as looped_region_obstacle
 from substrax.spmd._workarounds import region_obstacle as region_obstacle
@@ -80,9 +82,11 @@ __all__ = [
     "native_grouped_matmul",
     "active_platform",
     "positions",
+    "gather_shard",
     "reduce_scatter",
     "region_obstacle",
     "route",
+    "scatter_shard",
     "scatter_stages",
     "replicate",
     "shard_batch",

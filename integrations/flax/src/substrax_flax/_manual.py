@@ -23,6 +23,7 @@ as well: XLA would otherwise replicate them over the tensor axes before the gath
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +34,7 @@ from jax.sharding import PartitionSpec
 
 from substrax.layout import Layout
 from substrax.mesh import MeshRules, as_axes, spec_entry
-from substrax.spmd import MixedPrecision, is_replicated_leaf, reduce_scatter
+from substrax.spmd import MixedPrecision, gather_shard, is_replicated_leaf, scatter_shard
 from substrax_flax._resolve import without_axes
 from substrax_flax._state import map_variables, values_by_path
 from substrax_flax._streams import RowDraws, rows_loss
@@ -198,13 +199,7 @@ class Mover:
         if self.replicas:  # varying, so that the gradient arrives unsummed over the replicas
             x = jax.lax.pcast(x, self.replicas, to="varying")
 
-        def gather(x):
-            for dim, entry in enumerate(self.spec):
-                if entry is not None:
-                    x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
-            return x
-
-        x = self._on_blocks(gather, self.spec)(x)
+        x = self._on_blocks(functools.partial(gather_shard, spec=self.spec), self.spec)(x)
         if self.precision.gather is not None:
             x = jax.lax.optimization_barrier(x)  # keeps XLA from gathering before the cast
         compute = self.precision.compute_dtype
@@ -221,17 +216,9 @@ class Mover:
             g = jax.lax.optimization_barrier(g)  # keeps XLA from reducing before the cast
 
         spec = self.grad_spec
-
-        def scatter(g):
-            for dim in reversed(range(len(spec))):
-                if spec[dim] is not None:
-                    whole = self.stages and math.prod(self.stages) == jax.lax.axis_size(spec[dim])
-                    stages = self.stages if whole else None
-                    g = reduce_scatter(g, spec[dim], dimension=dim, stages=stages)
-            return g
-
+        scatter = functools.partial(scatter_shard, spec=spec, stages=self.stages)
         g = self._on_blocks(scatter, spec)(g)
-        if self._unsharded(spec):
+        if self._unsharded(spec):  # the shard's sum over the replicas, outside the blocks
             g = jax.lax.psum(g, self._unsharded(spec))
         return g.astype(dtype)
 
