@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
 __all__ = ["ProgramKey", "StepCache", "equal"]
 
@@ -58,21 +57,19 @@ class ProgramKey:
     arrays: tuple
 
     @classmethod
-    def of(cls, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> ProgramKey:
+    def of(cls, graphdefs: tuple[Any, Any], states: tuple[Any, Any], batch: Any) -> ProgramKey:
         """The key of a step's program for these arguments.
 
         Args:
-          model: The model.
-          optimizer: Its optimizer.
+          graphdefs: The model's and the optimizer's graph definitions (``nnx.split``).
+          states: Their states, from the same split.
           batch: The batch as passed to the step (host or device arrays).
 
         Returns:
           The key.
         """
-        model_def, model_state = nnx.split(model)
-        opt_def, opt_state = nnx.split(optimizer)
-        arrays = (_signature(model_state), _signature(opt_state), _signature(batch))
-        return cls((model_def, opt_def), arrays)
+        arrays = (*(_signature(state) for state in states), _signature(batch))
+        return cls(tuple(graphdefs), arrays)
 
     def matches(self, other: ProgramKey) -> bool:
         """Whether ``other`` names the same program."""

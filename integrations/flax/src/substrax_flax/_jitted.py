@@ -277,9 +277,16 @@ class JittedStep:
 
     def _built(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any) -> Built:
         """The compiled step for these arguments' program (see :mod:`substrax_flax._cache`)."""
+        return self._built_and_states(model, optimizer, batch)[0]
+
+    def _built_and_states(
+        self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any
+    ) -> tuple[Built, tuple[Any, Any]]:
+        """:meth:`_built`, and the model's and optimizer's states from the same one split."""
         check_step_arguments(model, optimizer)
         check_batch(batch)  # before its leaves are read for the key
-        key = ProgramKey.of(model, optimizer, batch)
+        (model_def, model_state), (opt_def, opt_state) = nnx.split(model), nnx.split(optimizer)
+        key = ProgramKey.of((model_def, opt_def), (model_state, opt_state), batch)
         built = self._compiled.get(key)
         if built is None:
             built = self._build(model, optimizer, batch)
@@ -287,13 +294,16 @@ class JittedStep:
                 agree(f"train step program {next(_PROGRAMS)}", _fingerprint(built, model, batch))
             self._compiled.put(key, built)
         self._last = built
-        return built
+        return built, (model_state, opt_state)
 
     def _with_built(
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, use: Callable
     ) -> Any:
-        """``use(built)`` with the compiled step for these arguments."""
-        return use(self._built(model, optimizer, batch))
+        """``use(built, states)`` with the compiled step for these arguments and their states.
+
+        One split of the model and the optimizer serves the program's key and its arguments.
+        """
+        return use(*self._built_and_states(model, optimizer, batch))
 
     @staticmethod
     def _batch(batch: Any, built: Built) -> Any:
@@ -333,10 +343,10 @@ class JittedStep:
             not finite (the model and optimizer are unchanged).
         """
 
-        def run(built):
+        def run(built, states):
             progress(f"{built.path} step, call {self._guard.calls + 1}")  # for the launcher
             with jax.set_mesh(built.mesh):  # model code may use bare PartitionSpecs
-                args = built.enter((nnx.state(model), nnx.state(optimizer)))
+                args = built.enter(states)
                 out = built.jitted(*args, self._batch(batch, built))
             return (*built.leave(out[:2]), out[2], built.path)
 
@@ -391,9 +401,9 @@ class JittedStep:
           ``as_text()`` (the partitioned HLO).
         """
 
-        def lower(built):
+        def lower(built, states):
             with jax.set_mesh(built.mesh):
-                args = built.enter((nnx.state(model), nnx.state(optimizer)))
+                args = built.enter(states)
                 return built.jitted.lower(*args, self._batch(batch, built))
 
         return self._with_built(model, optimizer, batch, lower)

@@ -121,6 +121,12 @@ class StepPlan:
       scatter_stages: ``(outer, inner)`` where a gradient's reduce-scatter over every device
         goes in two stages (:func:`substrax.spmd.scatter_stages`; the ``scatter`` decision),
         else None.
+      movers: On the manual path, how each differentiated parameter moves in the region
+        (a pure dict of the adapter's ``Mover``: its spec over the batch axes, its compute
+        sharding, the precision's gather and reduction dtypes, its gradient's spec, the
+        scatter's stages), what :attr:`params` prints; None elsewhere.
+      scatter_each: Whether accumulated gradients are reduce-scattered slice by slice
+        (ZeRO-2) rather than once per step.
     """
 
     path: str
@@ -140,6 +146,8 @@ class StepPlan:
     check_state: bool = False
     draws: RowDraws | None = None
     scatter_stages: tuple[int, int] | None = None
+    movers: Any = None
+    scatter_each: bool = False
 
     def __str__(self) -> str:
         width = max(len(d.name) for d in self.decisions)

@@ -209,21 +209,9 @@ class TrainStep(JittedStep):
         opt_sh = _on(mesh, optimizer_shardings(optimizer, plan))
         used = _on(mesh, compute_sh)
         manual = None
-        if step_plan.path == "manual":
-            split = step_plan.region_axes
-            _check_microbatches(batch, mesh, split, self.microbatches)
-            rows = {row.path: row for row in plan.rows}
-            movers = manual_movers(
-                nnx.state(model, self.wrt),
-                rows,
-                split,
-                used,
-                self.precision,
-                plan.layout,
-                step_plan.scatter_stages,
-            )
-            zero = plan.layout.zero if plan.layout is not None else 0
-            manual = (split, movers, zero == 2, step_plan.draws)
+        if step_plan.path == "manual":  # everything the manual region does is in the plan
+            manual = (step_plan.region_axes, step_plan.movers, step_plan.scatter_each,
+                      step_plan.draws)  # fmt: skip
         self._guard.state_checked = step_plan.check_state
         # Inside the manual region the batch axes are manual: activations and parameters are
         # constrained over the other axes only.
@@ -308,10 +296,18 @@ class TrainStep(JittedStep):
         if path.extra_bytes:
             more = "more traffic per device per step than the manual step"
             decisions += (Decision("cost", _megabytes(path.extra_bytes), more),)
+        movers, scatter_each = None, False
+        if path.name == "manual":  # the region may be empty: accumulation on one replica
+            _check_microbatches(batch, mesh, region, self.microbatches)
+            rows = {row.path: row for row in plan.rows}
+            movers = manual_movers(nnx.state(model, self.wrt), rows, region,
+                                   _on(mesh, compute_sh), self.precision, plan.layout,
+                                   stages)  # fmt: skip
+            scatter_each = plan.layout is not None and plan.layout.zero == 2
         step_plan = StepPlan(
             path.name, path.reason, mesh, tuple(batch_axes), region, seq_axes, self.precision,
             self.remat, self.microbatches, self.gather, path.extra_bytes, params, decisions,
-            path.advice, check_state, drawn, stages,
+            path.advice, check_state, drawn, stages, movers, scatter_each,
         )  # fmt: skip
         return step_plan, traced
 
