@@ -151,6 +151,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="with --init-from: write the trained model (adapters merged) here as a Hugging "
         "Face checkpoint",
     )  # fmt: skip
+    parser.add_argument(
+        "--eval-every", type=int, default=0,
+        help="evaluate the held-out batches every N steps and at the last (0: never)",
+    )  # fmt: skip
+    parser.add_argument("--eval-batches", type=int, default=2,
+                        help="held-out batches per evaluation")  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
                         help="save sharded checkpoints here (none: no checkpoints)")  # fmt: skip
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
@@ -216,6 +222,10 @@ def build(args):
             f"--batch-size {args.batch_size} does not divide the {data_devices} devices of the "
             f"data axes {layout.batch_axes}; use a multiple of {data_devices}"
         )
+    if args.eval_every < 0 or args.eval_batches < 1:
+        raise UsageError("--eval-every must not be negative and --eval-batches must be positive")
+    if args.eval_every and args.strategy == "pp":
+        raise UsageError("--eval-every: the pipelined layout has no eval step yet; drop it")
     if args.strategy == "pp":
         check_pipeline(args, layout.pp, data_devices)
     elif args.batch_size % (args.microbatches * data_devices):
@@ -370,9 +380,47 @@ class Scalars:
         self.writer.add_scalar("loss", record["loss"], step)
         self.writer.add_scalar("step_seconds", record["seconds"], step)
         self.writer.add_scalar("tokens_per_second", tokens / record["seconds"], step)
+        if "eval_loss" in record:
+            self.writer.add_scalar("eval_loss", record["eval_loss"], step)
 
     def close(self) -> None:
         self.writer.close()
+
+
+#: The held-out batches' seed offset: the generator's stream for seed + HELD_OUT never meets
+#: the training batches' (seed, step) streams.
+HELD_OUT = 1_000_003
+
+
+class HeldOut:
+    """The held-out loss: ``--eval-batches`` batches no step trains on, through the eval step.
+
+    The model is evaluated in evaluation mode (``model.eval()``: no dropout), then given its
+    modes back exactly (not ``model.train()``, which would change its graph and compile the
+    train step again).
+    """
+
+    MODES = ("deterministic", "use_running_average")
+
+    def __init__(self, args):
+        self.args = args
+        self.step = sf.make_eval_step(lambda model, batch: {"loss": gpt.loss_fn(model, batch)})
+
+    def __call__(self, model) -> float:
+        args = self.args
+        modes = [(module, name, getattr(module, name)) for _, module in model.iter_modules()
+                 for name in self.MODES if hasattr(module, name)]  # fmt: skip
+        model.eval()
+        try:
+            losses = [
+                float(self.step(model, gpt.next_tokens(local_rows(
+                    gpt.batch_at(i, args.batch_size, args.seq, args.seed + HELD_OUT))))["loss"])
+                for i in range(args.eval_batches)
+            ]  # fmt: skip
+        finally:
+            for module, name, value in modes:
+                setattr(module, name, value)
+        return sum(losses) / len(losses)
 
 
 class Progress:
@@ -498,6 +546,8 @@ def train(args) -> dict:
     board = None
     if primary and args.tensorboard:
         board = Scalars(args.output_dir / "tensorboard", start_step)
+    evaluations = []
+    evaluate = HeldOut(args) if args.eval_every else None
     started, compile_seconds = time.perf_counter(), 0.0
     for step in range(start_step, args.steps):
         batch = gpt.batch_at(step, args.batch_size, args.seq, args.seed)
@@ -524,9 +574,16 @@ def train(args) -> dict:
                       + (f"; MFU against {said}" if peak else f"; {said}"), flush=True)  # fmt: skip
         if not bool(metrics["finite"]):  # the step skipped its update (and warned)
             skipped.append(step + 1)
+        record = {"step": step + 1, "loss": loss, "seconds": seconds}
+        if evaluate is not None and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            record["eval_loss"] = evaluate(model)
+            evaluations.append([step + 1, record["eval_loss"]])
         if primary:
             progress.update(step + 1, loss, seconds, tokens)
-            record = {"step": step + 1, "loss": loss, "seconds": seconds}
+            if "eval_loss" in record:
+                held = record["eval_loss"]
+                print(f"step {step + 1}: held-out loss {held:.4f} "
+                      f"({held / math.log(2):.3f} bits per byte)", flush=True)  # fmt: skip
             log.write(record)
             if board is not None:
                 board.write(record, tokens)
@@ -564,6 +621,7 @@ def train(args) -> dict:
         "peak_bytes_per_device": peak_bytes,
         "flops_per_device_per_step": flops,
         "skipped_steps": skipped,
+        "eval_losses": evaluations,
         "remat": args.remat,
         "precision": args.precision,
         "microbatches": args.microbatches,

@@ -96,7 +96,7 @@ def test_the_readme_first_code_block_runs_as_written(tmp_path):
     assert "Step plan:" in out.stdout and "reduce-scatter over ('data',)" in out.stdout
 
 
-QUICK_STARTS = ("index", "context", "experts", "pipeline", "pretrained", "targets")
+QUICK_STARTS = ("index", "evaluate", "context", "experts", "pipeline", "pretrained", "targets")
 
 
 def test_the_quick_start_of_each_docs_page_runs(tmp_path):

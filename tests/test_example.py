@@ -28,7 +28,8 @@ def _run(*args, tmp_path):
 def test_example_trains_and_writes_metrics(tmp_path, strategy, precision, microbatches):
     result = _run(*TINY, "--steps", "12", "--strategy", strategy, "--precision", precision,
                   "--microbatches", str(microbatches), "--batch-size", "16",
-                  "--peak-tflops", "0.5", tmp_path=tmp_path)  # fmt: skip
+                  "--peak-tflops", "0.5", "--eval-every", "6", "--tensorboard",
+                  tmp_path=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     # once the step is compiled: its peak memory and FLOPs; then MFU on every progress line
@@ -45,6 +46,18 @@ def test_example_trains_and_writes_metrics(tmp_path, strategy, precision, microb
     assert (metrics["precision"], metrics["microbatches"]) == (precision, microbatches)
     assert metrics["losses"][-1] < metrics["losses"][0]
     assert "loss" in result.stdout and "MiB per device" in result.stdout
+    # the held-out loss every 6 steps: printed, in metrics.json, on its step's line, in
+    # TensorBoard; it falls as training goes on
+    (first, at_6), (last, at_12) = metrics["eval_losses"]
+    assert (first, last) == (6, 12) and at_12 < at_6
+    assert f"step 12: held-out loss {at_12:.4f}" in result.stdout
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_loss" in r] == [6, 12]
+    assert records[11]["eval_loss"] == at_12
+    scalars = [(step, value) for tag, step, value in _tensorboard_scalars(tmp_path / "tensorboard")
+               if tag == "eval_loss"]  # fmt: skip
+    assert [step for step, _ in scalars] == [6, 12]
+    assert [value for _, value in scalars] == pytest.approx([at_6, at_12], rel=1e-6)
 
 
 def test_context_and_expert_runs_train(tmp_path):

@@ -22,6 +22,8 @@ from substrax_flax._create import create_sharded_model as create_sharded_model
 from substrax_flax._create import get_shardings as get_shardings
 from substrax_flax._create import plan_model as plan_model
 from substrax_flax._create import shard_model as shard_model
+from substrax_flax._eval import EvalStep as EvalStep
+from substrax_flax._eval import make_eval_step as make_eval_step
 from substrax_flax._experts import MixtureOfExperts as MixtureOfExperts
 from substrax_flax._experts import RouterBias as RouterBias
 from substrax_flax._nonfinite import NonFiniteWarning as NonFiniteWarning
@@ -53,6 +55,7 @@ __all__ = [
     "Checkpointer",
     "Decision",
     "DirectoryLocked",
+    "EvalStep",
     "KeyMap",
     "MixtureOfExperts",
     "RouterBias",
@@ -75,6 +78,7 @@ __all__ = [
     "create_sharded_optimizer",
     "get_shardings",
     "load_weights",
+    "make_eval_step",
     "make_train_step",
     "plan_model",
     "plan_weights",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -60,6 +61,21 @@ __all__ = ["TrainStep", "make_train_step"]
 Gather = Literal["keep", "regather"]
 DATA_PARALLEL = ("auto", "manual", "xla")
 _GATHERED = "substrax_gathered_param"
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Where a step splits the batch and how (:meth:`TrainStep._route`), before tracing."""
+
+    mesh: jax.sharding.Mesh
+    decision: Decision
+    batch_axes: tuple[str, ...]
+    split: tuple[str, ...]
+    traced: Callable[..., Traced]
+    path: Any
+    region: tuple[str, ...]
+    drawn: RowDraws | None
+    seq_axes: tuple[str, ...]
 
 
 class TrainStep(JittedStep):
@@ -124,6 +140,7 @@ class TrainStep(JittedStep):
         self.compute_rules, self.gather = compute_rules, gather
         self.batch_axes, self.donate = batch_axes, donate
         self._given = plan
+        self._entry = "make_train_step"
 
     def _compute(self, plan: ModelPlan, params: Any) -> tuple[Any, MeshRules]:
         """Parameter shardings at the point of use, and the rules for activations."""
@@ -245,30 +262,15 @@ class TrainStep(JittedStep):
         check_owner(optimizer, model, "The train step")
         _check_differentiable(model, self.wrt)
         _check_param_dtype(model, self.wrt, self.precision)
-        batch_axes = self.batch_axes or plan.batch_axes
-        if not batch_axes:
-            raise ValueError(
-                "make_train_step needs the batch's mesh axes: pass batch_axes=..., a layout, or "
-                f"rules whose 'data' maps to mesh axes (mesh axes: {tuple(plan.mesh.axis_names)})."
-            )
-        mesh, mesh_decision = step_mesh(plan)
-        # The manual region spans the batch axes parameters are whole on where used; expert
-        # axes also split the batch, but stay with XLA (the expert layer enters its own region).
-        experts = plan.layout.expert_axes if plan.layout is not None else ()
-        split = tuple(a for a in batch_axes if dict(mesh.shape)[a] > 1 and a not in experts)
-        traced = self._tracer(model, mesh, batch, compute_sh, rules, split)
-        if mesh is not plan.mesh:  # the Auto twin: does the model's code run on Auto axes?
-            mesh, mesh_decision, traced = self._explicit_if_needed(
-                (mesh, mesh_decision, traced), (model, plan.mesh, batch, compute_sh, rules, split)
-            )  # fmt: skip
-        draws = functools.cache(functools.partial(self._row_draws, model, mesh, batch, split,
-                                                  traced))  # fmt: skip
-        path = choose_path(self.data_parallel, model, plan, mesh, split, self.precision,
-                           self.microbatches, traced, self.wrt, draws)  # fmt: skip
-        region = split if path.name == "manual" else ()
-        drawn = draws() if path.name == "manual" else None
-        seq_axes = plan.layout.context_axes if plan.layout is not None else ()
-        _check_sequence_slices(seq_axes, dict(mesh.shape), traced)
+        route = self._route(model, batch, plan, compute_sh, rules, self._row_draws)
+        mesh, mesh_decision, batch_axes, split = (
+            route.mesh,
+            route.decision,
+            route.batch_axes,
+            route.split,
+        )
+        traced, path, region, drawn = route.traced, route.path, route.region, route.drawn
+        seq_axes = route.seq_axes
         stages = region_stages(mesh, region)
         params = param_steps(plan, nnx.state(model, self.wrt), compute_sh, path.name, split,
                              stages)  # fmt: skip
@@ -310,6 +312,38 @@ class TrainStep(JittedStep):
             path.advice, check_state, drawn, stages, movers, scatter_each,
         )  # fmt: skip
         return step_plan, traced
+
+    def _route(self, model, batch, plan, compute_sh, rules, row_draws) -> Route:
+        """Where the batch is split and how: the mesh, the region, the path, and why.
+
+        ``row_draws(model, mesh, batch, split, traced)`` says how the loss's draws split with
+        the rows (or raises ``ValueError`` saying why not).
+        """
+        batch_axes = self.batch_axes or plan.batch_axes
+        if not batch_axes:
+            raise ValueError(
+                f"{self._entry} needs the batch's mesh axes: pass batch_axes=..., a layout, or "
+                f"rules whose 'data' maps to mesh axes (mesh axes: {tuple(plan.mesh.axis_names)})."
+            )
+        mesh, mesh_decision = step_mesh(plan)
+        # The manual region spans the batch axes parameters are whole on where used; expert
+        # axes also split the batch, but stay with XLA (the expert layer enters its own region).
+        experts = plan.layout.expert_axes if plan.layout is not None else ()
+        split = tuple(a for a in batch_axes if dict(mesh.shape)[a] > 1 and a not in experts)
+        traced = self._tracer(model, mesh, batch, compute_sh, rules, split)
+        if mesh is not plan.mesh:  # the Auto twin: does the model's code run on Auto axes?
+            mesh, mesh_decision, traced = self._explicit_if_needed(
+                (mesh, mesh_decision, traced), (model, plan.mesh, batch, compute_sh, rules, split)
+            )  # fmt: skip
+        draws = functools.cache(functools.partial(row_draws, model, mesh, batch, split, traced))
+        path = choose_path(self.data_parallel, model, plan, mesh, split, self.precision,
+                           self.microbatches, traced, self.wrt, draws)  # fmt: skip
+        region = split if path.name == "manual" else ()
+        drawn = draws() if path.name == "manual" else None
+        seq_axes = plan.layout.context_axes if plan.layout is not None else ()
+        _check_sequence_slices(seq_axes, dict(mesh.shape), traced)
+        return Route(mesh, mesh_decision, tuple(batch_axes), split, traced, path, region, drawn,
+                     seq_axes)  # fmt: skip
 
     def _warn_path(self, step_plan: StepPlan) -> None:
         """Says, at the user's line, where ``"auto"`` left the manual step at a cost."""

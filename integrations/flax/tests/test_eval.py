@@ -1,0 +1,136 @@
+"""The eval step: metrics at the training step's layout, equal to XLA's whole-batch forward,
+with the forward half of the training step's traffic."""
+
+import dataclasses
+
+import gpt
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import substrax_flax as sf
+from substrax.hlo import traffic_by_kind
+from substrax.layout import Layout
+from substrax.mesh import DeviceMeshManager
+
+CONFIG = gpt.Config(vocab=256, d_model=64, heads=4, mlp=256, layers=2, seq=16)
+BATCH = gpt.batch_at(7, 16, CONFIG.seq)
+
+
+def metrics(model, batch):
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = model(inputs)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    return {"loss": loss, "correct": (logits.argmax(-1) == targets).sum(), "logits": logits}
+
+
+LAYOUTS = {
+    "dp": lambda: Layout.named("dp", {"data": 8}),
+    "fsdp": lambda: Layout.named("fsdp", {"data": 8}),
+    "fsdp+tp": lambda: Layout.named("fsdp+tp", {"data": 4, "model": 2}),
+    "zero1": lambda: Layout.named("zero1", {"data": 8}),
+}
+
+
+def _placed(layout, config=CONFIG):
+    return sf.create_sharded_model(lambda: gpt.GPT(config, nnx.Rngs(0)), layout=layout)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_metrics_equal_xlas_whole_batch_forward_and_move_the_forward_half(name):
+    layout = LAYOUTS[name]()
+    model = _placed(layout)
+    evaluate = sf.make_eval_step(metrics, sums=("correct",))
+    got = evaluate(model, BATCH)
+    assert evaluate.plan.path == "manual" and evaluate.plan.region_axes == layout.batch_axes
+    want = nnx.jit(metrics)(model, jnp.asarray(BATCH))  # XLA partitions the whole batch
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+    assert int(got["correct"]) == int(want["correct"])  # summed over the devices' rows
+    assert got["logits"].shape == (16, CONFIG.seq, CONFIG.vocab)  # every row, in order
+    np.testing.assert_allclose(got["logits"], want["logits"], rtol=1e-5, atol=1e-5)
+    # each parameter gathered at most as the training step gathers it (ZeRO-1's are whole:
+    # its step gathers the updated shards), no gradient reduced: at most the forward half of
+    # a training step's traffic, and the metrics' few bytes (an argmax over a tensor axis)
+    evaluated = traffic_by_kind(evaluate.lower(model, BATCH).compile().as_text(), 8)
+    optimizer = sf.create_sharded_optimizer(model, gpt.optimizer())
+    step = sf.make_train_step(gpt.loss_fn)
+    trained = traffic_by_kind(step.lower(model, optimizer, BATCH).compile().as_text(), 8)
+    metric_bytes = 1024
+    assert evaluated["all-gather"]["bytes"] <= trained["all-gather"]["bytes"] + metric_bytes
+    if name in ("dp", "fsdp"):  # the gathers are the training step's forward, exactly
+        assert evaluated["all-gather"]["bytes"] == trained["all-gather"]["bytes"]
+    moved = sum(kind["bytes"] for kind in evaluated.values())
+    assert moved <= sum(kind["bytes"] for kind in trained.values()) / 2 + metric_bytes
+
+
+def test_a_plain_jit_forward_of_an_fsdp_model_moves_more_than_the_eval_step():
+    model = _placed(LAYOUTS["fsdp"]())
+    plain = jax.jit(lambda state, batch: metrics(nnx.merge(nnx.graphdef(model), state), batch))
+    with jax.set_mesh(model.embedding[...].sharding.mesh):
+        text = plain.lower(nnx.state(model), jnp.asarray(BATCH)).compile().as_text()
+    theirs = sum(kind["bytes"] for kind in traffic_by_kind(text, 8).values())
+    evaluate = sf.make_eval_step(metrics, sums=("correct",))
+    ours = traffic_by_kind(evaluate.lower(model, BATCH).compile().as_text(), 8)
+    assert sum(kind["bytes"] for kind in ours.values()) < theirs
+
+
+def test_a_model_in_training_mode_draws_and_keeps_xlas_partitioning_said_in_the_plan():
+    config = dataclasses.replace(CONFIG, dropout=0.5)
+    model = _placed(LAYOUTS["fsdp"](), config)
+    evaluate = sf.make_eval_step(metrics)
+    plan = evaluate.plan_for(model, BATCH)
+    assert plan.path == "xla" and "the evaluation draws random numbers" in plan.reason
+    assert "model.eval()" in str(plan)
+    model.eval()  # dropout off: the manual region, and the same numbers as XLA's forward
+    plan = evaluate.plan_for(model, BATCH)
+    assert plan.path == "manual"
+    got, want = evaluate(model, BATCH), nnx.jit(metrics)(model, jnp.asarray(BATCH))
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+
+
+def test_the_model_is_unchanged_and_a_second_call_does_not_compile_again():
+    model = _placed(LAYOUTS["fsdp"]())
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    evaluate = sf.make_eval_step(metrics)
+    first = evaluate(model, BATCH)["loss"]
+    plan = evaluate.plan
+    assert float(evaluate(model, BATCH)["loss"]) == float(first)
+    assert evaluate.plan is plan  # the same program
+    after = jax.tree.map(np.asarray, nnx.state(model))
+    jax.tree.map(np.testing.assert_array_equal, before, after)
+
+
+def test_a_metric_that_is_not_a_scalar_or_per_row_is_named():
+    model = _placed(LAYOUTS["fsdp"]())
+
+    def per_token(model, batch):
+        return {"per_word": model(batch[:, :-1]).mean(axis=(0, 1))}  # [vocab], not [rows]
+
+    with pytest.raises(ValueError, match=r"fn returned \['per_word'\] of shape \(256,\)"):
+        sf.make_eval_step(per_token)(model, BATCH)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"fn": "metrics"}, "fn must be a function fn(model, batch) -> metrics"),
+        ({"fn": metrics, "sums": "correct"}, "sums must be a sequence of metric names"),
+    ],
+)
+def test_bad_arguments_say_what_is_valid(arguments, message):
+    with pytest.raises(TypeError) as error:
+        sf.make_eval_step(**arguments)
+    assert message in str(error.value)
+
+
+def test_a_mesh_without_the_plans_axes_is_the_plans_to_hold():
+    model = _placed(LAYOUTS["fsdp"]())
+    plan = sf.plan_model(lambda: gpt.GPT(CONFIG, nnx.Rngs(0)), layout=LAYOUTS["fsdp"]())
+    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    with pytest.raises(TypeError, match="plan= holds the mesh"):
+        sf.make_eval_step(metrics, mesh, plan=plan)
+    assert sf.make_eval_step(metrics, plan=plan).plan_for(plan.create(), BATCH).path == "manual"
+    del model
