@@ -134,3 +134,23 @@ def test_a_mesh_without_the_plans_axes_is_the_plans_to_hold():
         sf.make_eval_step(metrics, mesh, plan=plan)
     assert sf.make_eval_step(metrics, plan=plan).plan_for(plan.create(), BATCH).path == "manual"
     del model
+
+
+@pytest.mark.parametrize(
+    ("experts", "layout"),
+    [
+        (4, lambda: Layout.named("fsdp+ep", {"data": 2, "expert": 4})),
+        (0, lambda: Layout.named("fsdp+cp", {"data": 2, "context": 4})),
+    ],
+    ids=["fsdp+ep", "fsdp+cp"],
+)
+def test_experts_and_context_layouts_evaluate_the_training_steps_loss(experts, layout):
+    config = dataclasses.replace(CONFIG, moe_experts=experts)
+    model = _placed(layout(), config)
+    batch = gpt.next_tokens(BATCH)  # shifted before the sequence is split
+    evaluate = sf.make_eval_step(lambda model, batch: {"loss": gpt.loss_fn(model, batch)})
+    got = float(evaluate(model, batch)["loss"])
+    assert evaluate.plan.path == "manual"
+    optimizer = sf.create_sharded_optimizer(model, gpt.optimizer())
+    step = sf.make_train_step(gpt.loss_fn, donate=False)
+    assert got == pytest.approx(float(step(model, optimizer, batch)["loss"]), rel=1e-6)
