@@ -283,6 +283,10 @@ def test_a_loss_that_fails_is_told_how_the_step_calls_it(mesh):
                for n in raised.value.__notes__)  # fmt: skip
 
 
+def _loss_x_y(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
 def _pipeline_step(mesh, **changes):
     stages = dict(embed=_mean_loss, layer=_mean_loss, head=_mean_loss, stack="blocks")
     step = dict(mesh=mesh, microbatches=2)
@@ -340,6 +344,18 @@ ENTRY_CASES = {
         lambda mesh, model: _pipeline_step(mesh, layer="blocks"),
         TypeError,
         "layer must be a function, got str 'blocks'.",
+    ),
+    "a loss function of three arguments": (
+        lambda mesh, model: sf.make_train_step(_loss_x_y),
+        TypeError,
+        "make_train_step calls loss_fn(model, batch) with the batch as one pytree; "
+        "_loss_x_y(model, x, y) cannot be called so. Take the batch whole, e.g. lambda model, "
+        "batch: _loss_x_y(model, batch['x'], batch['y']).",
+    ),
+    "an eval function of three arguments": (
+        lambda mesh, model: sf.make_eval_step(_loss_x_y),
+        TypeError,
+        "make_eval_step calls fn(model, batch)",
     ),
     "a flat step's option with stages": (
         lambda mesh, model: _pipeline_step(mesh, data_parallel="xla"),

@@ -29,7 +29,13 @@ from substrax_flax._plan import ModelPlan, model_plan, shardings_of
 from substrax_flax._resolve import Rules, Strategy
 from substrax_flax._state import check_filter
 from substrax_flax._step_plan import Decision, StepPlan, param_steps, precision_name
-from substrax_flax._train import TrainStep, _batch_reason, _on, make_train_step
+from substrax_flax._train import (
+    TrainStep,
+    _batch_reason,
+    _on,
+    check_takes_model_and_batch,
+    make_train_step,
+)
 
 __all__ = ["EvalStep", "make_eval_step"]
 
@@ -339,6 +345,7 @@ def make_eval_step(
     """
     if not callable(fn):
         raise TypeError(f"fn must be a function fn(model, batch) -> metrics, got {fn!r:.80}.")
+    check_takes_model_and_batch(fn, "fn", "make_eval_step")
     if isinstance(sums, str) or not all(isinstance(name, str) for name in sums):
         raise TypeError(f"sums must be a sequence of metric names, got {sums!r}.")
     check_filter(wrt)

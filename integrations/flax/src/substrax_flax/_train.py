@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import warnings
 from collections.abc import Callable, Sequence
@@ -627,6 +628,29 @@ def _loss_and_aux(out: Any, has_aux: bool, manual: bool = False) -> tuple[jax.Ar
     return loss, aux
 
 
+def check_takes_model_and_batch(fn: Callable[..., Any], name: str, what: str) -> None:
+    """Raises now, not at the first step, if ``fn`` cannot be called as ``fn(model, batch)``.
+
+    A function whose signature Python cannot read (a builtin, a C extension) is not checked.
+
+    Raises:
+      TypeError: Naming ``fn``'s signature and the call the step makes, with the fix.
+    """
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        label = getattr(fn, "__name__", type(fn).__name__)
+        raise TypeError(
+            f"{what} calls {name}(model, batch) with the batch as one pytree; {label}{signature} "
+            f"cannot be called so. Take the batch whole, e.g. lambda model, batch: "
+            f"{label}(model, batch['x'], batch['y'])."
+        ) from None
+
+
 def _describe(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}"
@@ -854,6 +878,7 @@ def make_train_step(
             f"loss_fn must be a function loss_fn(model, batch) -> loss, got "
             f"{type(loss_fn).__name__} {loss_fn!r:.80}."
         )
+    check_takes_model_and_batch(loss_fn, "loss_fn", "make_train_step")
     if gather not in ("keep", "regather"):
         raise ValueError(f"gather must be 'keep' or 'regather', got {gather!r}.")
     given = {"mesh": mesh, "rules": rules, "layout": layout, "strategy": strategy}
