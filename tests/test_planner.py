@@ -508,3 +508,27 @@ def test_each_schedule_is_estimated_from_its_table():
         Workload(batch_tokens=8192, seq=8192, schedule="zb")
     with pytest.raises(ValueError, match="chunks=2 needs schedule 'interleaved' or 'circular'"):
         Workload(batch_tokens=8192, seq=8192, schedule="zb-h1", chunks=2)
+
+
+def test_the_choice_is_printed_as_a_layout_and_as_the_examples_flags(capsys):
+    base = ["--model", "gpt2-small", "--devices", "8", "--memory", "80GB", "--batch-tokens",
+            "64Ki", "--seq", "1024", "--remat", "none", "--microbatches", "1"]  # fmt: skip
+    assert plan_cli.main([*base, "--strategies", "fsdp"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: substrax.layout.Layout.from_degrees(fsdp=8)\n" in out
+    command = "python examples/fsdp_training.py --strategy fsdp --mesh fsdp=8 --remat none"
+    assert f"example: {command} --microbatches 1\n" in out
+    # what the line says is the layout the planner chose
+    assert Layout.named("fsdp", {"fsdp": 8}).label == Layout.from_degrees(fsdp=8).label
+
+
+def test_a_layout_no_named_layout_builds_gets_the_layout_line_alone():
+    from substrax.planner._cli import how_to_run
+
+    class Candidate:
+        layout = Layout.from_degrees(pp=2, fsdp=4)  # "pp+fsdp": not a named layout
+
+        class workload:
+            remat, microbatches = "full", 8
+
+    assert how_to_run(Candidate) == ["layout: substrax.layout.Layout.from_degrees(pp=2, fsdp=4)"]

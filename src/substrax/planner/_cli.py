@@ -20,6 +20,7 @@ import pathlib
 import sys
 from collections.abc import Callable, Sequence
 
+from substrax.layout import LAYOUTS, Layout
 from substrax.pipeline import SCHEDULES
 from substrax.planner._architectures import ARCHITECTURES, Leaf, config_from_leaves
 from substrax.planner._estimate import PRECISION_BYTES, Hardware, Workload, schedule_of
@@ -131,6 +132,36 @@ def _breakdown(candidate, searched: list[str], what: str = "chosen") -> str:
         f"{what}: {candidate.layout.label} (mesh {candidate.layout.shape}), {setting}; "
         f"GiB per device: {parts}"
     )
+
+
+def how_to_run(candidate) -> list[str]:
+    """The chosen layout as code, and as the example's flags where a named layout is it.
+
+    Args:
+      candidate: A planner candidate.
+
+    Returns:
+      ``"layout: Layout.from_degrees(...)"``, then ``"example: python ..."`` when
+      :meth:`~substrax.layout.Layout.named` builds the same layout on the same mesh.
+    """
+    layout, work = candidate.layout, candidate.workload
+    degrees = {"pp": layout.pp, "dp": layout.dp, "fsdp": layout.fsdp, "ep": layout.ep,
+               "cp": layout.cp, "tp": layout.tp}  # fmt: skip
+    given = [f"{k}={v}" for k, v in degrees.items() if v > 1]
+    given += [f"zero={layout.zero}"] if layout.zero else []
+    lines = [f"layout: substrax.layout.Layout.from_degrees({', '.join(given)})"]
+    mesh = dict(zip(layout.axis_names, layout.axis_sizes, strict=True))
+    try:
+        same = layout.name in LAYOUTS and Layout.named(layout.name, mesh).label == layout.label
+    except ValueError:  # a layout the named ones do not build on this mesh
+        same = False
+    if same:
+        flags = ",".join(f"{axis}={size}" for axis, size in mesh.items())
+        lines.append(
+            f"example: python examples/fsdp_training.py --strategy {layout.name} --mesh {flags} "
+            f"--remat {work.remat} --microbatches {work.microbatches}"
+        )
+    return lines
 
 
 def _inputs(args, result, hardware, workload, speeds: str) -> list[str]:
@@ -365,6 +396,8 @@ def main(
     print(_table(result, args.top, timed=hardware.flops > 0))
     print(_breakdown(result.best, searched))
     print(f"why: {result.why}")
+    for line in how_to_run(result.best):
+        print(line)
     message = result.no_fit_message()
     if message:
         print(f"warning: {message}")
