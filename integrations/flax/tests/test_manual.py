@@ -225,3 +225,18 @@ def test_state_the_loss_computes_from_the_batch_takes_the_exact_path_with_its_re
     with pytest.warns(ShardingWarning, match=r"updates model state from the batch.*nnx.BatchStat"):
         metrics = sf.make_train_step(loss)(model, optimizer, x)
     assert metrics["path"] == "xla" and float(model.seen[...]) == x.sum()  # as one device
+
+
+def test_the_plan_prints_repeated_layers_on_one_line_and_every_one_in_full():
+    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    model = sf.create_sharded_model(_factory, mesh, layout="fsdp")
+    optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(3e-3))
+    plan = sf.make_train_step(gpt.loss_fn).plan_for(model, optimizer, BATCHES[0])
+    lines = str(plan).splitlines()
+    up = [line for line in lines if line.strip().startswith("blocks/0-1/up:")]
+    assert len(up) == 1 and "reduce-scatter over ('data',)" in up[0]
+    assert not any(line.strip().startswith("blocks/1/") for line in lines)
+    full = plan.text(full=True).splitlines()
+    grouped = sum(" blocks/0-1/" in line for line in lines)  # 8 parameters per block
+    assert grouped == 8 and len(full) == len(lines) + grouped  # 2 blocks: 16 lines, not 8
+    assert any(line.strip().startswith("blocks/1/up:") for line in full)

@@ -5,18 +5,28 @@ from __future__ import annotations
 import dataclasses
 import re
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 from substrax.mesh import Reason
 from substrax_flax._resolve import VariableSharding
 
-__all__ = ["WIDTH", "Group", "compact_table", "format_bytes", "group_rows", "wrap"]
+__all__ = [
+    "WIDTH",
+    "Group",
+    "compact_table",
+    "format_bytes",
+    "group_by_layer",
+    "group_rows",
+    "wrap",
+]
 
 #: Columns of the default table (``ShardingReport.table()``).
 WIDTH = 120
 
 _COLUMNS = ("path", "n", "shape", "logical names", "spec", "per device", "notes")
 _NUMBER = re.compile(r"^\d+$")
+T = TypeVar("T")
 
 
 def format_bytes(count: float) -> str:
@@ -42,9 +52,8 @@ class Group:
 
 
 def _key(row: VariableSharding) -> tuple:
-    parts = tuple("#" if _NUMBER.match(p) else p for p in row.path.split("/"))
     reasons = tuple(_reason_text(r) for r in row.reasons)
-    return parts, row.shape, row.dtype, row.logical_names, tuple(row.spec), row.rule, reasons
+    return row.shape, row.dtype, row.logical_names, tuple(row.spec), row.rule, reasons
 
 
 def _ranges(numbers: Sequence[int]) -> str:
@@ -58,15 +67,36 @@ def _ranges(numbers: Sequence[int]) -> str:
     return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
 
 
-def _group_path(rows: Sequence[VariableSharding]) -> str:
-    split = [row.path.split("/") for row in rows]
-    if len(rows) == 1:
-        return rows[0].path
+def _group_path(paths: Sequence[str]) -> str:
+    split = [path.split("/") for path in paths]
+    if len(paths) == 1:
+        return paths[0]
     parts = []
     for i, part in enumerate(split[0]):
         seen = {p[i] for p in split}
         parts.append(part if len(seen) == 1 else _ranges([int(p) for p in seen]))
     return "/".join(parts)
+
+
+def group_by_layer(
+    items: Sequence[T], path_of: Callable[[T], str], same: Callable[[T], Hashable]
+) -> list[tuple[str, list[T]]]:
+    """Items whose paths differ only in numeric parts (layer numbers) and agree in ``same``.
+
+    Args:
+      items: The items, in order.
+      path_of: An item's ``/``-joined path.
+      same: What the items of a group share besides their path's shape.
+
+    Returns:
+      ``(path with its layer numbers as ranges, members)`` in the order of each group's
+      first item; an item unlike any other is a group of one.
+    """
+    groups: dict[tuple, list[T]] = {}
+    for item in items:
+        parts = tuple("#" if _NUMBER.match(p) else p for p in path_of(item).split("/"))
+        groups.setdefault((parts, same(item)), []).append(item)
+    return [(_group_path([path_of(m) for m in members]), members) for members in groups.values()]
 
 
 def group_rows(rows: Sequence[VariableSharding]) -> list[Group]:
@@ -79,10 +109,10 @@ def group_rows(rows: Sequence[VariableSharding]) -> list[Group]:
       The groups in the order of their first row; a variable unlike any other is a group
       of one.
     """
-    groups: dict[tuple, list[VariableSharding]] = {}
-    for row in rows:
-        groups.setdefault(_key(row), []).append(row)
-    return [Group(_group_path(members), tuple(members)) for members in groups.values()]
+    return [
+        Group(path, tuple(members))
+        for path, members in group_by_layer(rows, lambda row: row.path, _key)
+    ]
 
 
 def _reason_text(reason: Reason) -> str:

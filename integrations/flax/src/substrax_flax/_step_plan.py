@@ -40,6 +40,7 @@ from substrax.spmd import (
 )
 from substrax_flax._per_device import batch_stat_obstacle, synced_stats
 from substrax_flax._plan import ModelPlan
+from substrax_flax._report_table import group_by_layer
 from substrax_flax._resolve import without_axes
 from substrax_flax._state import values_by_path, variables
 from substrax_flax._streams import RowDraws
@@ -150,15 +151,33 @@ class StepPlan:
     scatter_each: bool = False
 
     def __str__(self) -> str:
+        return self.text()
+
+    def text(self, full: bool = False) -> str:
+        """The plan as lines: each decision with its reason, then each parameter's specs.
+
+        Args:
+          full: One line per parameter; by default parameters that differ only in a layer
+            number and are moved alike share a line (``blocks/0-5/up``), as the sharding
+            report groups them.
+
+        Returns:
+          The text ``print(plan)`` shows.
+        """
         width = max(len(d.name) for d in self.decisions)
         lines = ["Step plan:"]
         lines += [f"  {d.name:<{width}}  {d.value}: {d.reason}" for d in self.decisions]
         if self.params:
             lines.append("  parameter: stored -> used; gradient; optimizer state")
+            groups = (
+                [(p.path, [p]) for p in self.params]
+                if full
+                else group_by_layer(self.params, lambda p: p.path, _moved)
+            )
             lines += [
-                f"    {p.path}: {_spec(p.stored)} -> {_spec(p.used)}; {p.gradient}; "
+                f"    {path}: {_spec(p.stored)} -> {_spec(p.used)}; {p.gradient}; "
                 f"{_spec(p.optimizer)}"
-                for p in self.params
+                for path, (p, *_) in groups
             ]
         return "\n".join(lines)
 
@@ -186,6 +205,10 @@ def scatter_decision(
         "device as an all-reduce, twice its bytes; two over index groups stay reduce-scatters "
         f"(observed on jax {OBSERVED_ON})",
     )
+
+
+def _moved(param: ParamStep) -> tuple:
+    return tuple(param.stored), tuple(param.used), param.gradient, tuple(param.optimizer)
 
 
 def _spec(spec: PartitionSpec) -> str:
