@@ -35,6 +35,8 @@ import dataclasses
 import json
 import math
 import pathlib
+import signal
+import threading
 import time
 
 from flax import nnx
@@ -392,6 +394,45 @@ class Scalars:
 HELD_OUT = 1_000_003
 
 
+class StopAsked:
+    """The first Ctrl-C asks the run to stop after the step in flight; a second stops it now.
+
+    Single-process runs only: in a multi-process run every process must stop at the same
+    step, and ``python -m substrax.launch`` stops them all.
+    """
+
+    def __init__(self):
+        self.asked, self.previous = False, None
+
+    def __enter__(self) -> StopAsked:
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._ask)
+        return self
+
+    def _ask(self, signum, frame) -> None:
+        self.asked = True
+        signal.signal(signal.SIGINT, self.previous)  # a second Ctrl-C interrupts at once
+        print("\nstopping after this step (Ctrl-C again to stop now) ...", file=sys.stderr,
+              flush=True)  # fmt: skip
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+
+
+class Stopped(Exception):
+    """The run stopped at Ctrl-C, its logs written and its saves finished; says how to resume."""
+
+    def __init__(self, step: int, checkpointer, args):
+        latest = checkpointer.latest_step() if checkpointer else None
+        if latest is None:
+            how = "no checkpoint to resume from (--checkpoint-dir DIR saves them)"
+        else:
+            how = (f"the newest checkpoint is step {latest} in {args.checkpoint_dir}; run the "
+                   "same command with --resume to continue from it")  # fmt: skip
+        super().__init__(f"stopped at Ctrl-C after step {step}: {how}")
+
+
 class HeldOut:
     """The held-out loss: ``--eval-batches`` batches no step trains on, through the eval step.
 
@@ -549,51 +590,58 @@ def train(args) -> dict:
     evaluations = []
     evaluate = HeldOut(args) if args.eval_every else None
     started, compile_seconds = time.perf_counter(), 0.0
-    for step in range(start_step, args.steps):
-        batch = gpt.batch_at(step, args.batch_size, args.seq, args.seed)
-        if primary and step == start_step:
-            print("compiling the train step ...", flush=True)
-        tick = time.perf_counter()
-        rows = local_rows(batch)  # next-token targets shifted before the sequence is split
-        metrics = step_fn(
-            model, optimizer, rows if args.strategy == "pp" else gpt.next_tokens(rows)
-        )
-        loss = float(metrics["loss"])
-        seconds = time.perf_counter() - tick
-        losses.append(loss)
-        if step == start_step:  # the first call compiles: kept out of the throughput
-            compile_seconds = seconds
-            used = rows if args.strategy == "pp" else gpt.next_tokens(rows)
-            peak_bytes, flops, source = compiled_figures(step_fn, model, optimizer, used)
-            peak, said = peak_flops(args)
-            progress.flops = (flops, peak) if peak and flops else None
+    with StopAsked() as stop:
+        for step in range(start_step, args.steps):
+            batch = gpt.batch_at(step, args.batch_size, args.seq, args.seed)
+            if primary and step == start_step:
+                print("compiling the train step ...", flush=True)
+            tick = time.perf_counter()
+            rows = local_rows(batch)  # next-token targets shifted before the sequence is split
+            metrics = step_fn(
+                model, optimizer, rows if args.strategy == "pp" else gpt.next_tokens(rows)
+            )
+            loss = float(metrics["loss"])
+            seconds = time.perf_counter() - tick
+            losses.append(loss)
+            if step == start_step:  # the first call compiles: kept out of the throughput
+                compile_seconds = seconds
+                used = rows if args.strategy == "pp" else gpt.next_tokens(rows)
+                peak_bytes, flops, source = compiled_figures(step_fn, model, optimizer, used)
+                peak, said = peak_flops(args)
+                progress.flops = (flops, peak) if peak and flops else None
+                if primary:
+                    mib = peak_bytes / 2**20
+                    print(f"compiled and ran the first step in {seconds:.1f} s ({metrics['path']} "
+                          f"step); peak memory per device {mib:.1f} MiB ({source}); "
+                          f"{flops / 1e9:.2f} GFLOP per device per step"
+                          + (f"; MFU against {said}" if peak else f"; {said}"),
+                          flush=True)  # fmt: skip
+            if not bool(metrics["finite"]):  # the step skipped its update (and warned)
+                skipped.append(step + 1)
+            record = {"step": step + 1, "loss": loss, "seconds": seconds}
+            if evaluate is not None and (
+                (step + 1) % args.eval_every == 0 or step + 1 == args.steps
+            ):
+                record["eval_loss"] = evaluate(model)
+                evaluations.append([step + 1, record["eval_loss"]])
             if primary:
-                print(f"compiled and ran the first step in {seconds:.1f} s ({metrics['path']} "
-                      f"step); peak memory per device {peak_bytes / 2**20:.1f} MiB ({source}); "
-                      f"{flops / 1e9:.2f} GFLOP per device per step"
-                      + (f"; MFU against {said}" if peak else f"; {said}"), flush=True)  # fmt: skip
-        if not bool(metrics["finite"]):  # the step skipped its update (and warned)
-            skipped.append(step + 1)
-        record = {"step": step + 1, "loss": loss, "seconds": seconds}
-        if evaluate is not None and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
-            record["eval_loss"] = evaluate(model)
-            evaluations.append([step + 1, record["eval_loss"]])
-        if primary:
-            progress.update(step + 1, loss, seconds, tokens)
-            if "eval_loss" in record:
-                held = record["eval_loss"]
-                print(f"step {step + 1}: held-out loss {held:.4f} "
-                      f"({held / math.log(2):.3f} bits per byte)", flush=True)  # fmt: skip
-            log.write(record)
-            if board is not None:
-                board.write(record, tokens)
-        if checkpointer and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            save(checkpointer, model, optimizer, step + 1, args, layout.batch_degree)
-            if primary:
-                how = "saved" if args.synchronous_saves else "saving (in the background)"
-                print(f"{how} a checkpoint of step {step + 1} in {args.checkpoint_dir}")
+                progress.update(step + 1, loss, seconds, tokens)
+                if "eval_loss" in record:
+                    held = record["eval_loss"]
+                    print(f"step {step + 1}: held-out loss {held:.4f} "
+                          f"({held / math.log(2):.3f} bits per byte)", flush=True)  # fmt: skip
+                log.write(record)
+                if board is not None:
+                    board.write(record, tokens)
+            if checkpointer and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+                save(checkpointer, model, optimizer, step + 1, args, layout.batch_degree)
+                if primary:
+                    how = "saved" if args.synchronous_saves else "saving (in the background)"
+                    print(f"{how} a checkpoint of step {step + 1} in {args.checkpoint_dir}")
+            if stop.asked:  # Ctrl-C: after the step in flight, its logs and its save
+                break
     if checkpointer:
-        wait_for(checkpointer)
+        wait_for(checkpointer)  # a save in flight is finished, not abandoned
         if primary and not args.synchronous_saves:
             print(f"checkpoints written; the latest is step {checkpointer.latest_step()}")
     elapsed = time.perf_counter() - started
@@ -640,6 +688,8 @@ def train(args) -> dict:
             f"{metrics['tokens_per_second']:,.0f} tok/s; wrote metrics.json, metrics.jsonl and "
             f"loss.svg in {args.output_dir}"
         )
+    if stop.asked:
+        raise Stopped(start_step + len(losses), checkpointer, args)
     return metrics
 
 
@@ -806,6 +856,9 @@ def main(argv=None) -> int:
     except SaveFailed as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except Stopped as stopped:
+        print(stopped, file=sys.stderr)
+        return 130  # as a shell reports a run stopped by SIGINT
     return 0
 
 

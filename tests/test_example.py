@@ -324,3 +324,32 @@ def test_the_default_report_of_the_example_decoder_fits_a_terminal(monkeypatch):
     assert notes and len(notes) == len(set(notes))
     assert "MultiDimensionalStrategy" not in text
     assert report.summary().startswith("fsdp 2 x tp 4, mesh {'data': 2, 'model': 4}, 35 variables")
+
+
+def test_ctrl_c_stops_after_the_step_in_flight_and_says_how_to_resume(tmp_path):
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    command = [sys.executable, str(ROOT / "examples" / "fsdp_training.py"), *TINY, "--steps",
+               "400", "--save-every", "3", "--checkpoint-dir", ckpt,
+               "--output-dir", out]  # fmt: skip
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in run.stdout:  # interrupted while a background save may be in flight
+            if "a checkpoint of step 3" in line:
+                break
+        run.send_signal(signal.SIGINT)
+        _, errors = run.communicate(timeout=300)
+    finally:
+        run.kill()
+    assert run.returncode == 130, errors[-2000:]
+    assert "Traceback" not in errors and "Exception" not in errors
+    stopped = re.search(r"stopped at Ctrl-C after step (\d+): the newest checkpoint is step "
+                        r"(\d+) in .*ckpt; run the same command with --resume", errors)  # fmt: skip
+    assert stopped, errors[-2000:]
+    step, saved = int(stopped.group(1)), int(stopped.group(2))
+    assert 3 <= saved <= step < 400 and saved % 3 == 0
+    logged = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert len(logged["losses"]) == step  # the steps it ran, written as at a normal end
+    again = _run(*TINY, "--steps", str(saved + 2), "--checkpoint-dir", ckpt, "--resume",
+                 "--output-dir", out, tmp_path=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["start_step"] == saved
