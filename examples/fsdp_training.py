@@ -39,6 +39,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -159,6 +160,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--eval-batches", type=int, default=2,
                         help="held-out batches per evaluation")  # fmt: skip
+    parser.add_argument(
+        "--sample", type=int, default=48,
+        help="at the end, continue the prompt 'the ' by this many greedy byte tokens and print "
+        "them (0: no sample)",
+    )  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
                         help="save sharded checkpoints here (none: no checkpoints)")  # fmt: skip
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
@@ -449,8 +455,7 @@ class HeldOut:
 
     def __call__(self, model) -> float:
         args = self.args
-        modes = [(module, name, getattr(module, name)) for _, module in model.iter_modules()
-                 for name in self.MODES if hasattr(module, name)]  # fmt: skip
+        modes = self.modes_of(model)
         model.eval()
         try:
             losses = [
@@ -459,9 +464,19 @@ class HeldOut:
                 for i in range(args.eval_batches)
             ]  # fmt: skip
         finally:
-            for module, name, value in modes:
-                setattr(module, name, value)
+            self.restore(modes)
         return sum(losses) / len(losses)
+
+    @classmethod
+    def modes_of(cls, model) -> list:
+        """Each module's mode attributes, to give back after ``model.eval()``."""
+        return [(module, name, getattr(module, name)) for _, module in nnx.iter_modules(model)
+                for name in cls.MODES if hasattr(module, name)]  # fmt: skip
+
+    @staticmethod
+    def restore(modes) -> None:
+        for module, name, value in modes:
+            setattr(module, name, value)
 
 
 class Progress:
@@ -653,6 +668,9 @@ def train(args) -> dict:
         raise UsageError(f"nothing to do: the checkpoint is at step {start_step} >= --steps")
     state = sf.sharding_report(model).bytes_per_device
     state += sf.sharding_report(optimizer).bytes_per_device
+    sample = None  # a pipeline's or a split sequence's model has no whole-window forward
+    if args.sample and args.init_from is None and not (layout.pp > 1 or layout.cp > 1):
+        sample = sample_text(model, args.sample, layout.batch_degree)
     metrics = {
         "start_step": start_step,
         "losses": losses,
@@ -670,6 +688,7 @@ def train(args) -> dict:
         "flops_per_device_per_step": flops,
         "skipped_steps": skipped,
         "eval_losses": evaluations,
+        "sample": sample,
         "remat": args.remat,
         "precision": args.precision,
         "microbatches": args.microbatches,
@@ -688,9 +707,26 @@ def train(args) -> dict:
             f"{metrics['tokens_per_second']:,.0f} tok/s; wrote metrics.json, metrics.jsonl and "
             f"loss.svg in {args.output_dir}"
         )
+    if sample is not None and primary:
+        print(f"sample ({args.sample} greedy bytes after 'the '): {sample!r}")
     if stop.asked:
         raise Stopped(start_step + len(losses), checkpointer, args)
     return metrics
+
+
+def sample_text(model, new_tokens: int, rows: int) -> str:
+    """The model's greedy continuation of ``the `` (one row per batch device), as text.
+
+    The decoder is byte-level: the bytes decode as UTF-8, any other token as U+FFFD.
+    """
+    prompt = np.tile(np.frombuffer(b"the ", np.uint8).astype(np.int32), (rows, 1))
+    modes = HeldOut.modes_of(model)
+    model.eval()
+    try:
+        tokens = sf.generate(model, prompt, new_tokens)[0]
+    finally:
+        HeldOut.restore(modes)
+    return bytes(int(t) if t < 256 else 0xFF for t in tokens).decode("utf-8", "replace")
 
 
 def trained(args):

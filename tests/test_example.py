@@ -54,6 +54,9 @@ def test_example_trains_and_writes_metrics(tmp_path, strategy, precision, microb
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval_loss" in r] == [6, 12]
     assert records[11]["eval_loss"] == at_12
+    # and a greedy continuation of "the ", generated at the layout by the eval step
+    assert metrics["sample"].startswith("the ") and len(metrics["sample"].encode()) >= 4 + 48
+    assert f"sample (48 greedy bytes after 'the '): {metrics['sample']!r}" in result.stdout
     scalars = [(step, value) for tag, step, value in _tensorboard_scalars(tmp_path / "tensorboard")
                if tag == "eval_loss"]  # fmt: skip
     assert [step for step, _ in scalars] == [6, 12]

@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax_test_models import unsharded
 
 import substrax_flax as sf
 from substrax.hlo import traffic_by_kind
@@ -154,3 +155,40 @@ def test_experts_and_context_layouts_evaluate_the_training_steps_loss(experts, l
     optimizer = sf.create_sharded_optimizer(model, gpt.optimizer())
     step = sf.make_train_step(gpt.loss_fn, donate=False)
     assert got == pytest.approx(float(step(model, optimizer, batch)["loss"]), rel=1e-6)
+
+
+def _one_device_generation(prompt, new_tokens, temperature, top_k, seed):
+    """The reference: the same model on one device, the same buffer and keys, plain jax."""
+    model = unsharded(lambda: gpt.GPT(CONFIG, nnx.Rngs(0)))
+    sample = sf.sampler(temperature, top_k)
+    forward = jax.jit(lambda state, tokens: nnx.merge(nnx.graphdef(model), state)(tokens))
+    rows, length = prompt.shape
+    tokens = np.zeros((rows, length + new_tokens), np.int32)
+    tokens[:, :length] = prompt
+    for i in range(new_tokens):
+        logits = forward(nnx.state(model), tokens)[:, length + i - 1]
+        tokens[:, length + i] = sample(logits, jax.random.fold_in(jax.random.key(seed), i))
+    return tokens
+
+
+@pytest.mark.parametrize("name", ["dp", "fsdp", "fsdp+tp"])
+def test_generated_tokens_are_one_devices_greedy_and_sampled(name):
+    model = _placed(LAYOUTS[name]())
+    prompt = BATCH[:8, :6]
+    for temperature, top_k in ((0.0, None), (1.0, 20)):
+        got = sf.generate(model, prompt, 6, temperature=temperature, top_k=top_k, seed=3)
+        want = _one_device_generation(prompt, 6, temperature, top_k, seed=3)
+        np.testing.assert_array_equal(got, want)
+        assert (got[:, :6] == prompt).all() and got.shape == (8, 12)
+
+
+def test_bad_generation_arguments_say_what_is_valid():
+    model = _placed(LAYOUTS["dp"]())
+    with pytest.raises(ValueError, match=r"prompt must be int token rows \[rows, length\], got"):
+        sf.generate(model, BATCH[0], 2)
+    with pytest.raises(ValueError, match="new_tokens must be a positive integer, got 0"):
+        sf.generate(model, BATCH[:8, :4], 0)
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or positive, got -1"):
+        sf.sampler(-1)
+    with pytest.raises(ValueError, match="top_k must be a positive integer or None, got 0"):
+        sf.sampler(1.0, 0)

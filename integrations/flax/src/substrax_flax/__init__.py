@@ -26,6 +26,8 @@ from substrax_flax._eval import EvalStep as EvalStep
 from substrax_flax._eval import make_eval_step as make_eval_step
 from substrax_flax._experts import MixtureOfExperts as MixtureOfExperts
 from substrax_flax._experts import RouterBias as RouterBias
+from substrax_flax._generate import generate as generate
+from substrax_flax._generate import sampler as sampler
 from substrax_flax._nonfinite import NonFiniteWarning as NonFiniteWarning
 from substrax_flax._optimizer import create_sharded_optimizer as create_sharded_optimizer
 from substrax_flax._pipeline_step import PipelineTrainStep as PipelineTrainStep
@@ -76,6 +78,7 @@ __all__ = [
     "compile_for",
     "create_sharded_model",
     "create_sharded_optimizer",
+    "generate",
     "get_shardings",
     "load_weights",
     "make_eval_step",
@@ -84,6 +87,7 @@ __all__ = [
     "plan_weights",
     "remat",
     "save_tensors",
+    "sampler",
     "save_weights",
     "shard_model",
     "sharding_report",

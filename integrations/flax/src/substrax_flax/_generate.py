@@ -1,0 +1,119 @@
+"""generate: tokens sampled from a model at its layout, one at a time, through the eval step.
+
+Each new token runs the model's forward over the whole window (prompt and tokens so far, in a
+buffer of fixed length, so one program serves every position) at the model's layout, as
+:func:`~substrax_flax.make_eval_step` runs it, and samples from the logits at the last filled
+position. A causal model's logits there do not see the buffer's unfilled tail. Without a KV
+cache each token costs a forward over the window: ``new_tokens`` forwards of ``prompt +
+new_tokens`` positions, where a cache would compute one position per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from substrax_flax._eval import make_eval_step
+
+__all__ = ["generate", "sampler"]
+
+
+def sampler(temperature: float = 0.0, top_k: int | None = None) -> Callable:
+    """A jitted ``sample(logits [rows, vocab], key) -> tokens [rows]``.
+
+    Args:
+      temperature: 0 for greedy decoding (the largest logit); otherwise the logits are
+        divided by it before sampling.
+      top_k: Sample among the ``top_k`` largest logits only (None: all).
+
+    Returns:
+      The sampler. Its draws are the whole batch's: the same key gives the same tokens
+      whatever the layout (jax's threefry draws are partitionable).
+
+    Raises:
+      ValueError: For a negative temperature or a ``top_k`` below 1.
+    """
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be 0 (greedy) or positive, got {temperature!r}.")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}.")
+
+    @jax.jit
+    def sample(logits, key):
+        logits = logits.astype(jnp.float32)
+        if temperature == 0:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if top_k is not None:
+            kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+            logits = jnp.where(logits < kth, -jnp.inf, logits)
+        return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+    return sample
+
+
+def _next_logits(logits_fn: Callable) -> Callable:
+    def fn(model, batch):
+        logits = logits_fn(model, batch["tokens"])  # [rows, window, vocab]
+        last = jax.lax.dynamic_index_in_dim(logits, batch["position"] - 1, axis=1, keepdims=False)
+        return {"logits": last}
+
+    return fn
+
+
+def generate(
+    model: nnx.Module,
+    prompt: Any,
+    new_tokens: int,
+    *,
+    logits_fn: Callable[[nnx.Module, jax.Array], jax.Array] | None = None,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    seed: int = 0,
+) -> np.ndarray:
+    """Appends ``new_tokens`` sampled tokens to each row of ``prompt``, at the model's layout.
+
+    The rows are split over the layout's batch axes, each parameter gathered once per token
+    (the eval step's forward); the sampling is the whole batch's, so the same seed gives one
+    device's tokens on every layout. One process (the prompt is its rows).
+
+    Args:
+      model: A causal language model laid out by substrax (``model.eval()`` first: no
+        dropout).
+      prompt: ``int[rows, length]`` token rows; ``rows`` must divide over the batch axes.
+      new_tokens: How many tokens to append.
+      logits_fn: ``logits_fn(model, tokens [rows, window]) -> logits [rows, window, vocab]``
+        (default: ``model(tokens)``).
+      temperature: 0 (the default) for greedy decoding, else the sampling temperature.
+      top_k: Sample among the ``top_k`` largest logits (None: all).
+      seed: The sampling key's seed (token ``i`` draws with ``fold_in(key(seed), i)``).
+
+    Returns:
+      ``int32[rows, length + new_tokens]``: the prompt and its continuation.
+
+    Raises:
+      ValueError: If ``prompt`` is not a 2-D integer array or ``new_tokens`` is not positive,
+        or as :func:`sampler`.
+    """
+    prompt = np.asarray(prompt)
+    if prompt.ndim != 2 or not np.issubdtype(prompt.dtype, np.integer):
+        raise ValueError(
+            f"prompt must be int token rows [rows, length], got {prompt.dtype}{list(prompt.shape)}."
+        )
+    if not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError(f"new_tokens must be a positive integer, got {new_tokens!r}.")
+    sample = sampler(temperature, top_k)
+    step = make_eval_step(_next_logits(logits_fn or (lambda model, tokens: model(tokens))))
+    rows, length = prompt.shape
+    tokens = np.zeros((rows, length + new_tokens), np.int32)
+    tokens[:, :length] = prompt
+    key = jax.random.key(seed)
+    for i in range(new_tokens):
+        batch = {"tokens": tokens, "position": np.int32(length + i)}
+        logits = step(model, batch)["logits"]
+        tokens[:, length + i] = np.asarray(sample(logits, jax.random.fold_in(key, i)))
+    return tokens
