@@ -668,8 +668,11 @@ def train(args) -> dict:
         raise UsageError(f"nothing to do: the checkpoint is at step {start_step} >= --steps")
     state = sf.sharding_report(model).bytes_per_device
     state += sf.sharding_report(optimizer).bytes_per_device
-    sample = None  # a pipeline's or a split sequence's model has no whole-window forward
-    if args.sample and args.init_from is None and not (layout.pp > 1 or layout.cp > 1):
+    # a pipeline's or a split sequence's model has no whole-window forward; generate runs in
+    # one process
+    sample = None
+    whole = args.init_from is None and not (layout.pp > 1 or layout.cp > 1)
+    if args.sample and whole and jax.process_count() == 1:
         sample = sample_text(model, args.sample, layout.batch_degree)
     metrics = {
         "start_step": start_step,

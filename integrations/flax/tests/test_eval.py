@@ -192,3 +192,10 @@ def test_bad_generation_arguments_say_what_is_valid():
         sf.sampler(-1)
     with pytest.raises(ValueError, match="top_k must be a positive integer or None, got 0"):
         sf.sampler(1.0, 0)
+
+
+def test_generation_in_a_multi_process_run_is_refused_with_the_alternative(monkeypatch):
+    model = _placed(LAYOUTS["dp"]())
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"generate runs in one process .* make_eval_step"):
+        sf.generate(model, BATCH[:8, :4], 2)

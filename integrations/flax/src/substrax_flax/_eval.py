@@ -24,7 +24,7 @@ from substrax.mesh import spec_entry
 from substrax.spmd import MixedPrecision, check_batch, is_replicated_leaf, use_rules
 from substrax_flax._cache import ProgramKey, StepCache
 from substrax_flax._jitted import Built, JittedStep
-from substrax_flax._manual import manual_movers, manual_rules
+from substrax_flax._manual import batch_specs, manual_movers, manual_rules, state_of
 from substrax_flax._plan import ModelPlan, model_plan, shardings_of
 from substrax_flax._resolve import Rules, Strategy
 from substrax_flax._state import check_filter
@@ -197,20 +197,18 @@ def manual_forward(
       The metrics: scalars reduced over the devices, arrays the whole batch's rows.
     """
     template = params
-    rows = PartitionSpec(spec_entry(batch_axes))
 
     def local(pure, rest_leaves, batch):
         gathered = jax.tree.map(lambda x, m: m.all_gather(x), pure, movers)
-        state = jax.tree.map(lambda x: x, template)
-        nnx.replace_by_pure_dict(state, gathered)
-        metrics = forward(state, rest_leaves, batch)[1][0]
+        metrics = forward(state_of(template, gathered), rest_leaves, batch)[1][0]
         return _reduced(metrics, batch_axes, sums)
 
+    rows = PartitionSpec(spec_entry(batch_axes))
     out_specs = _out_specs(shapes, _rows(batch), rows)
-    batch_specs = jax.tree.map(lambda x: PartitionSpec() if is_replicated_leaf(x) else rows, batch)
     specs = jax.tree.map(lambda m: m.spec, movers)
-    mapped = jax.shard_map(local, mesh=mesh, in_specs=(specs, PartitionSpec(), batch_specs),
-                           out_specs=out_specs, axis_names=set(batch_axes))  # fmt: skip
+    in_specs = (specs, PartitionSpec(), batch_specs(batch, batch_axes))
+    mapped = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                           axis_names=set(batch_axes))  # fmt: skip
     return mapped(nnx.to_pure_dict(params), rest_leaves, batch)
 
 

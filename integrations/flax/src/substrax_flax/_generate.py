@@ -96,8 +96,8 @@ def generate(
       ``int32[rows, length + new_tokens]``: the prompt and its continuation.
 
     Raises:
-      ValueError: If ``prompt`` is not a 2-D integer array or ``new_tokens`` is not positive,
-        or as :func:`sampler`.
+      ValueError: If ``prompt`` is not a 2-D integer array, ``new_tokens`` is not positive,
+        the run has several processes, or as :func:`sampler`.
     """
     prompt = np.asarray(prompt)
     if prompt.ndim != 2 or not np.issubdtype(prompt.dtype, np.integer):
@@ -106,6 +106,12 @@ def generate(
         )
     if not isinstance(new_tokens, int) or new_tokens < 1:
         raise ValueError(f"new_tokens must be a positive integer, got {new_tokens!r}.")
+    if jax.process_count() > 1:
+        raise ValueError(
+            f"generate runs in one process (its prompt is every row); this run has "
+            f"{jax.process_count()} processes. Generate from one process's model, or "
+            "evaluate with make_eval_step, which takes each process's rows."
+        )
     sample = sampler(temperature, top_k)
     step = make_eval_step(_next_logits(logits_fn or (lambda model, tokens: model(tokens))))
     rows, length = prompt.shape

@@ -40,9 +40,11 @@ from substrax_flax._state import map_variables, values_by_path
 from substrax_flax._streams import RowDraws, rows_loss
 
 __all__ = [
+    "batch_specs",
     "manual_movers",
     "manual_rules",
     "manual_value_and_grad",
+    "state_of",
 ]
 
 
@@ -279,30 +281,34 @@ def manual_value_and_grad(
 
         def objective(pure):
             gathered = jax.tree.map(lambda x, m: m.gather(x), pure, movers)
-            loss, (aux, new_rest) = drawn(_state(template, gathered), rest_leaves, batch)
+            loss, (aux, new_rest) = drawn(state_of(template, gathered), rest_leaves, batch)
             return _pmean(loss, batch_axes), (_mean(aux, batch_axes), new_rest)
 
         return jax.value_and_grad(objective, has_aux=True)(pure)
 
     if not batch_axes:  # one replica (batch axes of size 1): accumulation without a region
         (loss, extra), grads_pure = local(nnx.to_pure_dict(params), rest_leaves, batch)
-        return (loss, extra), _state(template, grads_pure)
+        return (loss, extra), state_of(template, grads_pure)
     specs = jax.tree.map(lambda m: m.spec, movers)
     grad_specs = jax.tree.map(lambda m: m.grad_spec, movers)
-    rows = PartitionSpec(spec_entry(batch_axes))
-    batch_specs = jax.tree.map(lambda x: PartitionSpec() if is_replicated_leaf(x) else rows, batch)
     mapped = jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(specs, PartitionSpec(), batch_specs),
+        in_specs=(specs, PartitionSpec(), batch_specs(batch, batch_axes)),
         out_specs=((PartitionSpec(), PartitionSpec()), grad_specs),
         axis_names=set(batch_axes),
     )
     (loss, extra), grads_pure = mapped(nnx.to_pure_dict(params), rest_leaves, batch)
-    return (loss, extra), _state(template, grads_pure)
+    return (loss, extra), state_of(template, grads_pure)
 
 
-def _state(template: Any, pure: Any) -> Any:
+def batch_specs(batch: Any, batch_axes: tuple[str, ...]) -> Any:
+    """The batch's specs entering a region over ``batch_axes``: rows split, 0-d leaves whole."""
+    rows = PartitionSpec(spec_entry(batch_axes))
+    return jax.tree.map(lambda x: PartitionSpec() if is_replicated_leaf(x) else rows, batch)
+
+
+def state_of(template: Any, pure: Any) -> Any:
     """A copy of the state ``template`` holding the values of the pure dict ``pure``."""
     state = jax.tree.map(lambda x: x, template)
     nnx.replace_by_pure_dict(state, pure)
@@ -331,7 +337,7 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes,
             treedef, [a if b is None else b for a, b in zip(kept, sliced, strict=True)]
         )
         drawn = loss_of if draws is None else rows_loss(loss_of, draws, device * k + j)
-        loss, (aux, new_rest) = drawn(_state(template, gathered), rest_leaves, rows)
+        loss, (aux, new_rest) = drawn(state_of(template, gathered), rest_leaves, rows)
         return loss, (aux, jax.tree.leaves(new_rest), new_rest)
 
     first = [None if x is None else x[0] for x in slices]
