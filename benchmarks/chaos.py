@@ -29,7 +29,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "fsdp_training.py")
 SIZE = ["--vocab", "128", "--d-model", "64", "--heads", "4", "--mlp", "128", "--layers", "2",
-        "--seq", "32", "--batch-size", "16", "--mesh", "data=2,model=4", "--quiet"]  # fmt: skip
+        "--seq", "32", "--batch-size", "16", "--mesh", "data=2,model=4", "--quiet",
+        "--eval-every", "0"]  # fmt: skip
 
 
 def _command(processes: int, steps: int, save_every: int, ckpt: str, out: str) -> list[str]:

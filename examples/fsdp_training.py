@@ -1,7 +1,9 @@
 """Train a GPT-style decoder with FSDP (or another layout) across devices: substrax's main job.
 
 With no accelerator it simulates 8 CPU devices and trains on a 2 x 4 ``data`` x ``model`` mesh.
-The data is generated: sentences of a small grammar, as bytes, so the loss falls visibly.
+It trains on text: eight of Shakespeare's plays as bytes (``examples/data/shakespeare.txt``,
+public domain), the last 5% held out; ``--data`` reads your own ``.txt``, ``.jsonl``, ``.bin``
+or ``.npy`` file through :mod:`substrax.data` (Grain), each process reading only its rows.
 
     python examples/fsdp_training.py --mesh data=2,model=4 --strategy fsdp --steps 150
 
@@ -48,12 +50,19 @@ import gpt
 import llama
 
 import substrax_flax as sf
+from substrax import data as sdata
 from substrax.hlo import peak_bytes
 from substrax.layout import LAYOUTS, Layout
 from substrax.mesh import DeviceMeshManager
 from substrax.pipeline import SCHEDULES
 from substrax.planner import HARDWARE, profile_of
 from substrax.spmd import PRECISIONS, REMAT
+
+#: The default training text: eight plays, public domain (examples/data/README.md).
+SHIPPED_TEXT = pathlib.Path(__file__).resolve().parent / "data" / "shakespeare.txt"
+#: The prompt the run's closing sample continues, and the sampling temperature (greedy
+#: decoding of a briefly trained model repeats its most likely word).
+PROMPT, TEMPERATURE = "KING.\n", 0.8
 
 
 class UsageError(Exception):
@@ -81,6 +90,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=150, help="total training steps")
     parser.add_argument("--batch-size", type=int, default=16, help="global batch (rows)")
     parser.add_argument("--seed", type=int, default=0, help="initialisation and data seed")
+    parser.add_argument(
+        "--data", type=pathlib.Path, default=SHIPPED_TEXT,
+        help=f"training data: {', '.join(sdata.FORMATS)} (default: the shipped Shakespeare)",
+    )  # fmt: skip
+    parser.add_argument("--data-dtype", default="uint16",
+                        help="the token ids' type in a .bin file")  # fmt: skip
+    parser.add_argument(
+        "--tokenizer", type=pathlib.Path, default=None,
+        help="a Hugging Face tokenizer.json for .txt/.jsonl data (default: UTF-8 bytes)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--eval-data", type=pathlib.Path, default=None,
+        help="held-out data (default: the last --eval-fraction of --data, never trained on)",
+    )  # fmt: skip
+    parser.add_argument("--eval-fraction", type=float, default=0.05,
+                        help="the share of --data held out without --eval-data")  # fmt: skip
     parser.add_argument("--learning-rate", type=float, default=3e-3, help="adamw's peak rate")
     defaults = gpt.Config()
     parser.add_argument("--vocab", type=int, default=defaults.vocab, help="vocabulary size")
@@ -155,15 +180,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         "Face checkpoint",
     )  # fmt: skip
     parser.add_argument(
-        "--eval-every", type=int, default=0,
-        help="evaluate the held-out batches every N steps and at the last (0: never)",
+        "--eval-every", type=int, default=None,
+        help="evaluate the held-out batches every N steps and at the last (0: never; default "
+        "50, 0 for pp, which has no eval step yet)",
     )  # fmt: skip
     parser.add_argument("--eval-batches", type=int, default=2,
                         help="held-out batches per evaluation")  # fmt: skip
     parser.add_argument(
         "--sample", type=int, default=48,
-        help="at the end, continue the prompt 'the ' by this many greedy byte tokens and print "
-        "them (0: no sample)",
+        help=f"at the end, continue the prompt {PROMPT!r} by this many tokens sampled at "
+        f"temperature {TEMPERATURE} and print them (0: no sample)",
     )  # fmt: skip
     parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
                         help="save sharded checkpoints here (none: no checkpoints)")  # fmt: skip
@@ -190,8 +216,6 @@ def default_output_dir(args) -> pathlib.Path:
 
 def build(args):
     """Mesh, layout and config from the arguments, with one-line errors."""
-    if args.vocab < 128:
-        raise UsageError(f"--vocab {args.vocab}: the byte-level data needs at least 128")
     if args.d_model % args.heads:
         raise UsageError(f"--d-model {args.d_model} is not divisible by --heads {args.heads}")
     if args.microbatches is None:
@@ -230,6 +254,8 @@ def build(args):
             f"--batch-size {args.batch_size} does not divide the {data_devices} devices of the "
             f"data axes {layout.batch_axes}; use a multiple of {data_devices}"
         )
+    if args.eval_every is None:
+        args.eval_every = 0 if args.strategy == "pp" else 50
     if args.eval_every < 0 or args.eval_batches < 1:
         raise UsageError("--eval-every must not be negative and --eval-batches must be positive")
     if args.eval_every and args.strategy == "pp":
@@ -285,11 +311,6 @@ def pretrained_config(args) -> llama.LlamaConfig:
         config = llama.LlamaConfig.from_json(args.init_from)
     except (OSError, ValueError) as error:
         raise UsageError(f"--init-from {args.init_from}: {error}") from None
-    if config.vocab_size < 128:
-        raise UsageError(
-            f"--init-from: the checkpoint's vocab_size {config.vocab_size} is below the 128 "
-            "tokens of the byte-level data"
-        )
     return config
 
 
@@ -335,16 +356,6 @@ def check_pipeline(args, stages: int, data_devices: int) -> None:
             f"--batch-size {args.batch_size} does not split into --microbatches "
             f"{args.microbatches} x {data_devices} data devices"
         )
-
-
-def local_rows(batch):
-    """This process's slice of the global batch (all of it in a single-process run)."""
-    processes = jax.process_count()
-    if processes == 1:
-        return batch
-    per_process = batch.shape[0] // processes
-    start = jax.process_index() * per_process
-    return batch[start : start + per_process]
 
 
 class StepLog:
@@ -395,9 +406,43 @@ class Scalars:
         self.writer.close()
 
 
-#: The held-out batches' seed offset: the generator's stream for seed + HELD_OUT never meets
-#: the training batches' (seed, step) streams.
-HELD_OUT = 1_000_003
+@dataclasses.dataclass
+class RunData:
+    """The run's training batches, its held-out batches and their tokenizer."""
+
+    train: sdata.Batches
+    held: sdata.Batches
+    tokenizer: str | None
+
+
+def open_data(args, vocab: int) -> RunData:
+    """``--data`` (and ``--eval-data``) as batches of ``--seq + 1`` tokens, checked up front.
+
+    Without ``--eval-data`` the last ``--eval-fraction`` of ``--data`` is held out, whether or
+    not the run evaluates, so that turning evaluation on never changes what it trains on.
+    """
+    try:
+        tokens = sdata.load_tokens(args.data, dtype=args.data_dtype, tokenizer=args.tokenizer)
+        windows = sdata.TokenWindows(tokens, args.seq)
+        if args.eval_data is None:
+            train, held = windows.split(args.eval_fraction)
+        else:
+            held_tokens = sdata.load_tokens(
+                args.eval_data, dtype=args.data_dtype, tokenizer=args.tokenizer
+            )
+            train, held = windows, sdata.TokenWindows(held_tokens, args.seq)
+    except (OSError, ValueError, ImportError) as error:
+        raise UsageError(f"--data: {error}") from None
+    if tokens.vocab_size is not None and tokens.vocab_size > vocab:
+        raise UsageError(
+            f"--data {args.data} needs a vocabulary of {tokens.vocab_size} tokens (tokenizer: "
+            f"{tokens.tokenizer}), more than the model's {vocab}: use --vocab {tokens.vocab_size}"
+        )
+    return RunData(
+        sdata.Batches(train, args.batch_size, seed=args.seed, vocab_size=vocab),
+        sdata.Batches(held, args.batch_size, shuffle=False, vocab_size=vocab),
+        tokens.tokenizer,
+    )
 
 
 class StopAsked:
@@ -449,8 +494,8 @@ class HeldOut:
 
     MODES = ("deterministic", "use_running_average")
 
-    def __init__(self, args):
-        self.args = args
+    def __init__(self, args, batches: sdata.Batches):
+        self.args, self.batches = args, batches
         self.step = sf.make_eval_step(lambda model, batch: {"loss": gpt.loss_fn(model, batch)})
 
     def __call__(self, model) -> float:
@@ -459,8 +504,7 @@ class HeldOut:
         model.eval()
         try:
             losses = [
-                float(self.step(model, gpt.next_tokens(local_rows(
-                    gpt.batch_at(i, args.batch_size, args.seq, args.seed + HELD_OUT))))["loss"])
+                float(self.step(model, gpt.next_tokens(self.batches(i)))["loss"])
                 for i in range(args.eval_batches)
             ]  # fmt: skip
         finally:
@@ -566,6 +610,7 @@ def write_loss_plot(path: pathlib.Path, steps: list[int], losses: list[float]) -
 def train(args) -> dict:
     accumulation_given = args.microbatches is not None
     mesh, layout, config = build(args)
+    data = open_data(args, getattr(config, "vocab_size", getattr(config, "vocab", 0)))
     primary = jax.process_index() == 0
     checkpointer = open_checkpoints(args)
     if checkpointer is not None and not accumulation_given and args.strategy != "pp":
@@ -594,8 +639,13 @@ def train(args) -> dict:
     optimizer = sf.create_sharded_optimizer(
         model, gpt.optimizer(args.learning_rate), wrt=trained(args)
     )
-    resume(args, checkpointer, model, optimizer, primary)
+    saved = resume(args, checkpointer, model, optimizer, primary)
     start_step = int(optimizer.step[...])
+    if saved.get("data") is not None:  # the same windows next, on any number of processes
+        try:
+            data.train = data.train.resumed(saved["data"], start_step)
+        except ValueError as error:
+            raise UsageError(f"--resume: {error}") from None
     losses, skipped, progress = [], [], Progress(args.steps, start_step)
     tokens = args.batch_size * args.seq
     log = StepLog(args.output_dir / "metrics.jsonl", start_step) if primary else None
@@ -603,15 +653,15 @@ def train(args) -> dict:
     if primary and args.tensorboard:
         board = Scalars(args.output_dir / "tensorboard", start_step)
     evaluations = []
-    evaluate = HeldOut(args) if args.eval_every else None
+    evaluate = HeldOut(args, data.held) if args.eval_every else None
     started, compile_seconds = time.perf_counter(), 0.0
     with StopAsked() as stop:
         for step in range(start_step, args.steps):
-            batch = gpt.batch_at(step, args.batch_size, args.seq, args.seed)
+            rows = data.train(step)  # this process's rows of the global batch
             if primary and step == start_step:
                 print("compiling the train step ...", flush=True)
             tick = time.perf_counter()
-            rows = local_rows(batch)  # next-token targets shifted before the sequence is split
+            # next-token targets are shifted before the sequence is split
             metrics = step_fn(
                 model, optimizer, rows if args.strategy == "pp" else gpt.next_tokens(rows)
             )
@@ -649,7 +699,8 @@ def train(args) -> dict:
                 if board is not None:
                     board.write(record, tokens)
             if checkpointer and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-                save(checkpointer, model, optimizer, step + 1, args, layout.batch_degree)
+                save(checkpointer, model, optimizer, step + 1, args, layout.batch_degree,
+                     data.train.state(step + 1))  # fmt: skip
                 if primary:
                     how = "saved" if args.synchronous_saves else "saving (in the background)"
                     print(f"{how} a checkpoint of step {step + 1} in {args.checkpoint_dir}")
@@ -673,7 +724,7 @@ def train(args) -> dict:
     sample = None
     whole = args.init_from is None and not (layout.pp > 1 or layout.cp > 1)
     if args.sample and whole and jax.process_count() == 1:
-        sample = sample_text(model, args.sample, layout.batch_degree)
+        sample = sample_text(model, args.sample, layout.batch_degree, data.tokenizer, args.seed)
     metrics = {
         "start_step": start_step,
         "losses": losses,
@@ -711,25 +762,26 @@ def train(args) -> dict:
             f"loss.svg in {args.output_dir}"
         )
     if sample is not None and primary:
-        print(f"sample ({args.sample} greedy bytes after 'the '): {sample!r}")
+        print(f"sample ({args.sample} tokens after {PROMPT!r} at temperature {TEMPERATURE}):\n"
+              f"{sample}")  # fmt: skip
     if stop.asked:
         raise Stopped(start_step + len(losses), checkpointer, args)
     return metrics
 
 
-def sample_text(model, new_tokens: int, rows: int) -> str:
-    """The model's greedy continuation of ``the `` (one row per batch device), as text.
+def sample_text(model, new_tokens: int, rows: int, tokenizer, seed: int) -> str:
+    """The model's continuation of :data:`PROMPT` (one row per batch device), as text.
 
-    The decoder is byte-level: the bytes decode as UTF-8, any other token as U+FFFD.
+    Sampled at :data:`TEMPERATURE` from ``seed``: the same text on every layout.
     """
-    prompt = np.tile(np.frombuffer(b"the ", np.uint8).astype(np.int32), (rows, 1))
+    prompt = np.tile(sdata.encode(PROMPT, tokenizer), (rows, 1))
     modes = HeldOut.modes_of(model)
     model.eval()
     try:
-        tokens = sf.generate(model, prompt, new_tokens)[0]
+        tokens = sf.generate(model, prompt, new_tokens, temperature=TEMPERATURE, seed=seed)[0]
     finally:
         HeldOut.restore(modes)
-    return bytes(int(t) if t < 256 else 0xFF for t in tokens).decode("utf-8", "replace")
+    return sdata.decode(tokens, tokenizer)
 
 
 def trained(args):
@@ -795,17 +847,17 @@ class SaveFailed(Exception):
     """A checkpoint could not be written (disk full, permissions): the run stops, saying so."""
 
 
-def save(checkpointer, model, optimizer, step, args, data_devices) -> None:
+def save(checkpointer, model, optimizer, step, args, data_devices, position) -> None:
     """Saves checkpoint ``step`` with the data position and the batch's slicing.
 
-    The data is a function of (seed, step, global row), so the step is the data position;
-    the rows per device per accumulation slice let a resume on another number of data
-    devices keep them (:func:`keep_slices`). A disk that refuses the save stops the run with
-    its message.
+    ``position`` is the training batches' :meth:`~substrax.data.Batches.state`: the data, its
+    order's seed and the windows consumed, so a resume reads the next window; the rows per
+    device per accumulation slice let a resume on another number of data devices keep them
+    (:func:`keep_slices`). A disk that refuses the save stops the run with its message.
     """
     rows = args.batch_size // (data_devices * args.microbatches)
     metadata = {"step": step, "seed": args.seed, "batch_size": args.batch_size,
-                "rows_per_slice": rows}  # fmt: skip
+                "rows_per_slice": rows, "data": position}  # fmt: skip
     try:
         checkpointer.save(model, optimizer, step, metadata)
     except OSError as error:
@@ -859,10 +911,15 @@ def open_checkpoints(args):
         raise UsageError(f"--checkpoint-dir: {error}") from None
 
 
-def resume(args, checkpointer, model, optimizer, primary) -> None:
-    """Restores the latest checkpoint into the model and optimizer if asked (and checks)."""
+def resume(args, checkpointer, model, optimizer, primary) -> dict:
+    """Restores the latest checkpoint into the model and optimizer if asked (and checks).
+
+    Returns:
+        The checkpoint's metadata (its data position under ``"data"``), or ``{}`` when the run
+        starts fresh.
+    """
     if checkpointer is None:
-        return
+        return {}
     if not (args.resume or args.resume_if_present):
         if checkpointer.latest_step() is not None:
             raise UsageError(
@@ -870,19 +927,20 @@ def resume(args, checkpointer, model, optimizer, primary) -> None:
                 f"{checkpointer.all_steps()}): pass --resume to continue that run, or use another "
                 "directory"
             )
-        return
+        return {}
     if checkpointer.latest_step() is None:
         if args.resume:
             raise UsageError(
                 f"--resume: no checkpoint in {args.checkpoint_dir} (use --resume-if-present to "
                 "start fresh)"
             )
-        return
+        return {}
     metadata = checkpointer.restore(model, optimizer)
     if metadata.get("seed", args.seed) != args.seed:
         raise UsageError(f"--seed {args.seed} differs from the checkpoint's {metadata['seed']}")
     if primary:
         print(f"resumed from step {metadata['step']} in {args.checkpoint_dir}")
+    return metadata
 
 
 def main(argv=None) -> int:

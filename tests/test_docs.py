@@ -7,6 +7,7 @@ import pathlib
 import pytest
 
 import substrax
+import substrax.data
 import substrax.distributed
 import substrax.hlo
 import substrax.launch
@@ -29,6 +30,7 @@ MODULES = [
     substrax.pipeline,
     substrax.planner,
     substrax.target,
+    substrax.data,
 ]
 
 
@@ -96,7 +98,16 @@ def test_the_readme_first_code_block_runs_as_written(tmp_path):
     assert "Step plan:" in out.stdout and "reduce-scatter over ('data',)" in out.stdout
 
 
-QUICK_STARTS = ("index", "evaluate", "context", "experts", "pipeline", "pretrained", "targets")
+QUICK_STARTS = (
+    "index",
+    "evaluate",
+    "data",
+    "context",
+    "experts",
+    "pipeline",
+    "pretrained",
+    "targets",
+)
 
 
 def test_the_quick_start_of_each_docs_page_runs(tmp_path):
@@ -126,3 +137,4 @@ def test_the_quick_start_of_each_docs_page_runs(tmp_path):
     assert "on the manual step" in out.stdout and "gradient of the first layer" in out.stdout
     assert "4 variables from" in out.stdout  # the pretrained page's plan
     assert "compiled by XLA:TPU" in out.stdout  # the real-targets page's report
+    assert "resumed at window 48" in out.stdout  # the data page's saved position

@@ -13,7 +13,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["--vocab", "128", "--d-model", "32", "--heads", "4", "--mlp", "64", "--layers", "1",
-        "--seq", "16", "--batch-size", "8", "--quiet"]  # fmt: skip
+        "--seq", "16", "--batch-size", "8", "--quiet", "--eval-every", "0",
+        "--sample", "0"]  # fmt: skip
 
 
 def _run(*args, tmp_path):
@@ -28,7 +29,7 @@ def _run(*args, tmp_path):
 def test_example_trains_and_writes_metrics(tmp_path, strategy, precision, microbatches):
     result = _run(*TINY, "--steps", "12", "--strategy", strategy, "--precision", precision,
                   "--microbatches", str(microbatches), "--batch-size", "16",
-                  "--peak-tflops", "0.5", "--eval-every", "6", "--tensorboard",
+                  "--peak-tflops", "0.5", "--eval-every", "6", "--sample", "48", "--tensorboard",
                   tmp_path=tmp_path)  # fmt: skip
     assert result.returncode == 0, result.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
@@ -54,9 +55,10 @@ def test_example_trains_and_writes_metrics(tmp_path, strategy, precision, microb
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "eval_loss" in r] == [6, 12]
     assert records[11]["eval_loss"] == at_12
-    # and a greedy continuation of "the ", generated at the layout by the eval step
-    assert metrics["sample"].startswith("the ") and len(metrics["sample"].encode()) >= 4 + 48
-    assert f"sample (48 greedy bytes after 'the '): {metrics['sample']!r}" in result.stdout
+    # and a sampled continuation of the prompt, generated at the layout by the eval step
+    assert metrics["sample"].startswith("KING.\n") and len(metrics["sample"].encode()) >= 6 + 48
+    said = f"sample (48 tokens after 'KING.\\n' at temperature 0.8):\n{metrics['sample']}"
+    assert said in result.stdout
     scalars = [(step, value) for tag, step, value in _tensorboard_scalars(tmp_path / "tensorboard")
                if tag == "eval_loss"]  # fmt: skip
     assert [step for step, _ in scalars] == [6, 12]
@@ -155,6 +157,10 @@ def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelin
             ["--strategy", "pp", "--mesh", "pipe=4,data=2", "--layers", "3"],
             "--layers 3 is fewer than the 4 pipeline chunks",
         ),
+        (["--data", "/nonexistent/corpus.txt"], "'/nonexistent/corpus.txt' does not exist"),
+        (["--data", "setup.cfg"], "unknown data format '.cfg'; expected one of .bin"),
+        (["--vocab", "100"], "needs a vocabulary of 126 tokens (tokenizer: bytes), more than"),
+        (["--eval-fraction", "1.5"], "held_out=1.5: expected a fraction between 0 and 1"),
     ],
 )
 def test_example_rejects_bad_input_in_one_line(tmp_path, args, message):

@@ -16,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = str(ROOT / "examples" / "fsdp_training.py")
 WORKER = str(ROOT / "tests" / "launch_worker.py")
 TINY = ["--vocab", "128", "--d-model", "32", "--heads", "4", "--mlp", "64", "--layers", "1",
-        "--seq", "16", "--batch-size", "8", "--quiet"]  # fmt: skip
+        "--seq", "16", "--batch-size", "8", "--quiet", "--eval-every", "0"]  # fmt: skip
 
 
 def _launch(*args, processes=2, devices=4, timeout=240):

@@ -8,6 +8,7 @@ Submodules:
 * :mod:`substrax.spmd`: placing batches on a mesh and constraining activations.
 * :mod:`substrax.planner`: ranking layouts before anything is compiled.
 * :mod:`substrax.pipeline`: running a layer stack as a pipeline.
+* :mod:`substrax.data`: token files and text in windows, batched per process (Grain).
 """
 
 from substrax._warnings import ShardingWarning as ShardingWarning
