@@ -3,6 +3,7 @@
 import json
 import pathlib
 import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -185,6 +186,53 @@ def _tensorboard_scalars(directory: pathlib.Path) -> list[tuple[str, int, float]
             scalars += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
             at += 16 + length
     return scalars
+
+
+@pytest.fixture(scope="module")
+def two_saves(tmp_path_factory):
+    """A run that saved steps 1 and 2, and its losses."""
+    directory = tmp_path_factory.mktemp("two_saves")
+    run = _run(*TINY, "--steps", "3", "--save-every", "1", "--keep", "3", "--checkpoint-dir",
+               str(directory / "ckpt"), "--synchronous-saves", tmp_path=directory)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    shutil.rmtree(directory / "ckpt" / "3")  # as if killed before its third save
+    return directory, json.loads((directory / "metrics.json").read_text())["losses"]
+
+
+def _empty_directory(step):
+    shutil.rmtree(step)
+    step.mkdir()
+
+
+def _truncated_data(step):
+    for path in (step / "state" / "d").iterdir():
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGE = {
+    "empty step directory": (_empty_directory, "its directory is empty"),
+    "metadata deleted": (lambda step: (step / "metadata" / "metadata").unlink(), "lacks metadata"),
+    "metadata empty": (lambda step: (step / "metadata" / "metadata").write_text(""), "0 of its"),
+    "data truncated": (_truncated_data, "(truncated)"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_latest_step_is_skipped_and_the_run_resumes_from_the_one_before(
+    tmp_path, two_saves, damage
+):
+    directory, losses = two_saves
+    shutil.copytree(directory / "ckpt", tmp_path / "ckpt")
+    harm, reason = DAMAGE[damage]
+    harm(tmp_path / "ckpt" / "2")
+    resumed = _run(*TINY, "--steps", "3", "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume",
+                   tmp_path=tmp_path)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Skipped checkpoint step 2" in resumed.stderr and reason in resumed.stderr
+    assert "resumed from step 1" in resumed.stdout
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["start_step"] == 1
+    np.testing.assert_allclose(metrics["losses"], losses[1:], rtol=1e-5)  # the same data next
 
 
 def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(tmp_path):

@@ -66,6 +66,11 @@ DAMAGE = {
         lambda d: (shutil.rmtree(d), d.mkdir()),
         "its directory is empty",
     ),
+    "missing run metadata": (lambda d: (d / "metadata" / "metadata").unlink(), "lacks metadata/"),
+    "empty run metadata": (
+        lambda d: (d / "metadata" / "metadata").write_text(""),
+        r"metadata/metadata has 0 of its \d+ bytes \(truncated\)",
+    ),
 }
 
 
@@ -82,6 +87,22 @@ def test_restore_falls_back_to_the_newest_intact_step(tmp_path, damage):
     assert (tmp_path / "2.corrupt").is_dir() and checkpointer.all_steps() == [1]
     checkpointer.save(model, optimizer, 2, {"step": 2})  # the run can go on from there
     assert checkpointer.all_steps() == [1, 2]
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_metadata_is_the_newest_intact_steps_as_restore_would_restore(tmp_path, damage):
+    """A run reads its data position before restoring (the example does): a damaged latest
+    step must not block that read."""
+    _saved_steps(tmp_path, [1, 2])
+    harm, reason = DAMAGE[damage]
+    harm(tmp_path / "2")
+    checkpointer = sf.Checkpointer(tmp_path)
+    with pytest.warns(sf.CheckpointWarning, match=rf"Skipped checkpoint step 2 .*{reason}"):
+        assert checkpointer.metadata() == {"step": 1}
+    assert checkpointer.all_steps() == [1] and (tmp_path / "2.corrupt").is_dir()
+    with pytest.raises(ValueError, match=r"Checkpoint step 1 in .* is unusable: .*truncated"):
+        _truncate(tmp_path / "1")
+        checkpointer.metadata(1)
 
 
 def test_a_named_damaged_step_is_an_error_and_nothing_intact_says_why(tmp_path):

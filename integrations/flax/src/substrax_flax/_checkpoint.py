@@ -213,23 +213,40 @@ class Checkpointer:
     def metadata(self, step: int | None = None) -> dict:
         """The run metadata saved with a checkpoint, without reading its arrays.
 
+        Without ``step`` it is the newest intact checkpoint's, as :meth:`restore` would
+        restore: each newer step that is incomplete or unreadable (its metadata included) is
+        skipped with a :class:`CheckpointWarning` and renamed ``<step>.corrupt``.
+
         Args:
-          step: The step; the latest when None.
+          step: The step; the newest intact one when None.
 
         Returns:
           The metadata (a data position, settings), as given to :meth:`save`.
 
         Raises:
-          FileNotFoundError: If there is no such checkpoint.
+          FileNotFoundError: If there is no such checkpoint, or none is intact.
+          ValueError: If the requested ``step`` is incomplete or unreadable.
         """
-        steps = self.all_steps()
-        step = (steps[-1] if steps else None) if step is None else step
-        if step not in steps:
+        if step is None:
+            return self._newest(self._read_metadata)[1]
+        if step not in self.all_steps():
             raise FileNotFoundError(
-                f"No checkpoint for step {step} in {self.directory}; steps there: {steps}."
+                f"No checkpoint for step {step} in {self.directory}; steps there: "
+                f"{self.all_steps()}."
             )
+        metadata, problem = self._read_metadata(step)
+        if problem is not None:
+            raise ValueError(f"Checkpoint step {step} in {self.directory} is unusable: {problem}.")
+        return metadata
+
+    def _read_metadata(self, step: int) -> tuple[dict | None, str | None]:
+        """``(metadata, None)`` of an intact ``step``, or ``(None, why it is unusable)``."""
+        problem = _everywhere(damage(self.directory / str(step)))
+        if problem is not None:
+            return None, problem
         args = ocp.args.Composite(metadata=ocp.args.JsonRestore())
-        return dict(self._manager.restore(step, args=args).metadata)
+        read, problem = _guarded(lambda: dict(self._manager.restore(step, args=args).metadata))
+        return read, _everywhere(problem)
 
     def is_finite(self, step: int) -> bool | None:
         """Whether every value saved at ``step`` was finite.
@@ -392,7 +409,7 @@ class Checkpointer:
         }
         stored = _storable(target)
         if step is None:
-            step, restored = self._restore_newest(stored, cast)
+            step, restored = self._newest(lambda s: self._attempt(s, stored, cast))
         else:
             restored = self._restore_step(step, stored, cast)
         finite = self.is_finite(step)
@@ -423,12 +440,16 @@ class Checkpointer:
             raise ValueError(f"Checkpoint step {step} in {self.directory} is unusable: {problem}.")
         return restored
 
-    def _restore_newest(self, stored: dict, cast: bool) -> tuple[int, Any]:
+    def _newest(self, read) -> tuple[int, Any]:
+        """``(step, read(step))`` of the newest step ``read`` finds intact; sets others aside.
+
+        ``read(step)`` returns ``(value, None)`` or ``(None, why the step is unusable)``.
+        """
         skipped = []
         for step in reversed(self.all_steps()):
-            restored, problem = self._attempt(step, stored, cast)
+            value, problem = read(step)
             if problem is None:
-                return step, restored
+                return step, value
             skipped.append(f"step {step}: {problem}")
             self._set_aside(step, problem)
         if not skipped:
