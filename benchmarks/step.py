@@ -18,11 +18,15 @@ On the example decoder over 8 simulated devices, with the default ``make_train_s
 * **paths**: FSDP over 8 with the default step, for the decoder as benchmarked, with two
   ``nnx.Dropout(0.1)`` per block, and each on a ``jax.make_mesh`` mesh (Explicit axes): the
   path the step plan names, the compiled step's traffic against the bound of 1.05 x (one
-  all-gather and one reduce-scatter of the parameters), and the losses of three steps.
+  all-gather and one reduce-scatter of the parameters), and the losses of three steps;
+* **non-finite guard**: FSDP 8 and FSDP 4 x DP 2, the default step (``on_nonfinite="skip"``:
+  the loss, the gradients and the state the update would write are checked) against
+  ``on_nonfinite="apply"`` (no guard) on the same model: median step times of interleaved
+  steps, the compiled FLOPs and peak.
 
 Run: ``python benchmarks/step.py [--size tiny] [--steps 100] [--flax-steps 40]
-[--output-dir DIR]``; writes
-``step.json`` and ``step.md``.
+[--guard-steps 40] [--sections guard ...] [--output-dir DIR]``; writes ``step.json`` and
+``step.md`` (with ``--sections``, the other sections are kept from the existing ``step.json``).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ if __name__ == "__main__":
 
 import argparse
 import dataclasses
+import json
 import pathlib
 import time
 
@@ -185,6 +190,40 @@ def path_rows(config, batch_size) -> list[dict]:
     return rows
 
 
+GUARD_CASES = ("FSDP 8", "FSDP 4 x DP 2")
+
+
+def guard_rows(config, batch_size, steps) -> list[dict]:
+    """The guarded default step against ``on_nonfinite="apply"``: time, FLOPs, peak."""
+    rows = []
+    for label in GUARD_CASES:
+        print(f"non-finite guard: {label} ...", flush=True)
+        layout, mesh_shape = PRECISION_CASES[label]
+        model, optimizer, guarded = _setup(config, layout, mesh_shape)
+        unguarded = sf.make_train_step(gpt.loss_fn, on_nonfinite="apply")
+        steps_by_policy = {"skip": guarded, "apply": unguarded}
+        row, times = {"layout": label}, {policy: [] for policy in steps_by_policy}
+        batch = gpt.batch_at(0, batch_size, config.seq)
+        for policy, step in steps_by_policy.items():
+            stats = compiled_stats(step.lower(model, optimizer, batch).compile(), 8)
+            row[policy] = {"flops": stats["flops"], "peak_bytes": stats["peak_bytes"],
+                           "temp_bytes": stats["temp_bytes"]}  # fmt: skip
+            jax.block_until_ready(step(model, optimizer, batch)["loss"])  # compiled, warm
+        for i in range(steps):
+            order = list(steps_by_policy) if i % 2 else list(reversed(steps_by_policy))
+            batch = gpt.batch_at(i + 1, batch_size, config.seq)
+            for policy in order:
+                start = time.perf_counter()
+                jax.block_until_ready(steps_by_policy[policy](model, optimizer, batch)["loss"])
+                times[policy].append(time.perf_counter() - start)
+        for policy in steps_by_policy:
+            row[policy]["median_step_s"] = float(np.median(times[policy]))
+        row["time_ratio"] = row["skip"]["median_step_s"] / row["apply"]["median_step_s"]
+        row["flops_ratio"] = row["skip"]["flops"] / row["apply"]["flops"]
+        rows.append(row)
+    return rows
+
+
 def markdown(report: dict) -> str:
     lines = [
         "### Mixed precision (`make_train_step(loss_fn, precision=...)`)\n",
@@ -251,6 +290,24 @@ def markdown(report: dict) -> str:
             f"| {row['case']} | {row['path']} | {row['mesh']} | "
             f"{row['traffic_bytes'] / MIB:.1f} | {row['bound_bytes'] / MIB:.1f} | {losses} |"
         )
+    lines += [
+        "",
+        f"### The non-finite guard (median of {report.get('guard_steps')} interleaved steps)\n",
+        'The default `on_nonfinite="skip"` checks the loss, the gradients and the state the '
+        'update would write (computing the update once more, elementwise); `"apply"` checks '
+        "nothing.\n",
+        "| layout | skip ms | apply ms | time ratio | GFLOP / device, skip / apply | "
+        "peak MiB, skip / apply |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in report.get("guard", []):
+        skip, apply = row["skip"], row["apply"]
+        lines.append(
+            f"| {row['layout']} | {skip['median_step_s'] * 1e3:.0f} | "
+            f"{apply['median_step_s'] * 1e3:.0f} | {row['time_ratio']:.3f} | "
+            f"{skip['flops'] / 1e9:.3f} / {apply['flops'] / 1e9:.3f} | "
+            f"{skip['peak_bytes'] / MIB:.1f} / {apply['peak_bytes'] / MIB:.1f} |"
+        )
     lines.append(
         f"\nMeasured {report['date']}, {report['devices']} simulated CPU devices, jax "
         f"{report['jax']}; model {report['config']}. Traffic for precision is the lowered "
@@ -261,6 +318,9 @@ def markdown(report: dict) -> str:
         "scan over the K slices once (one slice's work)."
     )
     return "\n".join(lines) + "\n"
+
+
+SECTIONS = ("precision", "accumulation", "flax", "paths", "guard")
 
 
 def main(argv=None) -> dict:
@@ -274,31 +334,43 @@ def main(argv=None) -> dict:
                         choices=list(PRECISION_CASES))  # fmt: skip
     parser.add_argument("--flax-steps", type=int, default=40,
                         help="interleaved steps against Flax (0: no such section)")  # fmt: skip
+    parser.add_argument("--guard-steps", type=int, default=40,
+                        help="interleaved steps of each guard policy")  # fmt: skip
     parser.add_argument("--no-paths", dest="paths", action="store_false",
                         help="leave out the paths section")  # fmt: skip
+    parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=list(SECTIONS),
+                        help="measure these; keep the rest from step.json")  # fmt: skip
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks"))
     args = parser.parse_args(argv)
     config = SIZES[args.size]
-    precision = []
-    for label in args.layouts:
-        print(f"precision: {label} ...", flush=True)
-        precision.append(precision_row(config, label, args.batch_size, args.steps))
-    print("accumulation ...", flush=True)
-    report = {
-        "date": time.strftime("%Y-%m-%d"),
-        "devices": jax.device_count(),
-        "jax": jax.__version__,
-        "config": str(config),
-        "steps": args.steps,
-        "accumulation_batch": args.accumulation_batch,
-        "precision": precision,
-        "accumulation": accumulation_rows(config, args.accumulation_batch, args.microbatches),
-        "flax_steps": args.flax_steps,
-        "against_flax": flax_rows(config, args.batch_size, args.flax_steps)
-        if args.flax_steps
-        else [],
-        "paths": path_rows(config, args.batch_size) if args.paths else [],
-    }
+    previous = args.output_dir / "step.json"
+    report = json.loads(previous.read_text()) if set(args.sections) != set(SECTIONS) else {}
+    if previous.exists() and report:
+        print(f"keeping {sorted(set(SECTIONS) - set(args.sections))} from {previous}")
+    report.update({"devices": jax.device_count(), "jax": jax.__version__, "config": str(config)})
+    report.setdefault("date", time.strftime("%Y-%m-%d"))
+    if "precision" in args.sections:
+        report["steps"], report["precision"] = args.steps, []
+        for label in args.layouts:
+            print(f"precision: {label} ...", flush=True)
+            report["precision"].append(precision_row(config, label, args.batch_size, args.steps))
+    if "accumulation" in args.sections:
+        print("accumulation ...", flush=True)
+        report["accumulation_batch"] = args.accumulation_batch
+        report["accumulation"] = accumulation_rows(
+            config, args.accumulation_batch, args.microbatches
+        )
+    if "flax" in args.sections:
+        report["flax_steps"] = args.flax_steps
+        report["against_flax"] = (
+            flax_rows(config, args.batch_size, args.flax_steps) if args.flax_steps else []
+        )
+    if "paths" in args.sections:
+        report["paths"] = path_rows(config, args.batch_size) if args.paths else []
+    if "guard" in args.sections:
+        report["guard_steps"] = args.guard_steps
+        report["guard_date"] = time.strftime("%Y-%m-%d")
+        report["guard"] = guard_rows(config, args.batch_size, args.guard_steps)
     write_results(args.output_dir, "step", report, markdown(report))
     return report
 

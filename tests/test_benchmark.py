@@ -90,9 +90,16 @@ def test_step_benchmark_runs_at_a_tiny_size(tmp_path):
 
     report = step.main(
         ["--size", "tiny", "--steps", "2", "--layouts", "FSDP 8", "--microbatches", "1", "4",
-         "--flax-steps", "2", "--output-dir", str(tmp_path)]
+         "--flax-steps", "2", "--guard-steps", "2", "--output-dir", str(tmp_path)]
     )  # fmt: skip
     assert (tmp_path / "step.md").exists()
+    guard = {row["layout"]: row for row in report["guard"]}
+    assert list(guard) == ["FSDP 8", "FSDP 4 x DP 2"]
+    for row in guard.values():  # the check computes the update once more: never fewer FLOPs
+        assert row["skip"]["flops"] >= row["apply"]["flops"] > 0 and row["time_ratio"] > 0
+    again = step.main(["--size", "tiny", "--sections", "guard", "--guard-steps", "1",
+                       "--output-dir", str(tmp_path)])  # fmt: skip
+    assert again["precision"] == report["precision"] and len(again["guard"]) == 2
     (row,) = report["precision"]
     assert row["traffic_ratio"] <= 0.55 and row["max_relative_loss_difference"] < 1e-2
     one, four = report["accumulation"]

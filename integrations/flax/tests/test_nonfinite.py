@@ -101,38 +101,54 @@ def test_an_unknown_policy_is_a_clear_error():
         sf.make_train_step(_loss, on_nonfinite="ignore")
 
 
-class Half(nnx.Module):
-    def __init__(self, rngs):
-        self.w = nnx.Param(jnp.ones((16, 4), jnp.float16), out_sharding=("embed", None))
+class Square(nnx.Module):
+    def __init__(self, dtype):
+        self.w = nnx.Param(jnp.ones((16, 4), dtype), out_sharding=("embed", None))
 
     def __call__(self, x):
-        return x @ self.w[...]
+        return x.astype(self.w.dtype) @ self.w[...]
 
 
-def _half_loss(model, x):  # float32 gradients near 2e4: adam's g^2 / 1000 overflows float16
-    return (model(x).astype(jnp.float32) * 20000.0).sum() / x.shape[0]
+def _scaled_loss(scale):  # float32 gradients of `scale` on every weight, a finite loss
+    return lambda model, x: (model(x).astype(jnp.float32) * scale).sum() / x.shape[0]
 
 
-def test_a_float16_update_that_overflows_is_skipped_and_the_state_stays_finite():
+#: Updates that overflow by themselves, with a finite loss and finite gradients.
+OVERFLOWS = {
+    # adam's second moment squares 2e4: past float16's 65504
+    "float16 adam": (jnp.float16, optax.adam(1e-3), 2e4),
+    # 1e20 squared: past float32's 3.4e38 (the loss, 6.4e21, is finite)
+    "float32 adam": (jnp.float32, optax.adam(1e-3), 1e20),
+    "bfloat16 adam": (jnp.bfloat16, optax.adam(1e-3), 1e20),
+    # a step of 1e38 x a gradient of 8: bfloat16 weights past 3.4e38
+    "bfloat16 weights": (jnp.bfloat16, optax.sgd(1e38), 8.0),
+}
+
+
+@pytest.mark.parametrize("case", OVERFLOWS)
+def test_an_update_that_overflows_by_itself_is_skipped_in_every_dtype(case):
+    dtype, tx, scale = OVERFLOWS[case]
     mesh = DeviceMeshManager.create_device_mesh({"data": 8})
-    model = sf.create_sharded_model(lambda: Half(nnx.Rngs(0)), mesh, RULES)
-    optimizer = sf.create_sharded_optimizer(model, optax.adam(1e-3))
-    step = sf.make_train_step(_half_loss)
-    x = np.ones((8, 16), np.float16)
+    model = sf.create_sharded_model(lambda: Square(dtype), mesh, RULES)
+    optimizer = sf.create_sharded_optimizer(model, tx)
+    step = sf.make_train_step(_scaled_loss(scale))
+    x = np.ones((8, 16), np.float32)
     plan = step.plan_for(model, optimizer, x)
     assert plan.check_state and "loss, gradients and the updated state" in str(plan)
     before = _leaves(model, optimizer)
     with pytest.warns(sf.NonFiniteWarning, match=r"non-finite gradient or updated state \(the "
-                      r"loss was finite; float16 state overflows past 65504\): its update was "
-                      r"skipped"):  # fmt: skip
+                      r"loss was finite; the update overflowed"):  # fmt: skip
         metrics = step(model, optimizer, x)
         step._guard.flush()
     assert np.isfinite(float(metrics["loss"])) and not bool(metrics["finite"])
     for got, want in zip(_leaves(model, optimizer), before, strict=True):
         np.testing.assert_array_equal(got, want)  # nothing committed, everything finite
-    # float32 state keeps float32's range: the guard checks the loss and gradients only
-    plan = _setup()[2].plan_for(*_setup()[:2], _batch(0))
-    assert not plan.check_state and "guard         loss and gradients" in str(plan)
+    # "apply" turns the guard off (the plan says so): the overflow reaches the state
+    applying = sf.make_train_step(_scaled_loss(scale), on_nonfinite="apply")
+    assert "on_nonfinite='apply'" in str(applying.plan_for(model, optimizer, x))
+    applying(model, optimizer, x)
+    assert not all(np.isfinite(leaf.astype(np.float32)).all()
+                   for leaf in _leaves(model, optimizer))  # fmt: skip
 
 
 def test_the_last_call_of_a_run_is_reported_at_exit(tmp_path):
