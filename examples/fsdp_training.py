@@ -719,10 +719,10 @@ def train(args) -> dict:
         raise UsageError(f"nothing to do: the checkpoint is at step {start_step} >= --steps")
     state = sf.sharding_report(model).bytes_per_device
     state += sf.sharding_report(optimizer).bytes_per_device
-    # a pipeline's or a split sequence's model has no whole-window forward; generate runs in
-    # one process
+    # a pipeline's or a split sequence's model has no whole-sequence forward; generate runs in
+    # one process (with the decoder's KV cache)
     sample = None
-    whole = args.init_from is None and not (layout.pp > 1 or layout.cp > 1)
+    whole = not (layout.pp > 1 or layout.cp > 1)
     if args.sample and whole and jax.process_count() == 1:
         sample = sample_text(model, args.sample, layout.batch_degree, data.tokenizer, args.seed)
     metrics = {

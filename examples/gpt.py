@@ -19,7 +19,7 @@ import optax
 from flax import nnx
 
 import substrax_flax as sf
-from substrax.spmd import attention, constrain
+from substrax.spmd import attention, constrain, decode_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,20 +113,51 @@ class Block(nnx.Module):
     def _drop(self, name, x):
         return getattr(self, name)(x) if hasattr(self, name) else x
 
-    def __call__(self, x):
-        return self.forward(x)[0]
+    def __call__(self, x, decode: bool = False):
+        return self.decode(x) if decode else self.forward(x)[0]
 
     @sf.remat  # recomputed in the backward pass under make_train_step(remat=...)
     def forward(self, x):
         """The block's output and its load-balancing loss (0 for a dense MLP)."""
+        return self._mlp(self._attention(x, cached=False))
+
+    def decode(self, x):
+        """The block's output for new tokens, their keys and values appended to the cache."""
+        return self._mlp(self._attention(x, cached=True))[0]
+
+    def init_cache(self, batch_size: int, max_length: int) -> None:
+        """Key and value caches of ``max_length`` positions (``nnx.Cache``), and their index.
+
+        They carry the activations' logical names, so a layout shards them as it shards the
+        keys and values: rows over the batch axes, heads over the tensor axes.
+        """
+        shape = (batch_size, max_length, *self.wk.shape[1:])
+        names = ("data", "seq", "heads", "kv")
+        self.cached_key = nnx.Cache(jnp.zeros(shape, self.wk.dtype), out_sharding=names)
+        self.cached_value = nnx.Cache(jnp.zeros(shape, self.wv.dtype), out_sharding=names)
+        self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+
+    def _attention(self, x, cached: bool):
         h = _rms_norm(x, self.attn_norm[...])
         names = ("data", "seq", "heads", "kv")
         q = constrain(jnp.einsum("bte,ehk->bthk", h, self.wq[...]), *names)
         k = constrain(jnp.einsum("bte,ehk->bthk", h, self.wk[...]), *names)
         v = constrain(jnp.einsum("bte,ehk->bthk", h, self.wv[...]), *names)
-        attended = attention(q, k, v, causal=True)
+        attended = self._cached(q, k, v) if cached else attention(q, k, v, causal=True)
         out = self._drop("attn_drop", jnp.einsum("bthk,hke->bte", attended, self.wo[...]))
-        x = constrain(x + out, "data", "seq", "embed")
+        return constrain(x + out, "data", "seq", "embed")
+
+    def _cached(self, q, k, v):
+        """Attention of new tokens over the cache, after appending their keys and values."""
+        start = self.cache_index[...]
+        for cache, new in ((self.cached_key, k), (self.cached_value, v)):
+            cache[...] = jax.lax.dynamic_update_slice_in_dim(
+                cache[...], new.astype(cache.dtype), start, axis=1
+            )
+        self.cache_index[...] = start + q.shape[1]
+        return decode_attention(q, self.cached_key[...], self.cached_value[...], start)
+
+    def _mlp(self, x):
         h = _rms_norm(x, self.mlp_norm[...])
         if hasattr(self, "moe"):
             out, stats = self.moe(h)
@@ -151,8 +182,19 @@ class GPT(nnx.Module):
         self.norm = nnx.Param(jnp.ones((config.d_model,)), out_sharding=("embed",))
         self.head = _param(rngs, (config.d_model, config.vocab), ("embed", "vocab"))
 
-    def __call__(self, tokens):
-        return self.forward(tokens)[0]
+    def __call__(self, tokens, decode: bool = False):
+        """The logits; with ``decode``, of new tokens after those in the cache (``init_cache``)."""
+        if not decode:
+            return self.forward(tokens)[0]
+        x = constrain(jnp.take(self.embedding[...], tokens, axis=0), "data", "seq", "embed")
+        for block in self.blocks:
+            x = block.decode(x)
+        return constrain(_rms_norm(x, self.norm[...]) @ self.head[...], "data", "seq", "vocab")
+
+    def init_cache(self, batch_size: int, max_length: int) -> None:
+        """Each block's key/value cache: ``batch_size`` rows of ``max_length`` positions."""
+        for block in self.blocks:
+            block.init_cache(batch_size, max_length)
 
     def forward(self, tokens):
         """The logits and the blocks' summed load-balancing loss (0 without experts)."""

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 import substrax_flax as sf
-from substrax.spmd import attention, constrain, positions
+from substrax.spmd import attention, constrain, decode_attention, positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,11 +77,15 @@ def _rms_norm(x, scale, eps):
     return (normed * scale).astype(x.dtype)
 
 
-def _rope(x, theta):
-    """Rotary positions as Hugging Face's Llama applies them: halves rotated, not pairs."""
+def _rope(x, theta, start=0):
+    """Rotary positions as Hugging Face's Llama applies them: halves rotated, not pairs.
+
+    The tokens sit at positions ``start, start + 1, ...`` (``start`` > 0: decoding after the
+    cached ones).
+    """
     length, dim = x.shape[1], x.shape[-1]
     inv_freq = 1.0 / theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim)
-    angles = positions(length).astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles = (positions(length) + start).astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([angles, angles], axis=-1)[None, :, None, :]
     half = dim // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
@@ -144,13 +148,40 @@ class LlamaBlock(nnx.Module):
 
     @sf.remat
     def __call__(self, x):
+        q, k, v = self._qkv(x, 0)
+        return self._mlp(x, attention(q, k, v, causal=True))
+
+    def decode(self, x):
+        """The block's output for new tokens, their keys and values appended to the cache."""
+        start = self.cache_index[...]
+        q, k, v = self._qkv(x, start)
+        for cache, new in ((self.cached_key, k), (self.cached_value, v)):
+            cache[...] = jax.lax.dynamic_update_slice_in_dim(
+                cache[...], new.astype(cache.dtype), start, axis=1
+            )
+        self.cache_index[...] = start + x.shape[1]
+        keys, values = self.cached_key[...], self.cached_value[...]
+        return self._mlp(x, decode_attention(q, keys, values, start))
+
+    def init_cache(self, batch_size: int, max_length: int) -> None:
+        """Key and value caches (``nnx.Cache``, named as the keys and values are) and an index."""
+        shape = (batch_size, max_length, *self.k.shape[1:])
+        names = ("data", "seq", "kv_heads", "kv")
+        self.cached_key = nnx.Cache(jnp.zeros(shape, self.k.dtype), out_sharding=names)
+        self.cached_value = nnx.Cache(jnp.zeros(shape, self.v.dtype), out_sharding=names)
+        self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+
+    def _qkv(self, x, start):
         c = self.config
         h = _rms_norm(x, self.attn_norm[...], c.rms_norm_eps)
         q, k, v = (self._project(name, h) for name in ("q", "k", "v"))
-        q = constrain(_rope(q, c.rope_theta), "data", "seq", "heads", "kv")
-        k = constrain(_rope(k, c.rope_theta), "data", "seq", "kv_heads", "kv")
-        v = constrain(v, "data", "seq", "kv_heads", "kv")
-        out = jnp.einsum("bthk,hke->bte", attention(q, k, v, causal=True), self.o[...])
+        q = constrain(_rope(q, c.rope_theta, start), "data", "seq", "heads", "kv")
+        k = constrain(_rope(k, c.rope_theta, start), "data", "seq", "kv_heads", "kv")
+        return q, k, constrain(v, "data", "seq", "kv_heads", "kv")
+
+    def _mlp(self, x, attended):
+        c = self.config
+        out = jnp.einsum("bthk,hke->bte", attended, self.o[...])
         x = constrain(x + out, "data", "seq", "embed")
         h = _rms_norm(x, self.mlp_norm[...], c.rms_norm_eps)
         gated = constrain(
@@ -172,13 +203,19 @@ class Llama(nnx.Module):
         if not config.tie_word_embeddings:
             self.head = _param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"))
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, decode: bool = False):
+        """The logits; with ``decode``, of new tokens after those in the cache (``init_cache``)."""
         x = constrain(jnp.take(self.embed[...], tokens, axis=0), "data", "seq", "embed")
         for block in self.layers:
-            x = block(x)
+            x = block.decode(x) if decode else block(x)
         x = _rms_norm(x, self.norm[...], self.config.rms_norm_eps)
         head = self.embed[...].T if self.config.tie_word_embeddings else self.head[...]
         return constrain(x @ head, "data", "seq", "vocab")
+
+    def init_cache(self, batch_size: int, max_length: int) -> None:
+        """Each block's key/value cache: ``batch_size`` rows of ``max_length`` positions."""
+        for block in self.layers:
+            block.init_cache(batch_size, max_length)
 
     def merge_lora(self) -> None:
         """Folds every LoRA adapter into its projection (see :meth:`LlamaBlock.merge_lora`)."""

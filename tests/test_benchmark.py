@@ -119,6 +119,17 @@ def test_step_benchmark_runs_at_a_tiny_size(tmp_path):
         assert "Auto twin" in explicit["mesh"] and explicit["losses"] == auto["losses"]
 
 
+def test_decode_benchmark_runs_at_a_tiny_size(tmp_path):
+    import decode
+
+    report = decode.main(["--size", "tiny", "--tokens", "3", "--repeats", "1",
+                          "--output-dir", str(tmp_path)])  # fmt: skip
+    assert (tmp_path / "decode.md").exists()
+    for row in report["rows_measured"]:  # both paths decode alike; the cache is as planned
+        assert row["same_tokens"] and row["cache_bytes_held"] == row["cache_bytes_per_device"]
+    assert report["rows_measured"][1]["cache_spec"] == "P('data', None, 'model', None)"
+
+
 def test_experts_benchmark_runs_at_a_tiny_size(tmp_path):
     import experts as experts_benchmark
 

@@ -11,6 +11,7 @@ import optax
 import pytest
 from flax import nnx
 from flax_test_models import unsharded
+from jax.sharding import PartitionSpec as P
 
 import substrax_flax as sf
 from substrax.hlo import traffic_by_kind
@@ -173,13 +174,101 @@ def _one_device_generation(prompt, new_tokens, temperature, top_k, seed):
 
 @pytest.mark.parametrize("name", ["dp", "fsdp", "fsdp+tp"])
 def test_generated_tokens_are_one_devices_greedy_and_sampled(name):
+    """With the KV cache (the decoder has init_cache) and over the whole window."""
     model = _placed(LAYOUTS[name]())
     prompt = BATCH[:8, :6]
     for temperature, top_k in ((0.0, None), (1.0, 20)):
-        got = sf.generate(model, prompt, 6, temperature=temperature, top_k=top_k, seed=3)
         want = _one_device_generation(prompt, 6, temperature, top_k, seed=3)
-        np.testing.assert_array_equal(got, want)
-        assert (got[:, :6] == prompt).all() and got.shape == (8, 12)
+        for cache in (None, False):
+            got = sf.generate(model, prompt, 6, temperature=temperature, top_k=top_k, seed=3,
+                              cache=cache)  # fmt: skip
+            np.testing.assert_array_equal(got, want)
+            assert (got[:, :6] == prompt).all() and got.shape == (8, 12)
+
+
+#: Each layout's key/value cache spec: rows over the batch axes, heads over the tensor axes.
+CACHE_SPECS = {
+    "dp": P("data", None, None, None),
+    "fsdp": P("data", None, None, None),
+    "fsdp+tp": P("data", None, "model", None),
+}
+
+
+@pytest.mark.parametrize("name", list(CACHE_SPECS))
+def test_the_kv_cache_is_sharded_and_sized_as_planned(name):
+    model = _placed(LAYOUTS[name]())
+    step = sf.make_decode_step(model, 8, 12)
+    rows = {row.path: row for row in step.rows}
+    assert sorted(rows) == sorted(
+        f"blocks/{i}/{v}" for i in range(2) for v in ("cache_index", "cached_key", "cached_value")
+    )
+    key = rows["blocks/0/cached_key"]
+    assert key.names == ("data", "seq", "heads", "kv") and key.spec == CACHE_SPECS[name]
+    leaves = dict(_paths(step.cache))
+    for path, row in rows.items():  # what each device holds is what the plan says
+        assert leaves[path].sharding.spec == row.spec, path
+        assert {s.data.nbytes for s in leaves[path].addressable_shards} == {row.bytes_per_device}
+    whole = 8 * 12 * CONFIG.heads * CONFIG.head_dim * 4  # one layer's keys, float32
+    # every device holds an eighth: rows over 8 (dp, fsdp), or rows over 4 x heads over 2
+    assert key.bytes_per_device == whole // 8
+    assert step.bytes_per_device == sum(row.bytes_per_device for row in rows.values())
+    logits = step(model, BATCH[:8, :6])  # the prefill fills 6 positions, a step one more
+    step(model, np.asarray(logits.argmax(-1))[:, None])
+    index = _paths(step.cache)
+    assert int(dict(index)["blocks/1/cache_index"]) == 7
+
+
+def test_generate_reuses_its_decode_step_and_a_changed_model_needs_a_new_one(monkeypatch):
+    from substrax_flax import _generate
+
+    model = _placed(LAYOUTS["fsdp"]())
+    prompt = BATCH[:8, :4]
+    first = sf.generate(model, prompt, 3)
+    monkeypatch.setattr(_generate, "make_decode_step", None)  # a second build would fail
+    np.testing.assert_array_equal(sf.generate(model, prompt, 3), first)  # the cache reset
+    step = sf.make_decode_step(model, 8, 8)
+    model.scale = nnx.Param(jnp.ones(()))  # a variable added: another graph
+    with pytest.raises(ValueError, match="structure changed since its decode step was made"):
+        step(model, prompt)
+
+
+def test_the_llama_example_decodes_with_its_cache_as_over_the_whole_window():
+    """Grouped-query attention (2 key/value heads for 4) and rotary positions after the cache."""
+    import llama
+
+    config = llama.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2)  # fmt: skip
+    model = sf.create_sharded_model(lambda: llama.Llama(config, nnx.Rngs(0)),
+                                    layout=LAYOUTS["fsdp+tp"]())  # fmt: skip
+    prompt = BATCH[:8, :5] % 128
+    cached = sf.generate(model, prompt, 6, temperature=1.0, seed=1)
+    np.testing.assert_array_equal(cached, sf.generate(model, prompt, 6, temperature=1.0, seed=1,
+                                                      cache=False))  # fmt: skip
+    step = sf.make_decode_step(model, 8, 11)
+    key = next(row for row in step.rows if row.path == "layers/0/cached_key")
+    assert key.shape == (8, 11, 2, 8) and key.spec == P("data", None, "model", None)
+
+
+def _paths(state):
+    return [("/".join(str(k) for k in path), v.get_value()) for path, v in nnx.to_flat_state(state)]
+
+
+def test_bad_decode_arguments_say_what_is_valid():
+    model = _placed(LAYOUTS["dp"]())
+    with pytest.raises(ValueError, match=r"cache variable blocks/0/cached_key of shape "
+                       r"\(6, 10, 4, 16\) has a dimension of 6 that does not divide the 8 "
+                       r"devices of mesh axes \('data',\)"):  # fmt: skip
+        sf.make_decode_step(model, 6, 10)
+    with pytest.raises(ValueError, match="max_length must be a positive integer, got 0"):
+        sf.make_decode_step(model, 8, 0)
+    step = sf.make_decode_step(model, 8, 10)
+    with pytest.raises(ValueError, match=r"tokens must be int\[8, length\] .* got \[4, 2\]"):
+        step(model, BATCH[:4, :2])
+    windowed = _placed(LAYOUTS["dp"](), dataclasses.replace(CONFIG, layers=1))
+    windowed.init_cache = None  # a model without a cache
+    with pytest.raises(TypeError, match=r"needs a model with init_cache\(batch_size, max_len"):
+        sf.make_decode_step(windowed, 8, 10)
 
 
 def test_bad_generation_arguments_say_what_is_valid():

@@ -12,6 +12,7 @@ from substrax.spmd._attention import attention as attention
 from substrax.spmd._attention import context_attention as context_attention
 from substrax.spmd._attention import context_axes as context_axes
 from substrax.spmd._attention import context_positions as context_positions
+from substrax.spmd._attention import decode_attention as decode_attention
 from substrax.spmd._attention import positions as positions
 from substrax.spmd._attention import unzigzag as unzigzag
 from substrax.spmd._attention import zigzag as zigzag
@@ -71,6 +72,7 @@ __all__ = [
     "context_attention",
     "context_axes",
     "context_positions",
+    "decode_attention",
     "expert_capacity",
     "experts",
     "group_rows",

@@ -37,6 +37,7 @@ __all__ = [
     "context_attention",
     "context_axes",
     "context_positions",
+    "decode_attention",
     "positions",
     "unzigzag",
     "zigzag",
@@ -349,13 +350,46 @@ def _group_sum(x: jax.Array, groups: int) -> jax.Array:
 _ring.defvjp(_ring_saving, _ring_backward)
 
 
-def _plain(q, k, v, causal, scale) -> jax.Array:
-    """One device's attention: the softmax over whole rows (no online state to keep)."""
+def decode_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, start: jax.Array | int, *, scale: float | None = None
+) -> jax.Array:
+    """Causal attention of new tokens over a key/value cache, for decoding.
+
+    The queries are the tokens at positions ``start, start + 1, ...``; the keys and values
+    are the cache's ``max_length`` positions (the new tokens' already written at ``start``).
+    Each query sees the cached positions up to its own; the rest of the cache, not yet
+    written, is masked. Over a prompt written at ``start = 0`` it equals
+    :func:`attention` with ``causal=True``.
+
+    Args:
+      q: Queries ``[B, T, H, D]``.
+      k: The cached keys ``[B, max_length, Hkv, D]`` (``Hkv`` divides ``H``).
+      v: The cached values ``[B, max_length, Hkv, D]``.
+      start: The position of the first query (the cache's fill before these tokens).
+      scale: The score scale (default ``1 / sqrt(D)``).
+
+    Returns:
+      The output ``[B, T, H, D]`` in ``q``'s dtype.
+
+    Raises:
+      ValueError: If the key/value heads do not divide the query heads.
+    """
+    _check_heads(q, k)
+    return _plain(q, k, v, True, _scale(q, scale), start)
+
+
+def _plain(q, k, v, causal, scale, start=0) -> jax.Array:
+    """One device's attention: the softmax over whole rows (no online state to keep).
+
+    The queries sit at positions ``start + i`` among the keys' (``start = 0``: the same
+    positions).
+    """
     groups = q.shape[2] // k.shape[2]
     k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
     if causal:
-        visible = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+        position = start + jnp.arange(q.shape[1])
+        visible = jnp.arange(k.shape[1])[None, :] <= position[:, None]
         scores = jnp.where(visible, scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", weights, v).astype(q.dtype)

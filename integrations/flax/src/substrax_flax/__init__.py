@@ -22,6 +22,9 @@ from substrax_flax._create import create_sharded_model as create_sharded_model
 from substrax_flax._create import get_shardings as get_shardings
 from substrax_flax._create import plan_model as plan_model
 from substrax_flax._create import shard_model as shard_model
+from substrax_flax._decode import CacheRow as CacheRow
+from substrax_flax._decode import DecodeStep as DecodeStep
+from substrax_flax._decode import make_decode_step as make_decode_step
 from substrax_flax._eval import EvalStep as EvalStep
 from substrax_flax._eval import make_eval_step as make_eval_step
 from substrax_flax._experts import MixtureOfExperts as MixtureOfExperts
@@ -52,10 +55,12 @@ from substrax_flax._weights import save_tensors as save_tensors
 from substrax_flax._weights import save_weights as save_weights
 
 __all__ = [
+    "CacheRow",
     "CheckpointWarning",
     "CompileRefused",
     "Checkpointer",
     "Decision",
+    "DecodeStep",
     "DirectoryLocked",
     "EvalStep",
     "KeyMap",
@@ -81,6 +86,7 @@ __all__ = [
     "generate",
     "get_shardings",
     "load_weights",
+    "make_decode_step",
     "make_eval_step",
     "make_train_step",
     "plan_model",

@@ -1,15 +1,18 @@
-"""generate: tokens sampled from a model at its layout, one at a time, through the eval step.
+"""generate: tokens sampled from a model at its layout, one at a time.
 
-Each new token runs the model's forward over the whole window (prompt and tokens so far, in a
-buffer of fixed length, so one program serves every position) at the model's layout, as
-:func:`~substrax_flax.make_eval_step` runs it, and samples from the logits at the last filled
-position. A causal model's logits there do not see the buffer's unfilled tail. Without a KV
-cache each token costs a forward over the window: ``new_tokens`` forwards of ``prompt +
-new_tokens`` positions, where a cache would compute one position per token.
+A model with a KV cache (``init_cache``, ``model(tokens, decode=True)``) decodes through
+:func:`~substrax_flax.make_decode_step`: one prefill of the prompt, then one position per
+token, its cache sharded as planned. A model without one runs its forward over the whole
+window for each token (prompt and tokens so far, in a buffer of fixed length, so one program
+serves every position) at the model's layout, as :func:`~substrax_flax.make_eval_step` runs
+it, and samples from the logits at the last filled position; a causal model's logits there do
+not see the buffer's unfilled tail. That costs ``new_tokens`` forwards of ``prompt +
+new_tokens`` positions where the cache computes one position per token.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from substrax_flax._decode import make_decode_step
 from substrax_flax._eval import make_eval_step
 
 __all__ = ["generate", "sampler"]
@@ -74,23 +78,29 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     seed: int = 0,
+    cache: bool | None = None,
 ) -> np.ndarray:
     """Appends ``new_tokens`` sampled tokens to each row of ``prompt``, at the model's layout.
 
-    The rows are split over the layout's batch axes, each parameter gathered once per token
-    (the eval step's forward); the sampling is the whole batch's, so the same seed gives one
-    device's tokens on every layout. One process (the prompt is its rows).
+    With a KV cache (the default for a model that has ``init_cache``), the prompt is prefilled
+    at once and each token then computes one position (:func:`make_decode_step`: the cache is
+    sharded as planned, rows over the batch axes, heads over the tensor axes). Without one,
+    each token runs the eval step's forward over the whole window (rows split over the batch
+    axes, each parameter gathered once per token). The sampling is the whole batch's, so the
+    same seed gives one device's tokens on every layout. One process (the prompt is its rows).
 
     Args:
       model: A causal language model laid out by substrax (``model.eval()`` first: no
         dropout).
       prompt: ``int[rows, length]`` token rows; ``rows`` must divide over the batch axes.
       new_tokens: How many tokens to append.
-      logits_fn: ``logits_fn(model, tokens [rows, window]) -> logits [rows, window, vocab]``
-        (default: ``model(tokens)``).
+      logits_fn: ``logits_fn(model, tokens [rows, length]) -> logits [rows, length, vocab]``
+        (default: ``model(tokens, decode=True)`` with the cache, ``model(tokens)`` without).
       temperature: 0 (the default) for greedy decoding, else the sampling temperature.
       top_k: Sample among the ``top_k`` largest logits (None: all).
       seed: The sampling key's seed (token ``i`` draws with ``fold_in(key(seed), i)``).
+      cache: Decode with the model's KV cache (None: when the model has ``init_cache`` and
+        no ``logits_fn`` is given); False runs the whole window per token.
 
     Returns:
       ``int32[rows, length + new_tokens]``: the prompt and its continuation.
@@ -113,13 +123,40 @@ def generate(
             "evaluate with make_eval_step, which takes each process's rows."
         )
     sample = sampler(temperature, top_k)
-    step = make_eval_step(_next_logits(logits_fn or (lambda model, tokens: model(tokens))))
     rows, length = prompt.shape
     tokens = np.zeros((rows, length + new_tokens), np.int32)
     tokens[:, :length] = prompt
     key = jax.random.key(seed)
+    if cache is None:
+        cache = hasattr(model, "init_cache") and logits_fn is None
+    if cache:
+        step = _reused(model, ("decode", nnx.graphdef(model), rows, length + new_tokens,
+                               logits_fn),
+                       lambda: make_decode_step(model, rows, length + new_tokens,
+                                                logits_fn=logits_fn))  # fmt: skip
+        step.reset(model)
+        logits = step(model, prompt)
+        for i in range(new_tokens):
+            tokens[:, length + i] = np.asarray(sample(logits, jax.random.fold_in(key, i)))
+            if i + 1 < new_tokens:
+                logits = step(model, tokens[:, length + i : length + i + 1])
+        return tokens
+    step = _reused(model, ("window", logits_fn), lambda: make_eval_step(
+        _next_logits(logits_fn or (lambda model, tokens: model(tokens)))))  # fmt: skip
     for i in range(new_tokens):
         batch = {"tokens": tokens, "position": np.int32(length + i)}
         logits = step(model, batch)["logits"]
         tokens[:, length + i] = np.asarray(sample(logits, jax.random.fold_in(key, i)))
     return tokens
+
+
+#: Each model's decode and eval steps, reused by later calls (their compiled programs too).
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _reused(model: nnx.Module, key: tuple, make: Callable) -> Any:
+    """The step ``make()`` built for ``model`` under ``key`` before, or a new one."""
+    steps = _STEPS.setdefault(model, {})
+    if key not in steps:
+        steps[key] = make()
+    return steps[key]
