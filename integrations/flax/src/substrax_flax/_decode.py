@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from substrax import ShardingWarning, warn_user
 from substrax.mesh import partition_spec_for_names
 from substrax.spmd import use_rules
 from substrax_flax._plan import ModelPlan, model_plan
@@ -63,7 +64,15 @@ class DecodeStep:
 
     def __init__(self, model: nnx.Module, batch_size: int, max_length: int, plan: ModelPlan,
                  logits_fn: Callable):  # fmt: skip
-        """Plans and creates the cache; see :func:`make_decode_step`."""
+        """Plans and creates the cache; see :func:`make_decode_step`.
+
+        Args:
+          model: The model, laid out by ``plan``.
+          batch_size: Rows decoded at once.
+          max_length: Positions the cache holds.
+          plan: The model's plan (its mesh, rules and parameter shardings).
+          logits_fn: ``logits_fn(model, tokens) -> logits`` with the cache.
+        """
         self.batch_size, self.max_length, self.logits_fn = batch_size, max_length, logits_fn
         self.mesh, self.rules = plan.mesh, plan.compute_rules
         graphdef, state = nnx.split(model, nnx.Not(nnx.Cache))
@@ -174,30 +183,38 @@ def _flat(state: Any) -> list[tuple[str, Any]]:
 def _cache_rows(abstract: Any, rules: Any, mesh: jax.sharding.Mesh) -> tuple[CacheRow, ...]:
     """Each cache variable's names resolved through ``rules``, checked against its shape.
 
+    A dimension that does not divide the mesh axes its name resolves to is kept whole on
+    those axes, with a :class:`~substrax.ShardingWarning` (as XLA would replicate it silently).
+
     Raises:
-      ValueError: If a dimension does not divide the mesh axes its name resolves to.
+      ValueError: If ``init_cache`` created no ``nnx.Cache`` variable.
     """
     sizes = dict(mesh.shape)
-    rows = []
+    rows, whole = [], []
     for path, variable in _flat(abstract):
         names = variable.get_metadata().get("out_sharding")
         value = variable.get_value()
         spec = partition_spec_for_names(rules, *names) if names else PartitionSpec()
-        parts = 1
+        entries, parts = [], 1
         for dim, entry in zip(value.shape, tuple(spec) + (None,) * value.ndim, strict=False):
             axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
             size = math.prod(sizes[a] for a in axes)
             if dim % size:
-                raise ValueError(
-                    f"make_decode_step: cache variable {path} of shape {value.shape} has a "
-                    f"dimension of {dim} that does not divide the {size} devices of mesh axes "
-                    f"{axes} (its logical names {names} resolve to {spec}). Choose a batch size "
-                    f"or head count divisible by {size}."
-                )
+                whole.append(f"{path} {value.shape}: {dim} over the {size} devices of {axes}")
+                entry, size = None, 1
+            entries.append(entry)
             parts *= size
+        spec = PartitionSpec(*entries) if names else spec
         nbytes = math.prod(value.shape) * value.dtype.itemsize // parts
         rows.append(CacheRow(path, tuple(value.shape), str(value.dtype),
                              tuple(names) if names else None, spec, nbytes))  # fmt: skip
+    if whole:
+        warn_user(
+            f"make_decode_step: {len(whole)} cache dimension(s) do not divide the mesh axes "
+            f"their logical names resolve to, and are kept whole on every device: "
+            f"{'; '.join(whole)}. A batch size or head count those devices divide splits them.",
+            ShardingWarning,
+        )
     if not rows:
         raise ValueError(
             "make_decode_step: init_cache created no nnx.Cache variable; the model must keep "
@@ -241,8 +258,12 @@ def make_decode_step(
 
     Raises:
       TypeError: If the model has no ``init_cache``.
-      ValueError: If ``batch_size`` or ``max_length`` is not positive, or a cache dimension
-        does not divide the mesh axes its names resolve to.
+      ValueError: If ``batch_size`` or ``max_length`` is not positive, or ``init_cache``
+        creates no ``nnx.Cache`` variable.
+
+    Warns:
+      ShardingWarning: For a cache dimension that does not divide the mesh axes its names
+        resolve to (it is kept whole there).
     """
     if not callable(getattr(model, "init_cache", None)):
         raise TypeError(
