@@ -94,6 +94,29 @@ elif mode == "layouts-differ":  # process 1 was started with another layout (a t
     layout = Layout.named(name, {"data": jax.device_count()})
     model = sf.create_sharded_model(lambda: nnx.Linear(64, 64, rngs=nnx.Rngs(0)), layout=layout)
     print("created", flush=True)
+elif mode == "slow-compile":  # process 0 takes 8 s to trace its first step; both then step
+    _initialize()
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import substrax_flax as sf
+    from substrax.layout import Layout
+
+    layout = Layout.named("fsdp", {"data": 2})
+    model = sf.create_sharded_model(lambda: nnx.Linear(8, 8, rngs=nnx.Rngs(0)), layout=layout)
+    optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.1))
+    slow = [process_id == 0]
+
+    def loss(m, x):
+        if slow.pop() if slow else False:
+            time.sleep(8)  # as a large model's compile: the other process waits in step 1
+        return (m(x) ** 2).mean()
+
+    step = sf.make_train_step(loss)
+    for _ in range(6):
+        metrics = step(model, optimizer, np.ones((1, 8), np.float32))
+    print(f"done, loss {float(metrics['loss']):.4f}", flush=True)
 elif mode == "stall":  # process 1 stops stepping (alive, beating) at its 4th step
     _initialize()
     import numpy as np

@@ -112,6 +112,14 @@ def test_jax_waits_longer_than_the_launcher_for_a_silent_process(monkeypatch):
     assert _jax_heartbeat(30) == 30
 
 
+def test_a_process_that_compiles_longer_than_the_stall_time_is_not_a_stall():
+    """Process 0 traces its first step for 8 s; --stall-timeout 3 must not stop the run."""
+    result, seconds = _launch("slow-compile", "--stall-timeout", "3", "--timeout", "80")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("done, loss") == 2 and "hung" not in result.stderr
+    assert seconds > 8  # it did wait for the compile
+
+
 def test_a_run_that_stops_making_progress_is_reported_with_the_laggard_and_its_stack():
     """Both processes beat; process 1 sleeps before its 4th step, process 0 waits in it."""
     result, seconds = _launch("stall", "--stall-timeout", "4", "--timeout", "80")

@@ -81,7 +81,12 @@ def stack_path(directory: str | os.PathLike, process_id: int) -> pathlib.Path:
     return pathlib.Path(directory) / f"{process_id}.stack"
 
 
-def progress(what: str) -> None:
+#: The kinds of progress mark: a step or save the launcher bounds by its stall time, and work
+#: of no known length (compiling, loading weights, restoring) that it does not bound.
+PROGRESS_KINDS = ("step", "busy")
+
+
+def progress(what: str, *, busy: bool = False) -> None:
     """Records, cheaply, what this process is entering (``"train step call 12"``).
 
     Under the launcher: one small file rewritten in place (the launcher reads how far each
@@ -89,10 +94,14 @@ def progress(what: str) -> None:
 
     Args:
       what: The program and step, one line.
+      busy: Work of no known length (compiling, loading weights, restoring a checkpoint):
+        the launcher does not count the run as stalled while a process is in it. The next
+        mark ends it.
     """
     if _progress is not None:
+        record = f"{time.time():.3f} {PROGRESS_KINDS[busy]} {what}"
         with contextlib.suppress(OSError):
-            os.pwrite(_progress, f"{time.time():.3f} {what}".ljust(200).encode()[:200], 0)
+            os.pwrite(_progress, record.ljust(200).encode()[:200], 0)
 
 
 def exit_path(directory: str | os.PathLike, process_id: int) -> pathlib.Path:

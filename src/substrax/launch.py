@@ -143,7 +143,8 @@ def launch(
         every process beats (stuck in a collective, sleeping in a step): the launcher then
         prints each process's step, which one is behind and its Python stack, and stops the
         run with status :data:`STALL_STATUS`. None: 5 x the median time between steps, at
-        least 60 s, once three steps were seen.
+        least 60 s, once three steps were seen. Never while a process is in work marked
+        busy (compiling a step's program, loading weights, restoring a checkpoint).
       verbose: Also print gloo's per-rank connection lines.
 
     Returns:
@@ -266,25 +267,32 @@ class _Stalls:
         return max(60.0, 5 * gaps[len(gaps) // 2]) if len(gaps) >= 3 else None
 
     def check(self, workers, status_dir, now):
-        """``(status, failure)`` when nothing moved for the stall time, else None."""
+        """``(status, failure)`` when nothing moved for the stall time, else None.
+
+        A process in work of no known length (a ``busy`` mark: compiling, loading weights,
+        restoring) keeps the run from counting as stalled; the others may wait for it.
+        """
         records = {w.index: _read_progress(status_dir, w.index) for w in workers}
         for index, record in records.items():
             times = self.seen.setdefault(index, [])
-            if record is not None and (not times or record[0] != times[-1]):
+            if record is not None and not record[2] and (not times or record[0] != times[-1]):
                 times.append(record[0])
         known = [r for r in records.values() if r is not None]
+        if any(busy for _, _, busy in known):
+            return None
         threshold = self.threshold()
-        if not known or threshold is None or now - max(t for t, _ in known) <= threshold:
+        if not known or threshold is None or now - max(t for t, _, _ in known) <= threshold:
             return None
         return STALL_STATUS, _failure(None, _stall_report(workers, status_dir, now, records,
                                                           threshold, self.timeout))  # fmt: skip
 
 
-def _read_progress(status_dir: str, index: int) -> tuple[float, str] | None:
+def _read_progress(status_dir: str, index: int) -> tuple[float, str, bool] | None:
+    """``(when, what, busy)`` of a process's last progress mark, or None before any."""
     try:
         text = _worker.progress_path(status_dir, index).read_text().strip()
-        stamp, what = text.split(" ", 1)
-        return float(stamp), what
+        stamp, kind, what = text.split(" ", 2)
+        return float(stamp), what, kind == "busy"
     except (OSError, ValueError):
         return None
 

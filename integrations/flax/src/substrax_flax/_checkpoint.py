@@ -403,6 +403,7 @@ class Checkpointer:
         """
         _check_arguments(model, optimizer, step, "restore")
         self.wait()
+        progress(f"restoring a checkpoint from {self.directory}", busy=True)  # no known length
         target = {
             "model": nnx.to_pure_dict(nnx.state(model)),
             "optimizer": nnx.to_pure_dict(nnx.state(optimizer)),

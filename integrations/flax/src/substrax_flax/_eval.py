@@ -20,10 +20,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from substrax.distributed import progress
 from substrax.mesh import spec_entry
 from substrax.spmd import MixedPrecision, check_batch, is_replicated_leaf, use_rules
 from substrax_flax._cache import ProgramKey, StepCache
-from substrax_flax._jitted import Built, JittedStep
+from substrax_flax._jitted import Built, JittedStep, mark_entry
 from substrax_flax._manual import batch_specs, manual_movers, manual_rules, state_of
 from substrax_flax._plan import ModelPlan, model_plan, shardings_of
 from substrax_flax._resolve import Rules, Strategy
@@ -73,8 +74,12 @@ class EvalStep:
           array with the batch's leading dimension the whole batch's rows.
         """
         built, state = self._built(model, batch)
+        compiling = mark_entry(built, "eval step")  # for the launcher
         with jax.set_mesh(built.mesh):
-            return built.jitted(built.enter(state), JittedStep._batch(batch, built))
+            metrics = built.jitted(built.enter(state), JittedStep._batch(batch, built))
+        if compiling:
+            progress("eval step")
+        return metrics
 
     def plan_for(self, model: nnx.Module, batch: Any) -> StepPlan:
         """The evaluation's decisions for these arguments (compiled if not yet).
@@ -121,6 +126,7 @@ class EvalStep:
         key = ProgramKey.of((model_def, None), (state, ()), batch)
         built = self._compiled.get(key)
         if built is None:
+            progress("eval step: planning and compiling a program", busy=True)
             built = self._build(model, batch)
             self._compiled.put(key, built)
         self._last = built

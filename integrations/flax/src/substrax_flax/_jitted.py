@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,7 @@ __all__ = [
     "apply_update",
     "guarded_update",
     "jit_step",
+    "mark_entry",
     "optimizer_shardings",
     "rehome",
 ]
@@ -64,6 +66,22 @@ class Built:
     def leave(self, tree: Any) -> Any:
         """``tree``'s arrays back on the model's mesh."""
         return tree if self.home is None else rehome(tree, self.home)
+
+
+_RAN: weakref.WeakSet = weakref.WeakSet()
+
+
+def mark_entry(built: Any, what: str) -> bool:
+    """Marks entering ``built``'s program for the launcher; whether this call compiles it.
+
+    The first call of a program compiles it, for as long as that takes: it is marked busy,
+    so the launcher's stall detector does not count it (:func:`substrax.distributed.progress`).
+    """
+    compiling = built.jitted not in _RAN
+    if compiling:
+        _RAN.add(built.jitted)
+    progress(f"{what} (compiling)" if compiling else what, busy=compiling)
+    return compiling
 
 
 def rehome(tree: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -289,6 +307,7 @@ class JittedStep:
         key = ProgramKey.of((model_def, opt_def), (model_state, opt_state), batch)
         built = self._compiled.get(key)
         if built is None:
+            progress("train step: planning and compiling a program", busy=True)
             built = self._build(model, optimizer, batch)
             if jax.process_count() > 1:  # before the program's first collective, not in it
                 agree(f"train step program {next(_PROGRAMS)}", _fingerprint(built, model, batch))
@@ -344,10 +363,13 @@ class JittedStep:
         """
 
         def run(built, states):
-            progress(f"{built.path} step, call {self._guard.calls + 1}")  # for the launcher
+            call = f"{built.path} step, call {self._guard.calls + 1}"
+            compiling = mark_entry(built, call)  # for the launcher
             with jax.set_mesh(built.mesh):  # model code may use bare PartitionSpecs
                 args = built.enter(states)
                 out = built.jitted(*args, self._batch(batch, built))
+            if compiling:  # compiled and dispatched: the step itself is bounded again
+                progress(call)
             return (*built.leave(out[:2]), out[2], built.path)
 
         model_state, opt_state, metrics, path = self._with_built(model, optimizer, batch, run)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from substrax.distributed import progress
 from substrax_flax._create import plan_model
 from substrax_flax._plan import LayoutLike, ModelPlan
 from substrax_flax._rearrange import Lazy, Pattern, Source, Stack, Take, arrange, lazy_arrange
@@ -486,6 +487,7 @@ def load_weights(
     Raises:
       WeightsMismatch: Listing every problem, before anything is read.
     """
+    progress(f"loading weights from {source}", busy=True)  # for the launcher: no known length
     return plan_weights(
         factory, mesh, source, rules, layout=layout, strategy=strategy, key_map=key_map,
         dtype=dtype, allow_missing=allow_missing,
