@@ -32,6 +32,10 @@ elif mode == "one-dies":
     if process_id == 1:
         sys.exit(3)
     time.sleep(600)
+elif mode == "stubborn":  # ignores SIGTERM: only the launcher's SIGKILL ends it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print(f"pid {os.getpid()}", flush=True)
+    time.sleep(600)
 elif mode == "sleep":
     print(f"pid {os.getpid()}", flush=True)
     time.sleep(600)

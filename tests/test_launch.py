@@ -112,6 +112,28 @@ def test_jax_waits_longer_than_the_launcher_for_a_silent_process(monkeypatch):
     assert _jax_heartbeat(30) == 30
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_second_interrupt_stops_at_once_without_a_traceback():
+    command = [sys.executable, "-m", "substrax.launch", "--num-processes", "2", "--grace", "60",
+               WORKER, "stubborn"]  # fmt: skip
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    with subprocess.Popen(command, **pipes) as launcher:
+        pids = [int(launcher.stdout.readline().split()[-1]) for _ in range(2)]
+        launcher.send_signal(signal.SIGINT)  # workers ignore the SIGTERM: 60 s of grace
+        time.sleep(1.0)
+        assert launcher.poll() is None and all(_alive(pid) for pid in pids)
+        start = time.monotonic()
+        launcher.send_signal(signal.SIGINT)  # no more grace
+        status = launcher.wait(timeout=30)
+        assert time.monotonic() - start < 10 and status == 128 + signal.SIGINT
+        stderr = launcher.stderr.read()
+        assert "Traceback" not in stderr and "the launcher received SIGINT" in stderr
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in pids)
+
+
 def test_a_process_that_compiles_longer_than_the_stall_time_is_not_a_stall():
     """Process 0 traces its first step for 8 s; --stall-timeout 3 must not stop the run."""
     result, seconds = _launch("slow-compile", "--stall-timeout", "3", "--timeout", "80")

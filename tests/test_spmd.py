@@ -49,6 +49,12 @@ def test_unknown_data_axis_is_an_error(mesh_2x4):
         batch_sharding(mesh_2x4, "batch")
     with pytest.raises(ValueError, match="must name one or more mesh axes"):
         batch_sharding(mesh_2x4, ())
+    rows = np.zeros((8, 4), np.float32)  # was a bare KeyError: 'batch'
+    with pytest.raises(ValueError, match=r"batch_axes \('batch',\) names \['batch'\], which "
+                       r"the mesh lacks; its axes are \('data', 'model'\)"):  # fmt: skip
+        shard_batch(rows, mesh_2x4, "batch")
+    with pytest.raises(ValueError, match=r"seq_axes \('context',\) names"):
+        shard_batch(rows, mesh_2x4, "data", seq_axes=("context",))
 
 
 def test_replicate(mesh_2x4):

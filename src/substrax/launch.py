@@ -177,11 +177,11 @@ def launch(
                 name = signal.Signals(stopped.signum).name
                 status = 128 + stopped.signum
                 failure = _failure(None, f"the launcher received {name}")
-            _stop(workers, grace)
+            _stop_unless_told_again(workers, grace)
             for thread in streams:
                 thread.join()
         finally:
-            _stop(workers, grace)
+            _stop_unless_told_again(workers, grace)
             _restore_signals(previous)
     if failure is not None:
         _report(*failure, others=[w.index for w in workers])
@@ -229,9 +229,21 @@ def _start(command: list[str], num_processes: int, env: dict) -> list[_Worker]:
     return workers
 
 
+def _stop_unless_told_again(workers: list[_Worker], grace: float) -> None:
+    """Stops the workers within ``grace``, or at once on a second stop signal meanwhile."""
+    try:
+        _stop(workers, grace)
+    except _Stopped:  # asked again while they finish: no more grace
+        _stop(workers, 0.0)
+
+
 def _catch_stop_signals() -> dict:
+    received = []
+
     def handler(signum, frame):
-        raise _Stopped(signum)
+        received.append(signum)
+        if len(received) <= 2:  # the first stops the run, the second its grace; then ignored
+            raise _Stopped(signum)
 
     previous = {}
     if threading.current_thread() is not threading.main_thread():

@@ -199,6 +199,12 @@ STEP_CASES = {
         # found tracing the loss on the whole batch, before the step chooses its path
         "The loss must be a scalar; loss_fn returned an array of shape (8, 2) and dtype float32.",
     ),
+    "loss a Python float": (
+        lambda m, o: sf.make_train_step(lambda m, b: 0.5)(m, o, X),
+        TypeError,
+        "loss_fn returned a Python float (0.5): a constant, with no gradient. Return the loss "
+        "as a jax scalar",
+    ),
     "string batch": (
         lambda m, o: sf.make_train_step(_mean_loss)(m, o, "tokens"),
         TypeError,
@@ -231,6 +237,19 @@ def test_bad_step_input_raises_a_clear_error(mesh, case):
     with pytest.raises(exception) as info:
         call(model, optimizer)
     assert fragment in str(info.value)
+
+
+def test_a_state_donated_to_a_previous_step_is_named_with_the_fix(mesh):
+    model, optimizer = _small(mesh)
+    step = sf.make_train_step(_mean_loss)
+    before = nnx.to_pure_dict(nnx.state(model))  # arrays taken out before the step...
+    step(model, optimizer, X)  # ... which donates them
+    state = nnx.state(model)
+    nnx.replace_by_pure_dict(state, before)
+    nnx.update(model, state)
+    with pytest.raises(ValueError, match=r"The model's variable .* holds an array that a previous "
+                       r"step donated \(jax deleted it\).* donate=False"):  # fmt: skip
+        step(model, optimizer, X)
 
 
 def test_an_optimizer_made_for_another_model_is_refused(mesh):

@@ -155,6 +155,20 @@ def test_saving_at_an_old_step_is_an_error_unless_overwriting(tmp_path):
     assert checkpointer.restore(model, optimizer) == {"step": 2, "again": True}
 
 
+def test_metadata_json_cannot_hold_is_refused_before_anything_is_written(tmp_path):
+    _, _, model, optimizer = _create("dp 8x1", seed=0)
+    checkpointer = sf.Checkpointer(tmp_path)
+    with pytest.raises(TypeError, match=r"metadata\['path'\] is not JSON-serialisable .* nothing "
+                       r"was saved\. .* str\(path\)"):  # fmt: skip
+        checkpointer.save(model, optimizer, 1, {"step": 1, "path": tmp_path})
+    checkpointer.wait()
+    assert checkpointer.all_steps() == [] and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in tmp_path.iterdir() if not p.name.startswith("1")
+    )  # no step directory, no orbax temporary
+    checkpointer.save(model, optimizer, 1, {"step": 1, "path": str(tmp_path)})
+    assert checkpointer.all_steps() == [1]
+
+
 def test_one_writer_per_directory(tmp_path):
     """A second Checkpointer on a directory in use is refused, naming the holder; close frees it."""
     first = sf.Checkpointer(tmp_path)

@@ -18,10 +18,23 @@ __all__ = ["batch_sharding", "check_batch", "is_replicated_leaf", "replicate", "
 BatchAxes = str | Sequence[str]
 
 
-def _axes(batch_axes: BatchAxes) -> tuple[str, ...]:
+def _axes(batch_axes: BatchAxes, mesh: Mesh | None = None, seq_axes=()) -> tuple[str, ...]:
+    """``batch_axes`` as a tuple, checked against ``mesh``'s axes (and ``seq_axes`` too).
+
+    Raises:
+      ValueError: If it names no axis, or an axis ``mesh`` lacks (naming the mesh's axes).
+    """
     axes = as_axes(batch_axes)
     if not axes or not all(isinstance(a, str) and a for a in axes):
         raise ValueError(f"batch_axes must name one or more mesh axes, got {batch_axes!r}.")
+    if mesh is not None:
+        for name, given in (("batch_axes", axes), ("seq_axes", tuple(seq_axes))):
+            unknown = [a for a in given if a not in mesh.axis_names]
+            if unknown:
+                raise ValueError(
+                    f"{name} {given!r} names {unknown!r}, which the mesh lacks; its axes are "
+                    f"{tuple(mesh.axis_names)!r}."
+                )
     return axes
 
 
@@ -154,12 +167,13 @@ def shard_batch(
 
     Raises:
       TypeError: If a leaf is not an array (see :func:`check_batch`).
-      ValueError: If the leaves' leading sizes differ, the batch has no rows, the global
-        batch size does not divide the product of the data axes' sizes, or a sequence does
-        not split into ``2 x cp`` chunks.
+      ValueError: If ``batch_axes`` or ``seq_axes`` names an axis the mesh lacks, the
+        leaves' leading sizes differ, the batch has no rows, the global batch size does not
+        divide the product of the data axes' sizes, or a sequence does not split into
+        ``2 x cp`` chunks.
     """
     check_batch(batch)
-    axes, seq = _axes(batch_axes), tuple(seq_axes)
+    axes, seq = _axes(batch_axes, mesh, seq_axes), tuple(seq_axes)
     devices = math.prod(dict(mesh.shape)[a] for a in axes)
     cp = math.prod(dict(mesh.shape)[a] for a in seq)
     processes = len({d.process_index for d in mesh.devices.flat})

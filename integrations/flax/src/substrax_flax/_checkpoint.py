@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import json
 import os
 import pathlib
 import weakref
@@ -296,9 +297,11 @@ class Checkpointer:
 
         Raises:
           ValueError: If ``step`` is not after the latest checkpoint and ``overwrite`` is False.
+          TypeError: If ``metadata`` is not JSON-serialisable (before anything is written).
           RuntimeError: If Orbax declines to save.
         """
         _check_arguments(model, optimizer, step, "save")
+        _check_json(metadata)
         latest = self.latest_step()  # (waits for a save in flight first)
         if latest is not None and step <= latest:
             if not overwrite:
@@ -549,6 +552,27 @@ def _wait_at_exit(ref: weakref.ref) -> None:
     checkpointer = ref()
     if checkpointer is not None:
         checkpointer.wait()
+
+
+def _check_json(metadata: Any) -> None:
+    """Raises, before anything is written, unless ``metadata`` is a JSON-serialisable dict.
+
+    Raises:
+      TypeError: Naming the key whose value JSON cannot hold.
+    """
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict, got {type(metadata).__name__}.")
+    for key, value in metadata.items():
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as error:
+            raise TypeError(
+                f"metadata[{key!r}] is not JSON-serialisable ({error}); nothing was saved. "
+                "Store numbers, strings, lists and dicts (a path as str(path), an array as "
+                ".tolist())."
+            ) from None
 
 
 def _check_arguments(model: Any, optimizer: Any, step: Any, method: str) -> None:

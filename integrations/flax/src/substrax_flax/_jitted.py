@@ -275,6 +275,23 @@ def check_step_arguments(model: Any, optimizer: Any) -> None:
         )
 
 
+def _check_not_donated(state: Any, what: str) -> None:
+    """Raises if a variable holds an array a previous step donated (jax deleted it).
+
+    Raises:
+      ValueError: Naming the variable and how it happened.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise ValueError(
+                f"The {what}'s variable {jax.tree_util.keystr(path)} holds an array that a "
+                "previous step donated (jax deleted it): a step gives the model and optimizer "
+                "new arrays and donates the old ones, so arrays taken out before a step "
+                "(variable[...], nnx.to_pure_dict(nnx.state(...))) are gone after it. Take "
+                "them again after the step, or make the step with donate=False."
+            )
+
+
 class JittedStep:
     """What every substrax step shares: batch placement, calls, lowering, jit cache, guard.
 
@@ -304,6 +321,8 @@ class JittedStep:
         check_step_arguments(model, optimizer)
         check_batch(batch)  # before its leaves are read for the key
         (model_def, model_state), (opt_def, opt_state) = nnx.split(model), nnx.split(optimizer)
+        _check_not_donated(model_state, "model")
+        _check_not_donated(opt_state, "optimizer")
         key = ProgramKey.of((model_def, opt_def), (model_state, opt_state), batch)
         built = self._compiled.get(key)
         if built is None:

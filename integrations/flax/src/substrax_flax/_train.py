@@ -622,6 +622,12 @@ def _loss_and_aux(out: Any, has_aux: bool, manual: bool = False) -> tuple[jax.Ar
             "make_train_step, else return the scalar loss alone."
         )
     loss, aux = out if has_aux else (out, None)
+    if isinstance(loss, (int, float)):
+        raise TypeError(
+            f"loss_fn returned a Python {type(loss).__name__} ({loss!r}): a constant, with no "
+            "gradient. Return the loss as a jax scalar computed from the model's output (for "
+            "example jnp.mean(...)), not float(...) of one."
+        )
     if getattr(loss, "shape", None) != ():
         where = " (on one device's rows: the step is data_parallel='manual')" if manual else ""
         raise TypeError(f"The loss must be a scalar; loss_fn returned {_describe(loss)}{where}.")
