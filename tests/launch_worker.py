@@ -98,6 +98,10 @@ elif mode == "layouts-differ":  # process 1 was started with another layout (a t
     layout = Layout.named(name, {"data": jax.device_count()})
     model = sf.create_sharded_model(lambda: nnx.Linear(64, 64, rngs=nnx.Rngs(0)), layout=layout)
     print("created", flush=True)
+elif mode == "devices-differ":  # process 1 was started with fewer simulated devices
+    os.environ["SUBSTRAX_CPU_DEVICES"] = "1" if process_id == 1 else "2"
+    _initialize()
+    print("initialized", flush=True)
 elif mode == "slow-compile":  # process 0 takes 8 s to trace its first step; both then step
     _initialize()
     import numpy as np

@@ -134,6 +134,14 @@ def test_a_second_interrupt_stops_at_once_without_a_traceback():
         assert not any(_alive(pid) for pid in pids)
 
 
+def test_processes_with_different_device_counts_are_refused_at_initialize():
+    result, seconds = _launch("devices-differ", "--timeout", "80")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "devices of each process differs" in result.stderr
+    assert "2 cpu device(s)" in result.stderr and "1 cpu device(s)" in result.stderr
+    assert "initialized" not in result.stdout and seconds < 30  # not in a collective, later
+
+
 def test_a_process_that_compiles_longer_than_the_stall_time_is_not_a_stall():
     """Process 0 traces its first step for 8 s; --stall-timeout 3 must not stop the run."""
     result, seconds = _launch("slow-compile", "--stall-timeout", "3", "--timeout", "80")

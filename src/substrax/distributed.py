@@ -60,7 +60,8 @@ def initialize(
       The number of processes.
 
     Raises:
-      RuntimeError: If the launcher variables are incomplete, or jax was already started.
+      RuntimeError: If the launcher variables are incomplete, jax was already started, or
+        the processes hold different numbers or kinds of devices (naming both).
     """
     devices = os.environ.get(ENV_CPU_DEVICES) or cpu_devices
     if devices is not None:
@@ -89,6 +90,9 @@ def initialize(
         jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_seconds)
     if all(launched) or cluster:
         _worker.guard(jax.process_index())
+        # different device counts would fail in the first collective, far from the cause
+        local = jax.local_devices()
+        agree("devices of each process", f"{len(local)} {local[0].device_kind} device(s)")
     return jax.process_count()
 
 
