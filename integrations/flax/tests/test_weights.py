@@ -72,6 +72,22 @@ def test_a_checkpoint_loads_bit_exact_onto_another_layout(saved, name):
     assert plan.checkpoint.bytes_read == plan.checkpoint.nbytes
 
 
+@pytest.mark.parametrize("harm", ["truncated", "corrupt header"])
+def test_a_damaged_shard_is_refused_at_plan_time_naming_the_file(saved, tmp_path, harm):
+    """The official reader checks a file when it is opened: nothing is read after the plan."""
+    import shutil
+
+    _, directory, files = saved
+    shutil.copytree(directory, tmp_path / "ckpt")
+    shard = tmp_path / "ckpt" / files[1].name
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2] if harm == "truncated" else b"\xff" * 8 + data[8:])
+    with pytest.raises(ValueError, match=rf"{shard.name} is not a readable safetensors file "
+                       r"\(.*\): the safetensors reader refuses it"):  # fmt: skip
+        sf.plan_weights(lambda: Transformer(nnx.Rngs(1)), source=tmp_path / "ckpt",
+                        layout=LAYOUTS["fsdp"])  # fmt: skip
+
+
 def test_a_file_the_reference_library_wrote_loads(tmp_path):
     reference = sf.create_sharded_model(lambda: Transformer(nnx.Rngs(3)), layout=LAYOUTS["fsdp"])
     flat = {".".join(map(str, p)): v for p, v in _params(reference).items()}

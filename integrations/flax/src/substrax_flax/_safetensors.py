@@ -1,19 +1,18 @@
-"""The safetensors format, read by slices and written tensor by tensor.
+"""The safetensors format, read by slices through the ``safetensors`` package, and written.
 
 A ``.safetensors`` file is an 8-byte little-endian header length, a JSON header naming each
 tensor's dtype, shape and byte range, then the raw bytes (row-major, little-endian). A
 checkpoint is one file, a directory of them, or a directory with a
 ``model.safetensors.index.json`` (``weight_map``: tensor name -> file), as Hugging Face writes
-sharded checkpoints. Reading maps the file into memory and copies out only the slice asked
-for, so a process touches only the bytes of the shards its devices hold; :attr:`bytes_read`
-counts them.
+sharded checkpoints. Reading goes through the official reader (``safe_open``), which checks
+the header when the file is opened and reads only the slice asked for, so a process touches
+only the bytes of the shards its devices hold; :attr:`bytes_read` counts them.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import pathlib
 import struct
@@ -22,6 +21,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 __all__ = ["INDEX", "Checkpoint", "SafetensorsFile", "parse_size", "write_checkpoint"]
 
@@ -47,43 +47,44 @@ def _dtype_name(dtype: Any) -> str:
 
 
 class SafetensorsFile:
-    """One ``.safetensors`` file, its header read and its tensors mapped, not loaded.
+    """One ``.safetensors`` file, opened with the ``safetensors`` package, its tensors not loaded.
+
+    The official reader validates the header when the file is opened (a truncated or corrupt
+    file is refused there, naming it) and reads a slice of a tensor without the rest
+    (``safe_open(...).get_slice(name)[index]``).
 
     Args:
       path: The file.
 
     Raises:
-      ValueError: If the file is not in the safetensors format (its header is named).
+      ValueError: If the ``safetensors`` reader refuses the file (its reason and the file are
+        named), or a tensor has a dtype substrax does not read.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = pathlib.Path(path)
-        with self.path.open("rb") as file:
-            head = file.read(8)
-            if len(head) < 8:
-                raise ValueError(
-                    f"{self.path} is not a safetensors file: it has {len(head)} bytes."
-                )
-            (length,) = struct.unpack("<Q", head)
-            try:
-                header = json.loads(file.read(length))
-            except (ValueError, UnicodeDecodeError):
-                raise ValueError(
-                    f"{self.path} is not a safetensors file: its first {length} bytes after the "
-                    "length are not a JSON header."
-                ) from None
-        self.metadata = header.pop("__metadata__", None) or {}
-        self.start = 8 + length
-        self.tensors = {}
-        for name, entry in header.items():
-            if entry["dtype"] not in _DTYPES:
-                raise ValueError(
-                    f"{self.path}: tensor {name!r} has dtype {entry['dtype']!r}, which substrax "
-                    f"cannot read; it reads {', '.join(_DTYPES)}."
-                )
-            self.tensors[name] = (_DTYPES[entry["dtype"]], tuple(entry["shape"]),
-                                  tuple(entry["data_offsets"]))  # fmt: skip
+        with self._open() as file:
+            self.metadata = file.metadata() or {}
+            self.tensors = {}
+            for name in file.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
+                piece = file.get_slice(name)
+                if piece.get_dtype() not in _DTYPES:
+                    raise ValueError(
+                        f"{self.path}: tensor {name!r} has dtype {piece.get_dtype()!r}, which "
+                        f"substrax cannot read; it reads {', '.join(_DTYPES)}."
+                    )
+                self.tensors[name] = (_DTYPES[piece.get_dtype()], tuple(piece.get_shape()))
         self.bytes_read = 0
+
+    def _open(self) -> Any:
+        """The file, opened with the official reader (which maps it and checks its header)."""
+        try:
+            return safe_open(str(self.path), framework="numpy")
+        except (SafetensorError, OSError) as error:
+            raise ValueError(
+                f"{self.path} is not a readable safetensors file ({error}): the safetensors "
+                "reader refuses it. Download or write it again."
+            ) from None
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name``."""
@@ -96,93 +97,21 @@ class SafetensorsFile:
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
         """A copy of tensor ``name``, or of its slice ``index`` (one slice per dimension).
 
-        Only the slice's bytes are copied out of the mapped file (and counted in
-        :attr:`bytes_read`).
+        Only the slice's bytes are read (and counted in :attr:`bytes_read`). The file is
+        mapped for this read alone and unmapped after the copy, so the pages it touched leave
+        this process (they stay in the page cache): host memory holds one slice at a time.
         """
-        dtype, shape, (begin, end) = self.tensors[name]
-        if end == begin:
+        dtype, shape = self.tensors[name]
+        if not math.prod(shape):  # an empty tensor: nothing to read (the reader refuses it)
             return np.zeros(shape, dtype)[index if index is not None else ()]
-        index = tuple(slice(0, n) for n in shape) if index is None else index
-        runs = _runs(shape, index)
-        if runs is not None:
-            out = self._pread(self.start + begin, dtype, shape, index, runs)
-            self.bytes_read += out.nbytes
-            return out
-        # a map of this tensor alone, closed after the copy: the pages it touched leave this
-        # process (they stay in the page cache), so host memory holds one tensor's at most
-        first = self.start + begin
-        aligned = first - first % mmap.ALLOCATIONGRANULARITY
-        with (
-            self.path.open("rb") as file,
-            mmap.mmap(
-                file.fileno(),
-                first + (end - begin) - aligned,
-                offset=aligned,
-                access=mmap.ACCESS_READ,
-            ) as mapped,
-        ):
-            whole = np.frombuffer(mapped, dtype, math.prod(shape), first - aligned).reshape(shape)
-            out = np.array(whole[index])
-            del whole  # no view may outlive the map
+        with self._open() as file:
+            if not shape:
+                out = np.array(file.get_tensor(name), dtype)
+            else:
+                index = tuple(slice(0, n) for n in shape) if index is None else index
+                out = np.array(file.get_slice(name)[index], dtype)
         self.bytes_read += out.nbytes
         return out
-
-    def _pread(self, first: int, dtype, shape, index, runs: tuple[int, int]) -> np.ndarray:
-        """The slice read run by run with ``os.pread``: no mapping, only the slice's bytes."""
-        count, length = runs
-        out = np.empty([s.stop - s.start for s in index], dtype)
-        flat = out.reshape(count, length).view(np.uint8)
-        strides = np.array([math.prod(shape[k + 1 :]) for k in range(len(shape))])
-        outer = [range(s.start, s.stop) for s in index[: len(shape) - _depth(shape, index)]]
-        inner_start = [s.start for s in index[len(outer) :]]
-        with self.path.open("rb") as file:
-            fd = file.fileno()
-            for row, at in enumerate(_products(outer)):
-                element = int(np.dot(at + inner_start, strides)) if shape else 0
-                flat[row] = np.frombuffer(
-                    os.pread(fd, length * dtype.itemsize, first + element * dtype.itemsize),
-                    np.uint8,
-                )
-        return out
-
-
-def _depth(shape, index) -> int:
-    """How many trailing dimensions one contiguous run spans: the full ones and one more."""
-    depth = 0
-    for n, part in zip(reversed(shape), reversed(index), strict=True):
-        depth += 1
-        if (part.start, part.stop) != (0, n):
-            break
-    return depth
-
-
-def _runs(shape, index) -> tuple[int, int] | None:
-    """``(runs, elements per run)`` of a slice read run by run, or None.
-
-    None beyond 64 runs (a column block of a matrix, say): copying the slice out of a
-    mapping of the tensor is then faster than a system call per run (measured: 1.5 s against
-    7.2 s for a 1 GB checkpoint, ``benchmarks/weights.py``), for one tensor's touched pages
-    held until the map closes.
-    """
-    depth = _depth(shape, index)
-    lengths = [s.stop - s.start for s in index]
-    count, length = (
-        math.prod(lengths[: len(shape) - depth]),
-        math.prod(lengths[len(shape) - depth :]),
-    )
-    if count == 0 or length == 0 or count > 64:
-        return None
-    return count, length
-
-
-def _products(ranges: list[range]) -> Iterator[list[int]]:
-    """Every combination of ``ranges``' values, the last varying fastest."""
-    if not ranges:
-        yield []
-        return
-    for head in ranges[0]:
-        for tail in _products(ranges[1:]):
-            yield [head, *tail]
 
 
 class Checkpoint:
@@ -268,7 +197,7 @@ class Checkpoint:
         return sum(
             math.prod(shape) * dtype.itemsize
             for file in self.files.values()
-            for dtype, shape, _ in file.tensors.values()
+            for dtype, shape in file.tensors.values()
         )
 
 
