@@ -84,3 +84,16 @@ def test_dropout_batch_statistics_and_counters_are_carried_through_the_step():
     assert int(model.calls[...]) == 2 and np.isfinite(losses).all()
     assert int(model.drop.rngs.count[...]) == 2
     assert float(jnp.abs(model.bn.mean[...]).sum()) > 0  # batch statistics were updated
+
+
+def test_a_model_with_nnx_data_arrays_loads_weights_with_a_dtype(tmp_path):
+    """load_weights(dtype=...) read every leaf as a Variable (crashed on the nnx.data ones)."""
+    import safetensors.numpy
+
+    w = np.arange(128, dtype=np.float32).reshape(8, 16)
+    safetensors.numpy.save_file({"w": w}, tmp_path / "model.safetensors")
+    model = sf.load_weights(lambda: WithData(nnx.Rngs(0)), source=tmp_path, layout=LAYOUT,
+                            dtype=jnp.bfloat16)  # fmt: skip
+    assert model.w.dtype == jnp.bfloat16 and float(model.scale) == 4.0
+    np.testing.assert_array_equal(np.asarray(model.w[...], np.float32), w)  # exact in bf16
+    assert model.ids.dtype == jnp.int32  # nnx.data arrays keep their own dtype

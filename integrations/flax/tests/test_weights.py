@@ -88,6 +88,21 @@ def test_a_damaged_shard_is_refused_at_plan_time_naming_the_file(saved, tmp_path
                         layout=LAYOUTS["fsdp"])  # fmt: skip
 
 
+def test_a_nan_in_a_checkpoint_tensor_is_named_when_it_is_read(tmp_path):
+    reference = sf.create_sharded_model(lambda: Transformer(nnx.Rngs(3)), layout=LAYOUTS["fsdp"])
+    flat = {".".join(map(str, p)): v for p, v in _params(reference).items()}
+    name = sorted(flat)[0]
+    flat[name] = flat[name].copy()
+    flat[name].reshape(-1)[[0, 3]] = (np.nan, np.inf)
+    safetensors.numpy.save_file(flat, tmp_path / "model.safetensors")
+    with pytest.warns(sf.NonFiniteWeightsWarning, match=rf"Tensor '{name}' in model.safetensors "
+                      r"holds non-finite values \(1 NaN, 1 inf in the slice read\)"):  # fmt: skip
+        loaded = sf.load_weights(lambda: Transformer(nnx.Rngs(0)), source=tmp_path,
+                                 layout=LAYOUTS["zero1"])  # fmt: skip
+    got = {".".join(map(str, p)): v for p, v in _params(loaded).items()}
+    assert np.isnan(got[name].reshape(-1)[0])  # loaded as it is
+
+
 def test_a_file_the_reference_library_wrote_loads(tmp_path):
     reference = sf.create_sharded_model(lambda: Transformer(nnx.Rngs(3)), layout=LAYOUTS["fsdp"])
     flat = {".".join(map(str, p)): v for p, v in _params(reference).items()}

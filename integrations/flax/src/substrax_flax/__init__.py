@@ -40,6 +40,7 @@ from substrax_flax._remat import remat as remat
 from substrax_flax._report import ShardingReport as ShardingReport
 from substrax_flax._report import sharding_report as sharding_report
 from substrax_flax._resolve import VariableSharding as VariableSharding
+from substrax_flax._safetensors import NonFiniteWeightsWarning as NonFiniteWeightsWarning
 from substrax_flax._step_plan import Decision as Decision
 from substrax_flax._step_plan import ParamStep as ParamStep
 from substrax_flax._step_plan import StepPlan as StepPlan
@@ -68,6 +69,7 @@ __all__ = [
     "RouterBias",
     "ModelPlan",
     "NonFiniteWarning",
+    "NonFiniteWeightsWarning",
     "ParamStep",
     "PipelineTrainStep",
     "Stages",

@@ -23,7 +23,16 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-__all__ = ["INDEX", "Checkpoint", "SafetensorsFile", "parse_size", "write_checkpoint"]
+from substrax import warn_user
+
+__all__ = [
+    "INDEX",
+    "Checkpoint",
+    "NonFiniteWeightsWarning",
+    "SafetensorsFile",
+    "parse_size",
+    "write_checkpoint",
+]
 
 #: The index file of a sharded checkpoint.
 INDEX = "model.safetensors.index.json"
@@ -114,6 +123,15 @@ class SafetensorsFile:
         return out
 
 
+class NonFiniteWeightsWarning(RuntimeWarning):
+    """A checkpoint tensor holds NaN or inf values (they are loaded as they are)."""
+
+
+def _floating(array: np.ndarray) -> bool:
+    """Whether the array holds floats: numpy's, or ml_dtypes' (bfloat16, float8_*)."""
+    return array.dtype.kind == "f" or "float" in array.dtype.name
+
+
 class Checkpoint:
     """A safetensors checkpoint: one file, a directory of files, or a sharded directory.
 
@@ -141,6 +159,7 @@ class Checkpoint:
                         f"{file.path.name}."
                     )
                 self.where[name] = file
+        self.nonfinite: set[str] = set()  # tensors found to hold NaN or inf (warned once)
         index = self.source / INDEX if self.source.is_dir() else None
         if index is not None and index.exists():
             self._check_index(json.loads(index.read_text()).get("weight_map", {}))
@@ -183,8 +202,22 @@ class Checkpoint:
         return self.where[name].dtype(name)
 
     def read(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
-        """Tensor ``name``, or its slice ``index`` (see :meth:`SafetensorsFile.read`)."""
-        return self.where[name].read(name, index)
+        """Tensor ``name``, or its slice ``index`` (see :meth:`SafetensorsFile.read`).
+
+        Warns:
+          NonFiniteWeightsWarning: Once per tensor, when a slice read holds NaN or inf.
+        """
+        out = self.where[name].read(name, index)
+        if name not in self.nonfinite and _floating(out) and not np.isfinite(out).all():
+            self.nonfinite.add(name)
+            warn_user(
+                f"Tensor {name!r} in {self.where[name].path.name} holds non-finite values "
+                f"({int(np.isnan(out).sum())} NaN, {int(np.isinf(out).sum())} inf in the "
+                "slice read): they are loaded as they are. Check the checkpoint, or replace "
+                "them after loading.",
+                NonFiniteWeightsWarning,
+            )
+        return out
 
     @property
     def bytes_read(self) -> int:

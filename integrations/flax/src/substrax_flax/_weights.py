@@ -439,10 +439,12 @@ def _cast(factory: Callable[[], nnx.Module], paths: set[str], dtype: Any) -> Cal
     def cast():
         model = factory()
         state = nnx.state(model)
-        cast_state = map_variables(
-            lambda path, v: v.get_value().astype(dtype) if path in paths else v.get_value(),
-            state,
-        )
+
+        def value(path, v):  # a Variable, or a bare array kept with nnx.data
+            array = v.get_value() if hasattr(v, "get_value") else v
+            return array.astype(dtype) if path in paths else array
+
+        cast_state = map_variables(value, state)
         nnx.update(model, cast_state)
         return model
 
