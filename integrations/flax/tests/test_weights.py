@@ -180,6 +180,16 @@ def test_dtype_conversion_is_asked_for_never_silent(tmp_path):
     as_bf16 = sf.load_weights(One, source=tmp_path, layout=layout, dtype=jnp.bfloat16)
     assert as_bf16.w[...].dtype == jnp.bfloat16  # stored as asked (a frozen base for LoRA)
     assert sf.sharding_report(as_bf16).row("w").bytes_total == 8 * 4 * 2
+    # each conversion is listed in the plan; one that changes kind needs more than dtype=
+    plan = sf.plan_weights(One, source=tmp_path, layout=layout, dtype=jnp.float32)
+    assert plan.conversions == ["1 tensor(s) bfloat16 -> float32"] and "converted: 1" in str(plan)
+    sf.save_tensors(tmp_path / "f32", {"w": np.ones((8, 4), np.float32)})
+    narrow = sf.plan_weights(One, source=tmp_path / "f32", layout=layout, dtype=jnp.bfloat16)
+    assert narrow.conversions == ["1 tensor(s) float32 -> bfloat16 (narrower: rounded)"]
+    sf.save_tensors(tmp_path / "ids", {"w": np.ones((8, 4), np.int32)})
+    with pytest.raises(sf.WeightsMismatch, match=r"w -> 'w': dtype int32 into a float32 variable: "
+                       r"dtype= converts between floating dtypes only"):  # fmt: skip
+        sf.load_weights(One, source=tmp_path / "ids", layout=layout, dtype=jnp.float32)
 
 
 def test_no_initialiser_runs_and_only_the_shards_are_allocated(saved, monkeypatch):

@@ -237,8 +237,29 @@ class WeightsPlan:
         ]
         if self.ignored:
             lines.append(f"{len(self.ignored)} tensors ignored: {', '.join(self.ignored)}")
+        lines += [f"converted: {line}" for line in self.conversions]
         lines += [f"problem: {p}" for p in self.problems]
         return "\n".join(lines)
+
+    @property
+    def conversions(self) -> list[str]:
+        """Each dtype conversion that ``dtype=`` asked for, one line per source dtype.
+
+        Each line gives how many tensors, from and to, and whether it rounds (a narrower
+        float).
+        """
+        if self.dtype is None:
+            return []
+        to = jnp.dtype(self.dtype)
+        counts: dict[Any, int] = {}
+        for lazy in self.sources.values():
+            if jnp.dtype(lazy.dtype) != to:
+                counts[jnp.dtype(lazy.dtype)] = counts.get(jnp.dtype(lazy.dtype), 0) + 1
+        return [
+            f"{n} tensor(s) {source.name} -> {to.name}"
+            + (" (narrower: rounded)" if to.itemsize < source.itemsize else "")
+            for source, n in counts.items()
+        ]
 
     def check(self) -> None:
         """Raises if the checkpoint does not fit the model.
@@ -373,8 +394,10 @@ def plan_weights(
       key_map: Checkpoint names to model variables (see :data:`KeyMap` and :class:`Target`);
         None: each variable's path with ``.`` for ``/`` (what :func:`save_weights` writes
         without a key map).
-      dtype: Store the loaded variables in this dtype, converting the checkpoint's (None:
-        the checkpoint's dtype must be the model's; no conversion is silent).
+      dtype: Store the loaded floating variables in this dtype, converting the checkpoint's
+        floats (None: the checkpoint's dtype must be the model's). Each conversion is listed
+        (:attr:`WeightsPlan.conversions`, narrowing ones marked); integer variables keep
+        their dtype, and an integer tensor into a float variable is a problem.
       allow_missing: Regular expressions of parameter paths that may be absent from the
         checkpoint (a new head): they keep their initialisers. LoRA adapters and variables
         other than parameters always do.
@@ -418,6 +441,13 @@ def plan_weights(
                 f"{names} -> {path!r}: dtype {jnp.dtype(lazy.dtype).name}, the model's is "
                 f"{row.dtype} (pass dtype= to convert)"
             )
+        elif dtype is not None and _kind(lazy.dtype) != _kind(row.dtype):
+            problems.append(
+                f"{names} -> {path!r}: dtype {jnp.dtype(lazy.dtype).name} into a "
+                f"{jnp.dtype(row.dtype).name} variable: dtype= converts between floating "
+                "dtypes only; store the variable as the checkpoint does, or cast it after "
+                "loading"
+            )
         else:
             sources[path] = lazy
     allowed = [re.compile(p) for p in allow_missing]
@@ -435,6 +465,12 @@ def plan_weights(
     return WeightsPlan(plan, checkpoint, sources, initialised, ignored, problems, dtype)
 
 
+def _kind(dtype: Any) -> str:
+    """``"float"`` for floating dtypes (bfloat16 included), else numpy's kind letter."""
+    dtype = jnp.dtype(dtype)
+    return "float" if jnp.issubdtype(dtype, jnp.floating) else dtype.kind
+
+
 def _cast(factory: Callable[[], nnx.Module], paths: set[str], dtype: Any) -> Callable:
     def cast():
         model = factory()
@@ -442,7 +478,8 @@ def _cast(factory: Callable[[], nnx.Module], paths: set[str], dtype: Any) -> Cal
 
         def value(path, v):  # a Variable, or a bare array kept with nnx.data
             array = v.get_value() if hasattr(v, "get_value") else v
-            return array.astype(dtype) if path in paths else array
+            floating = jnp.issubdtype(array.dtype, jnp.floating)  # integer ids keep theirs
+            return array.astype(dtype) if path in paths and floating else array
 
         cast_state = map_variables(value, state)
         nnx.update(model, cast_state)
