@@ -181,8 +181,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--eval-every", type=int, default=None,
-        help="evaluate the held-out batches every N steps and at the last (0: never; default "
-        "50, 0 for pp, which has no eval step yet)",
+        help="evaluate the held-out batches every N steps and at the last (0: never; "
+        "default 50)",
     )  # fmt: skip
     parser.add_argument("--eval-batches", type=int, default=2,
                         help="held-out batches per evaluation")  # fmt: skip
@@ -255,11 +255,9 @@ def build(args):
             f"data axes {layout.batch_axes}; use a multiple of {data_devices}"
         )
     if args.eval_every is None:
-        args.eval_every = 0 if args.strategy == "pp" else 50
+        args.eval_every = 50
     if args.eval_every < 0 or args.eval_batches < 1:
         raise UsageError("--eval-every must not be negative and --eval-batches must be positive")
-    if args.eval_every and args.strategy == "pp":
-        raise UsageError("--eval-every: the pipelined layout has no eval step yet; drop it")
     if args.strategy == "pp":
         check_pipeline(args, layout.pp, data_devices)
     elif args.batch_size % (args.microbatches * data_devices):
@@ -494,9 +492,15 @@ class HeldOut:
 
     MODES = ("deterministic", "use_running_average")
 
-    def __init__(self, args, batches: sdata.Batches):
+    def __init__(self, args, batches: sdata.Batches, step_fn, mesh):
         self.args, self.batches = args, batches
-        self.step = sf.make_eval_step(lambda model, batch: {"loss": gpt.loss_fn(model, batch)})
+        if args.strategy == "pp":  # the stack forward through the pipeline, rows as they are
+            self.step = sf.make_eval_step(step_fn.stages, mesh, layout=Layout.named("pp", mesh),
+                                          microbatches=args.microbatches)  # fmt: skip
+            self.rows = lambda rows: rows
+        else:
+            self.step = sf.make_eval_step(lambda model, batch: {"loss": gpt.loss_fn(model, batch)})
+            self.rows = gpt.next_tokens
 
     def __call__(self, model) -> float:
         args = self.args
@@ -504,7 +508,7 @@ class HeldOut:
         model.eval()
         try:
             losses = [
-                float(self.step(model, gpt.next_tokens(self.batches(i)))["loss"])
+                float(self.step(model, self.rows(self.batches(i)))["loss"])
                 for i in range(args.eval_batches)
             ]  # fmt: skip
         finally:
@@ -653,7 +657,7 @@ def train(args) -> dict:
     if primary and args.tensorboard:
         board = Scalars(args.output_dir / "tensorboard", start_step)
     evaluations = []
-    evaluate = HeldOut(args, data.held) if args.eval_every else None
+    evaluate = HeldOut(args, data.held, step_fn, mesh) if args.eval_every else None
     started, compile_seconds = time.perf_counter(), 0.0
     with StopAsked() as stop:
         for step in range(start_step, args.steps):

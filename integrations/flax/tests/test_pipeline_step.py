@@ -507,3 +507,52 @@ def test_every_schedule_trains_like_gpipe(degrees, dropout, precision, remat, sc
         plan = str(step.plan_for(model, sf.create_sharded_optimizer(model, optax.sgd(0.5)),
                                  tokens()))  # fmt: skip
         assert re.search(rf"schedule +{schedule}.* idle 0\.\d{{3}} of the stages' ticks", plan)
+
+
+@pytest.mark.parametrize(("schedule", "repeats", "layers"), [("zb-h1", 1, 4), ("circular", 2, 8)])
+def test_a_pipelined_evaluation_is_the_steps_loss_with_the_forward_traffic_only(
+    schedule, repeats, layers
+):
+    """make_eval_step(Stages(...)): the stack forward through the pipeline, nothing back."""
+    mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
+    rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
+    model = sf.create_sharded_model(_factory(layers), mesh, rules)
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
+    stages = sf.Stages(embed, block, head, stack="blocks", schedule=schedule, repeats=repeats)
+    step = sf.make_train_step(stages, mesh, rules, microbatches=4, donate=False)
+    evaluate = sf.make_eval_step(stages, mesh, rules, microbatches=4)
+    batch = tokens(seed=3)
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
+    metrics = evaluate(model, batch)
+    for got, want in zip(jax.tree.leaves(nnx.state(model)), before, strict=True):
+        np.testing.assert_array_equal(np.asarray(got), want)  # nothing in the model changed
+    # the training step's loss on the same batch is computed before its update
+    trained = float(step(model, optimizer, batch)["loss"])
+    assert relative_error(float(metrics["loss"]), trained) < 1e-5
+    # the forward half of the step's traffic: stage sends forward, no gradient reduction
+    model = sf.create_sharded_model(_factory(layers), mesh, rules)
+    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2), mesh, rules)
+    moved = _moved(evaluate.lower(model, batch))
+    trains = _moved(step.lower(model, optimizer, batch))
+    assert 0 < moved <= trains / 2, (moved, trains)
+
+
+def _moved(lowered) -> float:
+    """Bytes a compiled program's collectives move per device (each loop trip counted)."""
+    kinds = traffic_by_kind(lowered.compile().as_text(), 8, trips=True)
+    return sum(kind["bytes"] for kind in kinds.values())
+
+
+def test_a_pipelined_evaluation_says_what_it_needs():
+    mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
+    rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
+    stages = sf.Stages(embed, block, head, stack="blocks")
+    with pytest.raises(TypeError, match=r"make_eval_step\(Stages\(...\)\) needs microbatches=M"):
+        sf.make_eval_step(stages, mesh, rules)
+    with pytest.raises(TypeError, match=r"sums=\('n',\): a pipelined evaluation returns"):
+        sf.make_eval_step(stages, mesh, rules, microbatches=4, sums=("n",))
+    interleaved = sf.Stages(embed, block, head, stack="blocks", schedule="interleaved", repeats=2)
+    evaluate = sf.make_eval_step(interleaved, mesh, rules, microbatches=4)
+    model = sf.create_sharded_model(_factory(8), mesh, rules)
+    with pytest.raises(ValueError, match="'interleaved' schedule with 2 chunks per stage is not"):
+        evaluate(model, tokens(seed=0))

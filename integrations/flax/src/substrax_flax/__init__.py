@@ -26,6 +26,7 @@ from substrax_flax._decode import CacheRow as CacheRow
 from substrax_flax._decode import DecodeStep as DecodeStep
 from substrax_flax._decode import make_decode_step as make_decode_step
 from substrax_flax._eval import EvalStep as EvalStep
+from substrax_flax._eval import PipelineEvalStep as PipelineEvalStep
 from substrax_flax._eval import make_eval_step as make_eval_step
 from substrax_flax._experts import MixtureOfExperts as MixtureOfExperts
 from substrax_flax._experts import RouterBias as RouterBias
@@ -71,6 +72,7 @@ __all__ = [
     "NonFiniteWarning",
     "NonFiniteWeightsWarning",
     "ParamStep",
+    "PipelineEvalStep",
     "PipelineTrainStep",
     "Stages",
     "ProgramMemory",

@@ -26,6 +26,7 @@ from substrax.spmd import MixedPrecision, check_batch, is_replicated_leaf, use_r
 from substrax_flax._cache import ProgramKey, StepCache
 from substrax_flax._jitted import Built, JittedStep, mark_entry
 from substrax_flax._manual import batch_specs, manual_movers, manual_rules, state_of
+from substrax_flax._pipeline_step import Stages
 from substrax_flax._plan import ModelPlan, model_plan, shardings_of
 from substrax_flax._resolve import Rules, Strategy
 from substrax_flax._state import check_filter
@@ -38,7 +39,7 @@ from substrax_flax._train import (
     make_train_step,
 )
 
-__all__ = ["EvalStep", "make_eval_step"]
+__all__ = ["EvalStep", "PipelineEvalStep", "make_eval_step"]
 
 
 class EvalStep:
@@ -261,6 +262,22 @@ def _key(entry: Any) -> Any:
     return getattr(entry, "key", getattr(entry, "name", getattr(entry, "idx", None)))
 
 
+class PipelineEvalStep(EvalStep):
+    """An evaluation of a pipelined model: its :class:`Stages` run forward only.
+
+    Build it with :func:`make_eval_step` and :class:`Stages`. The embedding runs on the whole
+    batch, the stack through the training schedule's forward pass
+    (:meth:`PipelineTrainStep.forward_schedule`: GPipe's for one chunk per stage), each
+    stage on its own layers and each microbatch's activations passed to the next stage, and
+    the head's loss (and aux items) comes back as the mean over the microbatches. Nothing is
+    differentiated, reduced back or changed in the model. It has no step plan (``plan_for``
+    returns None).
+    """
+
+    def _build(self, model: nnx.Module, batch: Any) -> Built:
+        return self._router._build(model, None, batch, forward=True)
+
+
 def _draws_stay_with_xla(model, mesh, batch, split, traced) -> None:
     """Keeps an evaluation that draws random numbers on XLA's partitioning.
 
@@ -311,6 +328,7 @@ def make_eval_step(
     data_parallel: str = "auto",
     wrt: Any = nnx.Param,
     plan: ModelPlan | None = None,
+    microbatches: int | None = None,
 ) -> EvalStep:
     """Builds a jitted evaluation that runs ``fn`` at the training step's layout.
 
@@ -337,6 +355,13 @@ def make_eval_step(
       data_parallel: ``"auto"``, ``"manual"`` or ``"xla"``, as for :func:`make_train_step`.
       wrt: The variables that are parameters (gathered as the training step gathers them).
       plan: The plan every model must be laid out by (instead of the one it remembers).
+      microbatches: With :class:`Stages`: the microbatches the pipeline runs forward (the
+        training step's count, or any that splits the batch).
+
+    ``fn`` may be the pipelined model's :class:`Stages` instead (as given to
+    :func:`make_train_step`): the evaluation then runs the stack forward through the
+    pipeline (:class:`PipelineEvalStep`) and returns the head's loss and aux items, means
+    over the microbatches.
 
     Returns:
       An :class:`EvalStep`: ``metrics = eval_step(model, batch)``.
@@ -347,6 +372,9 @@ def make_eval_step(
       ValueError: As :func:`make_train_step` for the other arguments; on the first call,
         for a metric that is neither a scalar nor a per-row array.
     """
+    if isinstance(fn, Stages):
+        return _pipelined_eval(fn, mesh, rules, layout=layout, sums=sums, batch_axes=batch_axes,
+                               precision=precision, wrt=wrt, microbatches=microbatches)  # fmt: skip
     if not callable(fn):
         raise TypeError(f"fn must be a function fn(model, batch) -> metrics, got {fn!r:.80}.")
     check_takes_model_and_batch(fn, "fn", "make_eval_step")
@@ -364,3 +392,27 @@ def make_eval_step(
     )  # fmt: skip
     router._entry = "make_eval_step"
     return EvalStep(fn, tuple(sums), router)
+
+
+def _pipelined_eval(stages, mesh, rules, *, layout, sums, batch_axes, precision, wrt,
+                    microbatches) -> PipelineEvalStep:  # fmt: skip
+    """:func:`make_eval_step` for :class:`Stages`.
+
+    Raises:
+      TypeError: Without ``microbatches``, or with ``sums`` (the head's metrics are means).
+    """
+    if microbatches is None:
+        raise TypeError(
+            "make_eval_step(Stages(...)) needs microbatches=M: the microbatches the pipeline "
+            "runs forward (the training step's count, say)."
+        )
+    if sums:
+        raise TypeError(
+            f"sums={tuple(sums)!r}: a pipelined evaluation returns the head's metrics as means "
+            "over the microbatches; return a mean from the head instead."
+        )
+    router = make_train_step(
+        stages, mesh, rules, layout=layout, microbatches=microbatches, batch_axes=batch_axes,
+        donate=False, on_nonfinite="apply", precision=precision, wrt=wrt,
+    )  # fmt: skip
+    return PipelineEvalStep(stages.head, (), router)

@@ -193,22 +193,52 @@ class PipelineTrainStep(JittedStep):
         self.microbatches, self.remat = microbatches, remat
         self.batch_axes = tuple(batch_axes) if batch_axes is not None else None
         self.donate, self.has_aux, self.wrt = donate, has_aux, wrt
-        self._runners: dict[jax.sharding.Mesh, tuple[Callable[..., Pipeline], tuple]] = {}
+        self._runners: dict[tuple, tuple[Callable[..., Pipeline], tuple]] = {}
         if mesh is not None:
             self._runner(mesh)  # checks the stages against the mesh now
 
-    def _runner(self, mesh: jax.sharding.Mesh) -> tuple[Callable[..., Pipeline], tuple]:
+    def _runner(
+        self, mesh: jax.sharding.Mesh, forward: bool = False
+    ) -> tuple[Callable[..., Pipeline], tuple]:
         """``(make_pipeline, settings)`` on ``mesh``: the runner's factory and the plan lines.
+
+        ``forward``: the runner of an evaluation, whose schedule runs the forward pass alone
+        (:meth:`forward_schedule`).
 
         Raises:
           ValueError: If ``mesh`` has no stage axis, or as :class:`substrax.pipeline.Pipeline`.
         """
         check_mesh(mesh)
-        if mesh not in self._runners:
-            self._runners[mesh] = self._make_runner(mesh)
-        return self._runners[mesh]
+        if (mesh, forward) not in self._runners:
+            schedule = self.forward_schedule() if forward else self.stages.schedule
+            self._runners[mesh, forward] = self._make_runner(mesh, schedule)
+        return self._runners[mesh, forward]
 
-    def _make_runner(self, mesh: jax.sharding.Mesh) -> tuple[Callable[..., Pipeline], tuple]:
+    def forward_schedule(self) -> str:
+        """The schedule an evaluation runs: the training schedule's forward pass.
+
+        One chunk of layers per stage: GPipe's forward (every schedule with one chunk stores
+        the stack alike); circular: its own.
+
+        Returns:
+          The schedule's name: ``"gpipe"`` or ``"circular"``.
+
+        Raises:
+          ValueError: For ``"interleaved"``, whose forward pass is not built yet.
+        """
+        if self.stages.repeats == 1:
+            return "gpipe"
+        if self.stages.schedule == "circular":
+            return "circular"
+        raise ValueError(
+            f"An evaluation of the {self.stages.schedule!r} schedule with "
+            f"{self.stages.repeats} chunks per stage is not built yet; evaluate a 'circular' "
+            "or single-chunk stack."
+        )
+
+    def _make_runner(
+        self, mesh: jax.sharding.Mesh, schedule: str
+    ) -> tuple[Callable[..., Pipeline], tuple]:
         axis = self.stage_axis
         if axis not in mesh.axis_names:
             raise ValueError(
@@ -216,7 +246,7 @@ class PipelineTrainStep(JittedStep):
             )
         strategy = PipelineParallelStrategy(axis, tuple(mesh.axis_names).index(axis),
                                             dict(mesh.shape)[axis])  # fmt: skip
-        options = dict(num_microbatches=self.microbatches, schedule=self.stages.schedule,
+        options = dict(num_microbatches=self.microbatches, schedule=schedule,
                        repeats=self.stages.repeats, remat=self.remat)  # fmt: skip
         batch_axes = self.batch_axes or tuple(a for a in mesh.axis_names if a != axis)
         timetable = Pipeline(lambda p, x: x, lambda y, t: 0.0, mesh, strategy,
@@ -225,7 +255,7 @@ class PipelineTrainStep(JittedStep):
         def make_pipeline(layer_fn, loss_fn, **extra):
             return Pipeline(layer_fn, loss_fn, mesh, strategy, **options, **extra)
 
-        schedule, repeats = self.stages.schedule, self.stages.repeats
+        repeats = self.stages.repeats
         settings = (
             ("stages", f"{strategy.num_stages} on {axis!r}", "the mesh's stage axis"),
             ("schedule", f"{schedule}" + (f" x {repeats} chunks" if repeats > 1 else ""),
@@ -272,7 +302,14 @@ class PipelineTrainStep(JittedStep):
         """Every top-level attribute of the model's state but the stack."""
         return nnx.State({k: v for k, v in state.items() if k != self.stack})
 
-    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any):
+    def _build(self, model: nnx.Module, optimizer: nnx.Optimizer | None, batch: Any,
+               forward: bool = False):  # fmt: skip
+        """The training step's program, or with ``forward`` (no optimizer) an evaluation's.
+
+        An evaluation runs the embedding, the stack through :meth:`forward_schedule`'s
+        forward pass and the head, and returns the head's loss (and aux) averaged over the
+        microbatches: no gradient, no update, nothing moved back.
+        """
         stack, rest = self._parts(model)
         model_def = nnx.graphdef(model)
         layer_def = nnx.graphdef(getattr(model, self.stack))
@@ -282,18 +319,13 @@ class PipelineTrainStep(JittedStep):
         num_layers = self.num_layers or stored
         plan = model_plan(model, self.mesh, self.rules, None, self.layout,
                           what="make_train_step(Stages(...))")  # fmt: skip
-        make_pipeline, settings = self._runner(plan.mesh)
+        make_pipeline, settings = self._runner(plan.mesh, forward)
         model_shardings = shardings_of(plan.rows, nnx.state(model), plan.mesh)
-        opt_shardings = optimizer_shardings(optimizer, plan)
         batch_axes = self.batch_axes
         if batch_axes is None:  # the plan's batch axes
             batch_axes = tuple(a for a in plan.batch_axes if a != self.stage_axis)
         grad_dims = _grad_dims(plan, self.stack, stack, batch_axes)
         fsdp_axis, fsdp_dims = _fsdp(plan, self.stack, batch_axes)
-        opt_def = nnx.graphdef(optimizer)
-        guard = guard_decision((nnx.state(model, self.wrt), nnx.state(optimizer)),
-                               self._guard.on_nonfinite)  # fmt: skip
-        self._guard.state_checked = guard[0]
         # ZeRO's scatter dimensions of the trained leaves: the pipeline differentiates those
         trained_dims = None if grad_dims is None else _split(grad_dims, self.wrt)[0]
         outer = plan.compute_rules  # the embedding runs on the global batch, with XLA
@@ -370,6 +402,34 @@ class PipelineTrainStep(JittedStep):
             draws = _row_draws(flat, stack, rest, batch, plan.mesh, batch_axes, pipeline)
 
         rest_stored = self._rest(model_shardings)
+
+        def evaluate(model_state, batch):
+            """The head's loss (and aux) over the batch, the stack run forward only."""
+            rest = _gathered(self._rest(model_state), rest_stored, batch_axes)
+            rest_trained, rest_frozen = _split(rest, self.wrt)
+            stack_state = model_state[self.stack]
+            model = merged(stack_state, compute(rest))
+            inputs, targets = self.embed_fn(model, compute(batch))
+            padded, mask = pipeline.stack(stack_state, num_layers)
+            value = make(rest_frozen).loss(padded, mask, compute(inputs), targets,
+                                           rest_trained)  # fmt: skip
+            loss, aux = value if self.has_aux else (value, None)
+            return {"loss": loss, **_aux_items(aux)}
+
+        if forward:
+            if draws is not None:
+                raise ValueError(
+                    "the evaluation draws random numbers (a model in training mode?): "
+                    "model.eval() turns dropout off"
+                )
+            jitted = jax.jit(_under(evaluate, lambda: use_rules(plan.mesh, outer)),
+                             in_shardings=(model_shardings, None))  # fmt: skip
+            return Built(jitted, plan.mesh, batch_axes, "pipeline", plan=None)
+        opt_shardings = optimizer_shardings(optimizer, plan)
+        opt_def = nnx.graphdef(optimizer)
+        guard = guard_decision((nnx.state(model, self.wrt), nnx.state(optimizer)),
+                               self._guard.on_nonfinite)  # fmt: skip
+        self._guard.state_checked = guard[0]
 
         def gradient(model_state, batch):
             stack_state = model_state[self.stack]
@@ -508,6 +568,23 @@ def _grad_dims(plan: Any, name: str, stack: Any, batch_axes: Sequence[str]) -> A
         return moved[0] - 1 if moved and moved[0] > 0 else None
 
     return map_variables(dim, stack)
+
+
+def _under(fn: Callable, context: Callable) -> Callable:
+    """``fn`` run inside ``context()`` and without Flax's eager sharding (traced in ``jit``)."""
+
+    def run(*args):
+        with context(), nnx.use_eager_sharding(False):
+            return fn(*args)
+
+    return run
+
+
+def _aux_items(aux: Any) -> dict:
+    """The head's aux as metrics: a dict's items, anything else under ``"aux"``."""
+    if aux is None:
+        return {}
+    return dict(aux) if isinstance(aux, dict) else {"aux": aux}
 
 
 def _loss_and_aux(out: Any, has_aux: bool) -> Any:
