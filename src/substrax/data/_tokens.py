@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import pathlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -58,7 +60,9 @@ class Tokens:
         return digest.hexdigest()[:16]
 
 
-def load_tokens(path, *, dtype: str = "uint16", tokenizer=None) -> Tokens:
+def load_tokens(
+    path: str | os.PathLike, *, dtype: str = "uint16", tokenizer: str | os.PathLike | None = None
+) -> Tokens:
     """Reads token ids from a token file or tokenizes a text file.
 
     Token files (``.bin``, ``.npy``) are memory-mapped, not read. Text (``.txt``, ``.jsonl``)
@@ -161,7 +165,7 @@ def _nonempty(ids: np.ndarray, path: pathlib.Path) -> np.ndarray:
     return ids
 
 
-def encode(text: str, tokenizer=None) -> np.ndarray:
+def encode(text: str, tokenizer: str | os.PathLike | None = None) -> np.ndarray:
     """``text`` as token ids (int32), as :func:`load_tokens` reads a text file.
 
     Args:
@@ -177,7 +181,7 @@ def encode(text: str, tokenizer=None) -> np.ndarray:
     return np.asarray(_tokenizer(tokenizer).encode(text).ids, np.int32)
 
 
-def decode(ids, tokenizer=None) -> str:
+def decode(ids: Sequence[int] | np.ndarray, tokenizer: str | os.PathLike | None = None) -> str:
     """Token ids as text: the inverse of :func:`encode`.
 
     Bytes that are not valid UTF-8, and ids above 255 under byte tokens, decode as U+FFFD.
