@@ -28,8 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax import ShardingWarning, warn_user
 from substrax.mesh import partition_spec_for_names
 from substrax.spmd import use_rules
-from substrax_flax._plan import ModelPlan, model_plan
-from substrax_flax._state import map_variables
+from substrax_flax._plan import ModelPlan, model_plan, shardings_of
+from substrax_flax._state import map_variables, variables
 
 __all__ = ["CacheRow", "DecodeStep", "make_decode_step"]
 
@@ -77,7 +77,7 @@ class DecodeStep:
         self.mesh, self.rules = plan.mesh, plan.compute_rules
         graphdef, state = nnx.split(model, nnx.Not(nnx.Cache))
         self._source = graphdef
-        self._state_sh = _state_shardings(plan, state)
+        self._state_sh = shardings_of(plan.rows, state, plan.mesh)
         make, self._graphdef = self._maker(graphdef, batch_size, max_length)
         abstract = jax.eval_shape(make, state)
         self.rows = _cache_rows(abstract, self.rules, self.mesh)
@@ -166,20 +166,6 @@ class DecodeStep:
         return logits[:, -1].astype(jnp.float32), cache
 
 
-def _state_shardings(plan: ModelPlan, state: Any) -> Any:
-    """Each variable's planned sharding; a variable the plan does not list is replicated."""
-    specs = {row.path: row.spec for row in plan.rows}
-    return map_variables(
-        lambda path, _: NamedSharding(plan.mesh, specs.get(path, PartitionSpec())), state
-    )
-
-
-def _flat(state: Any) -> list[tuple[str, Any]]:
-    found = []
-    map_variables(lambda path, leaf: found.append((path, leaf)), state)
-    return found
-
-
 def _cache_rows(abstract: Any, rules: Any, mesh: jax.sharding.Mesh) -> tuple[CacheRow, ...]:
     """Each cache variable's names resolved through ``rules``, checked against its shape.
 
@@ -191,7 +177,7 @@ def _cache_rows(abstract: Any, rules: Any, mesh: jax.sharding.Mesh) -> tuple[Cac
     """
     sizes = dict(mesh.shape)
     rows, whole = [], []
-    for path, variable in _flat(abstract):
+    for path, variable in variables(abstract):
         names = variable.get_metadata().get("out_sharding")
         value = variable.get_value()
         spec = partition_spec_for_names(rules, *names) if names else PartitionSpec()

@@ -35,6 +35,7 @@ __all__ = [
     "JittedStep",
     "Update",
     "apply_update",
+    "aux_metrics",
     "guarded_update",
     "jit_step",
     "mark_entry",
@@ -82,6 +83,13 @@ def mark_entry(built: Any, what: str) -> bool:
         _RAN.add(built.jitted)
     progress(f"{what} (compiling)" if compiling else what, busy=compiling)
     return compiling
+
+
+def aux_metrics(aux: Any) -> dict:
+    """A loss function's aux as metrics: a dict's items, anything else under ``"aux"``."""
+    if aux is None:
+        return {}
+    return dict(aux) if isinstance(aux, dict) else {"aux": aux}
 
 
 def rehome(tree: Any, mesh: jax.sharding.Mesh) -> Any:
@@ -185,9 +193,7 @@ def apply_update(
         model_def, opt_def, model_state, opt_state, update.rest, update.grads, finite,
         on_nonfinite, check_state,
     )  # fmt: skip
-    metrics = {"loss": update.loss, "finite": finite}
-    if update.aux is not None:
-        metrics.update(update.aux if isinstance(update.aux, dict) else {"aux": update.aux})
+    metrics = {"loss": update.loss, "finite": finite, **aux_metrics(update.aux)}
     return (
         constrain_state(new_model, shardings[0]),
         constrain_state(new_opt, shardings[1]),

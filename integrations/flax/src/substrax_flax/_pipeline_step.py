@@ -22,7 +22,14 @@ from substrax import ShardingWarning, warn_user
 from substrax.mesh import PipelineParallelStrategy, as_axes, check_mesh
 from substrax.pipeline import Pipeline, microbatch_index
 from substrax.spmd import MixedPrecision, as_precision, use_rules
-from substrax_flax._jitted import Built, JittedStep, Update, jit_step, optimizer_shardings
+from substrax_flax._jitted import (
+    Built,
+    JittedStep,
+    Update,
+    aux_metrics,
+    jit_step,
+    optimizer_shardings,
+)
 from substrax_flax._manual import manual_rules
 from substrax_flax._nonfinite import NonFinite, check_policy, guard_decision
 from substrax_flax._plan import LayoutLike, model_plan, shardings_of
@@ -414,7 +421,7 @@ class PipelineTrainStep(JittedStep):
             value = make(rest_frozen).loss(padded, mask, compute(inputs), targets,
                                            rest_trained)  # fmt: skip
             loss, aux = value if self.has_aux else (value, None)
-            return {"loss": loss, **_aux_items(aux)}
+            return {"loss": loss, **aux_metrics(aux)}
 
         if forward:
             if draws is not None:
@@ -578,13 +585,6 @@ def _under(fn: Callable, context: Callable) -> Callable:
             return fn(*args)
 
     return run
-
-
-def _aux_items(aux: Any) -> dict:
-    """The head's aux as metrics: a dict's items, anything else under ``"aux"``."""
-    if aux is None:
-        return {}
-    return dict(aux) if isinstance(aux, dict) else {"aux": aux}
 
 
 def _loss_and_aux(out: Any, has_aux: bool) -> Any:
