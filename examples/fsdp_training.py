@@ -191,8 +191,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"at the end, continue the prompt {PROMPT!r} by this many tokens sampled at "
         f"temperature {TEMPERATURE} and print them (0: no sample)",
     )  # fmt: skip
-    parser.add_argument("--checkpoint-dir", type=pathlib.Path, default=None,
-                        help="save sharded checkpoints here (none: no checkpoints)")  # fmt: skip
+    parser.add_argument("--checkpoint-dir", type=_directory_or_url, default=None,
+                        help="save sharded checkpoints here, a path or a gs:// URL (none: no "
+                        "checkpoints)")  # fmt: skip
     parser.add_argument("--save-every", type=int, default=50, help="steps between checkpoints")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     parser.add_argument(
@@ -226,7 +227,7 @@ def build(args):
     if args.output_dir is None:
         args.output_dir = default_output_dir(args)
     check_writable(args.output_dir, "--output-dir")
-    if args.checkpoint_dir is not None:
+    if isinstance(args.checkpoint_dir, pathlib.Path):  # a URL is checked by the Checkpointer
         check_writable(args.checkpoint_dir, "--checkpoint-dir")
     if args.export is not None:
         check_writable(args.export, "--export")
@@ -324,6 +325,11 @@ def check_numbers(args) -> None:
             raise UsageError(f"{flag} must be a positive integer, got {getattr(args, name)}")
     if not args.learning_rate > 0:
         raise UsageError(f"--learning-rate must be positive, got {args.learning_rate}")
+
+
+def _directory_or_url(text: str) -> pathlib.Path | str:
+    """A local path as a Path; a URL (``gs://...``) as given, since a Path folds its ``//``."""
+    return text if "://" in text else pathlib.Path(text)
 
 
 def check_writable(directory: pathlib.Path, flag: str) -> None:

@@ -7,7 +7,6 @@ import contextlib
 import errno
 import json
 import os
-import pathlib
 import weakref
 from typing import Any
 
@@ -21,19 +20,18 @@ from jax.experimental import multihost_utils
 from substrax import warn_user
 from substrax.distributed import progress
 from substrax_flax._checkpoint_files import (
-    DirectoryLock,
+    CheckpointWarning,
     DirectoryLocked,
     check_writable,
     damage,
+    lock,
+    open_directory,
     remove_unfinished,
+    set_aside,
     write_checksums,
 )
 
 __all__ = ["CheckpointWarning", "Checkpointer", "DirectoryLocked"]
-
-
-class CheckpointWarning(UserWarning):
-    """A checkpoint was skipped, cast or is not finite: the run goes on, the user is told."""
 
 
 def _abstract(tree: Any) -> Any:
@@ -90,19 +88,25 @@ class Checkpointer:
     sharding of the target model and optimizer, whatever mesh, layout or number of processes
     saved it.
 
+    The directory is a local (or mounted) path or a ``gs://`` URL: Orbax writes both, and
+    everything below holds on both.
+
     Nothing is lost or kept silently:
 
     - one writer per directory: process 0 holds an exclusive lock on it from here to
       :meth:`close` (or its exit, however it ends), and a second run or Checkpointer on the
       same directory is refused with :class:`DirectoryLocked`, naming the holder; every check
-      of the steps there reads the disk;
+      of the steps there reads the disk. Locally the lock is an ``flock``, which the kernel
+      releases when the holder dies; on object storage it is a leased object that the holder
+      renews, taken over (with a warning) once not renewed for ``lease`` seconds;
     - saves are asynchronous by default: :meth:`save` returns once the state is copied to
       host memory, and the next save, any read of the steps, :meth:`wait`, :meth:`close` and
       the interpreter's exit wait for it to be written;
     - saves are atomic (Orbax writes a temporary directory and renames it when every process
-      is done), so a kill during a save, asynchronous or not, loses only that step;
-      temporary directories left by killed saves are removed when the directory is opened,
-      and the directory is checked for writability then, before any training;
+      is done; on object storage it commits the step with a last ``commit_success.txt``), so
+      a kill during a save, asynchronous or not, loses only that step; what killed saves
+      left is removed when the directory is opened, and the directory is checked for
+      writability then, before any training;
     - steps only move forward (:meth:`save` raises on a step that is not after the latest);
     - the last ``keep`` checkpoints are kept, and also the newest one whose values are all
       finite, so a run that diverged never rotates its last good state out;
@@ -114,11 +118,19 @@ class Checkpointer:
     - restoring values of another dtype is an error unless ``cast=True`` (then a warning).
     """
 
-    def __init__(self, directory: str | pathlib.Path, *, keep: int = 3, asynchronous: bool = True):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        keep: int = 3,
+        asynchronous: bool = True,
+        lease: float = 30.0,
+    ):
         """Opens (or creates) a checkpoint directory and checks that it is writable.
 
         Args:
-          directory: Where checkpoints go, one subdirectory per step.
+          directory: Where checkpoints go, one subdirectory per step: a local or mounted path,
+            or a ``gs://bucket/path`` URL (credentials as for any Google Cloud client).
           keep: How many of the latest checkpoints to keep (the newest finite one is kept
             besides).
           asynchronous: :meth:`save` returns once the state is copied to host memory and the
@@ -126,28 +138,29 @@ class Checkpointer:
             flight: the next save, any read of the steps, :meth:`wait`, :meth:`close` and
             the interpreter's exit wait for it). The copy holds one copy of this process's
             state in host memory until written. False: each save returns when written.
+          lease: Object storage only: seconds after which a writer lock that its holder
+            stopped renewing (a killed run) is taken over. Opening a directory whose writer
+            was killed waits up to this long; a live holder renews every ``lease / 3``.
 
         Raises:
           TypeError: If ``directory`` is not a path.
-          ValueError: If ``keep`` is not an integer of at least 1.
+          ValueError: If ``keep`` is not an integer of at least 1, ``lease`` is not positive,
+            or ``directory`` is a URL of a store Orbax cannot write (``s3://``).
           PermissionError: If the directory cannot be created or written.
           DirectoryLocked: If another run or Checkpointer writes to the directory.
         """
-        if not isinstance(directory, (str, os.PathLike)):
-            raise TypeError(
-                f"directory must be a path (a str or pathlib.Path), got {type(directory).__name__} "
-                f"{directory!r:.80}."
-            )
+        self.directory = open_directory(directory)
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep must be an integer of at least 1, got {keep!r}.")
-        self.directory = pathlib.Path(directory).absolute()
+        if not isinstance(lease, (int, float)) or isinstance(lease, bool) or not lease > 0:
+            raise ValueError(f"lease must be a positive number of seconds, got {lease!r}.")
         self.keep = keep
         self._lock = None
         check_writable(self.directory)
         locked = None
         if jax.process_index() == 0:  # the run's one writer; its other processes follow it
             try:
-                self._lock = DirectoryLock(self.directory)
+                self._lock = lock(self.directory, lease)
             except DirectoryLocked as error:
                 locked = error
         if _everywhere(None if locked is None else str(locked)) is not None:
@@ -299,9 +312,15 @@ class Checkpointer:
           ValueError: If ``step`` is not after the latest checkpoint and ``overwrite`` is False.
           TypeError: If ``metadata`` is not JSON-serialisable (before anything is written).
           RuntimeError: If Orbax declines to save.
+          DirectoryLocked: If another writer took the directory's lock over (object storage,
+            after this run failed to renew it for ``lease`` seconds).
+          OSError: If the disk refuses the step (no space, no permission), naming the newest
+            complete step.
         """
         _check_arguments(model, optimizer, step, "save")
         _check_json(metadata)
+        if self._lock is not None:
+            self._lock.check()
         latest = self.latest_step()  # (waits for a save in flight first)
         if latest is not None and step <= latest:
             if not overwrite:
@@ -345,13 +364,22 @@ class Checkpointer:
             if cause is None:
                 raise
             self._pending = None
+            complete = self._complete()
+            if cause.errno == errno.ENOSPC:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"No space left on the device of {self.directory} while saving step {step}; "
+                    "nothing was lost: the newest complete step is "
+                    f"{complete[-1] if complete else 'none'} (steps {complete}). Free space, "
+                    "then resume.",
+                ) from None
             raise OSError(
                 cause.errno,
                 f"Saving step {step} in {self.directory} failed: {cause.strerror or cause} "
                 f"({cause.filename or 'a file of the step'}). Nothing of step {step} was "
-                f"committed; the complete steps there are {self._complete()}. Free space or "
-                "fix the directory's permissions, then resume.",
-            ) from error
+                f"committed; the complete steps there are {complete}. Fix the directory's "
+                "permissions, then resume.",
+            ) from None
 
     def _complete(self) -> list[int]:
         """The steps on disk whose files are whole (read again, after a failure)."""
@@ -489,11 +517,7 @@ class Checkpointer:
             CheckpointWarning,
         )
         if jax.process_index() == 0:
-            source = self.directory / str(step)
-            target = self.directory / f"{step}.corrupt"
-            while target.exists():
-                target = target.with_name(target.name + "+")
-            source.rename(target)
+            set_aside(self.directory / str(step))
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"substrax checkpoint set aside {step}")
         self._manager.reload()
@@ -599,13 +623,19 @@ def _check_arguments(model: Any, optimizer: Any, step: Any, method: str) -> None
 
 
 def _os_error(error: BaseException) -> OSError | None:
-    """The disk's error (no space, no permission, read-only) behind ``error``, if any."""
+    """The disk's error (no space, no permission, read-only) behind ``error``, if any.
+
+    TensorStore reports a full disk as ``ValueError: RESOURCE_EXHAUSTED ... No space left on
+    device``, not as an OSError: that is read as ENOSPC too.
+    """
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EACCES,
                                                           errno.EROFS, errno.EDQUOT):  # fmt: skip
             return error
+        if "No space left on device" in str(error) or "RESOURCE_EXHAUSTED" in str(error):
+            return OSError(errno.ENOSPC, "No space left on device")
         error = error.__cause__ or error.__context__
     return None
 
