@@ -15,12 +15,12 @@ import json
 import math
 import os
 import pathlib
-import struct
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import ml_dtypes
 import numpy as np
+import safetensors.numpy
 from safetensors import SafetensorError, safe_open
 
 from substrax import warn_user
@@ -255,19 +255,6 @@ def parse_size(size: int | str) -> int:
     )
 
 
-def _header(entries: list[tuple[str, np.dtype, tuple[int, ...]]], metadata: dict) -> bytes:
-    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, dtype, shape in entries:
-        size = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _dtype_name(dtype), "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}  # fmt: skip
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    return struct.pack("<Q", len(text)) + text
-
-
 def _shards(entries, limit: int) -> list[list]:
     shards, size = [[]], 0
     for entry in entries:
@@ -288,12 +275,13 @@ def write_checkpoint(
     shard_size: int,
     metadata: dict[str, str] | None = None,
 ) -> list[pathlib.Path]:
-    """Writes tensors, one at a time, as a safetensors checkpoint in ``directory``.
+    """Writes tensors as a safetensors checkpoint in ``directory``, with the safetensors package.
 
     One file ``model.safetensors`` when everything fits in ``shard_size``; otherwise
     ``model-0000k-of-0000n.safetensors`` files and ``model.safetensors.index.json``, as Hugging
-    Face names them. Each header is written first, from ``entries``; ``tensors`` then yields
-    each array in ``entries``' order, so only one is in host memory at a time.
+    Face names them. ``tensors`` yields each array in ``entries``' order and each file is
+    written once its tensors are made, so the host holds one file's tensors at a time (at
+    most ``shard_size``, or one tensor larger than it), as Hugging Face's own writer does.
 
     Args:
       directory: Where to write (created if needed).
@@ -318,15 +306,14 @@ def write_checkpoint(
     tensors = iter(tensors)
     written = []
     for name, shard in zip(names, shards, strict=True):
-        with (directory / name).open("wb") as file:
-            file.write(_header(shard, metadata))
-            for key, dtype, shape in shard:
-                array = np.asarray(next(tensors), dtype=dtype)
-                if not array.flags.c_contiguous:  # (ascontiguousarray makes a scalar 1-d)
-                    array = array.copy(order="C")
-                if array.shape != tuple(shape):
-                    raise ValueError(f"Tensor {key!r} has shape {array.shape}, not {shape}.")
-                file.write(array.reshape(-1).view(np.uint8).data)  # no second copy
+        arrays = {}
+        for key, dtype, shape in shard:
+            _dtype_name(dtype)  # a dtype safetensors lacks is refused naming the ones it has
+            array = np.array(next(tensors), dtype=dtype, order="C", copy=None)
+            if array.shape != tuple(shape):
+                raise ValueError(f"Tensor {key!r} has shape {array.shape}, not {shape}.")
+            arrays[key] = array
+        safetensors.numpy.save_file(arrays, directory / name, metadata=metadata)
         written.append(directory / name)
     if len(shards) > 1:
         total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in entries)
