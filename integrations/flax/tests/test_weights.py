@@ -101,6 +101,11 @@ def test_a_nan_in_a_checkpoint_tensor_is_named_when_it_is_read(tmp_path):
                                  layout=LAYOUTS["zero1"])  # fmt: skip
     got = {".".join(map(str, p)): v for p, v in _params(loaded).items()}
     assert np.isnan(got[name].reshape(-1)[0])  # loaded as it is
+    with pytest.raises(ValueError, match=rf"Tensor '{name}' in model.safetensors holds non-"
+                       r"finite values \(1 NaN, 1 inf in the slice read\); strict=True "
+                       r"refuses them"):  # fmt: skip
+        sf.load_weights(lambda: Transformer(nnx.Rngs(0)), source=tmp_path,
+                        layout=LAYOUTS["zero1"], strict=True)  # fmt: skip
 
 
 def test_a_file_the_reference_library_wrote_loads(tmp_path):

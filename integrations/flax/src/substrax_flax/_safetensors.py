@@ -138,13 +138,15 @@ class Checkpoint:
     Args:
       source: A ``.safetensors`` file, or a directory holding ``.safetensors`` files (with or
         without ``model.safetensors.index.json``).
+      strict: Raise, rather than warn, when a tensor read holds NaN or inf.
 
     Raises:
       FileNotFoundError: If ``source`` does not exist or holds no ``.safetensors`` file.
       ValueError: If a tensor is in two files, or the index names a missing file or tensor.
     """
 
-    def __init__(self, source: str | os.PathLike):
+    def __init__(self, source: str | os.PathLike, *, strict: bool = False):
+        self.strict = strict
         self.source = pathlib.Path(source)
         if not self.source.exists():
             raise FileNotFoundError(f"No safetensors checkpoint at {self.source}.")
@@ -206,14 +208,25 @@ class Checkpoint:
 
         Warns:
           NonFiniteWeightsWarning: Once per tensor, when a slice read holds NaN or inf.
+
+        Raises:
+          ValueError: Instead of the warning, when ``strict``.
         """
         out = self.where[name].read(name, index)
         if name not in self.nonfinite and _floating(out) and not np.isfinite(out).all():
             self.nonfinite.add(name)
-            warn_user(
+            found = (
                 f"Tensor {name!r} in {self.where[name].path.name} holds non-finite values "
                 f"({int(np.isnan(out).sum())} NaN, {int(np.isinf(out).sum())} inf in the "
-                "slice read): they are loaded as they are. Check the checkpoint, or replace "
+                "slice read)"
+            )
+            if self.strict:
+                raise ValueError(
+                    f"{found}; strict=True refuses them. Fix the checkpoint, or load without "
+                    "strict (a warning) and replace them after loading."
+                )
+            warn_user(
+                f"{found}: they are loaded as they are. Check the checkpoint, or replace "
                 "them after loading.",
                 NonFiniteWeightsWarning,
             )

@@ -380,6 +380,7 @@ def plan_weights(
     key_map: KeyMap = None,
     dtype: Any = None,
     allow_missing: Sequence[str] = (),
+    strict: bool = False,
 ) -> WeightsPlan:
     """Matches a safetensors checkpoint to the model ``factory`` builds; reads no tensor.
 
@@ -401,6 +402,8 @@ def plan_weights(
       allow_missing: Regular expressions of parameter paths that may be absent from the
         checkpoint (a new head): they keep their initialisers. LoRA adapters and variables
         other than parameters always do.
+      strict: A tensor holding NaN or inf is an error when read (False: a
+        :class:`NonFiniteWeightsWarning` naming it, and it is loaded as it is).
 
     Returns:
       The :class:`WeightsPlan`; ``print`` it, or ``.load()`` it.
@@ -413,7 +416,7 @@ def plan_weights(
         raise TypeError("plan_weights needs source=: a .safetensors file or a directory of them.")
     if key_map is not None:
         _check_key_map(key_map)
-    checkpoint = Checkpoint(source)
+    checkpoint = Checkpoint(source, strict=strict)
     plan = plan_model(factory, mesh, rules, layout=layout, strategy=strategy)
     template = dict(variables(plan._template))
     if key_map is None:
@@ -499,6 +502,7 @@ def load_weights(
     key_map: KeyMap = None,
     dtype: Any = None,
     allow_missing: Sequence[str] = (),
+    strict: bool = False,
 ) -> nnx.Module:
     """Creates the model ``factory`` builds, sharded, with its parameters from a checkpoint.
 
@@ -519,17 +523,19 @@ def load_weights(
       key_map: See :func:`plan_weights`.
       dtype: See :func:`plan_weights`.
       allow_missing: See :func:`plan_weights`.
+      strict: See :func:`plan_weights`.
 
     Returns:
       The model, which remembers its plan (like :func:`create_sharded_model`'s).
 
     Raises:
       WeightsMismatch: Listing every problem, before anything is read.
+      ValueError: Under ``strict``, naming a tensor that holds NaN or inf.
     """
     progress(f"loading weights from {source}", busy=True)  # for the launcher: no known length
     return plan_weights(
         factory, mesh, source, rules, layout=layout, strategy=strategy, key_map=key_map,
-        dtype=dtype, allow_missing=allow_missing,
+        dtype=dtype, allow_missing=allow_missing, strict=strict,
     ).load()  # fmt: skip
 
 
