@@ -224,3 +224,20 @@ def test_a_full_disk_says_so_and_names_the_newest_complete_step(tmp_path, monkey
             "was lost: the newest complete step is 1 (steps [1]). Free space, then resume."
         )
         assert raised.value.__cause__ is None  # one line, no chained Orbax traceback
+
+
+def test_orbax_logs_of_a_disk_refusal_are_left_to_the_one_error(tmp_path, caplog):
+    """Orbax logs a full disk once per background thread, with a traceback each; the save's
+    OSError says it once, so those records are dropped and every other error still shows."""
+    import logging
+
+    sf.Checkpointer(tmp_path).close()
+    log = logging.getLogger("absl")
+    full = ValueError('RESOURCE_EXHAUSTED: Failed writing: "d/1" [OS error 28: No space left '
+                      "on device]")  # fmt: skip
+    for error in (full, OSError(errno.ENOSPC, "No space left on device"), ValueError("other")):
+        try:
+            raise error
+        except (ValueError, OSError):
+            log.error("_SignalingThread.run() raised an exception", exc_info=True)
+    assert [str(record.exc_info[1]) for record in caplog.records] == ["other"]

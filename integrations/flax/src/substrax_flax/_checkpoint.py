@@ -6,6 +6,7 @@ import atexit
 import contextlib
 import errno
 import json
+import logging
 import os
 import weakref
 from typing import Any
@@ -32,6 +33,22 @@ from substrax_flax._checkpoint_files import (
 )
 
 __all__ = ["CheckpointWarning", "Checkpointer", "DirectoryLocked"]
+
+
+class _DiskRefusals(logging.Filter):
+    """Drops Orbax's logs of a save the disk refused: :meth:`Checkpointer.save` says it once.
+
+    Orbax logs the same refusal from each of its background threads, with a traceback each
+    (five for one full disk); the checkpointer raises one OSError naming the step and the
+    newest complete one instead. Other errors pass.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not (error is not None and _os_error(error) is not None)
+
+
+_DISK_REFUSALS = _DiskRefusals()
 
 
 def _abstract(tree: Any) -> Any:
@@ -150,6 +167,7 @@ class Checkpointer:
           DirectoryLocked: If another run or Checkpointer writes to the directory.
         """
         self.directory = open_directory(directory)
+        logging.getLogger("absl").addFilter(_DISK_REFUSALS)  # (once: the same filter object)
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep must be an integer of at least 1, got {keep!r}.")
         if not isinstance(lease, (int, float)) or isinstance(lease, bool) or not lease > 0:
