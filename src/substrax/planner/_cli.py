@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from substrax.layout import LAYOUTS, Layout
 from substrax.pipeline import SCHEDULES
 from substrax.planner._architectures import ARCHITECTURES, Leaf, config_from_leaves
+from substrax.planner._efficiency import CALIBRATED, CALIBRATION_RUNS, ROOFLINE, SPREAD
 from substrax.planner._estimate import PRECISION_BYTES, Hardware, Workload, schedule_of
 from substrax.planner._hardware import HARDWARE
 from substrax.planner._layouts import STRATEGIES
@@ -132,6 +133,40 @@ def _breakdown(candidate, searched: list[str], what: str = "chosen") -> str:
         f"{what}: {candidate.layout.label} (mesh {candidate.layout.shape}), {setting}; "
         f"GiB per device: {parts}"
     )
+
+
+def estimate_line(candidate, hardware: Hardware) -> str:
+    """The candidate's step time with the calibration's spread (or that it is a roofline).
+
+    Args:
+      candidate: A timed planner candidate.
+      hardware: The hardware it was estimated on.
+
+    Returns:
+      Such as ``"11.9 s per step (+-33%, calibrated on 9 published runs)"``.
+    """
+    seconds = f"{candidate.time_s:.3g} s per step"
+    if hardware.efficiency == CALIBRATED:
+        return (f"{seconds} (+-{SPREAD:.0%}, calibrated on {CALIBRATION_RUNS} published "
+                "runs; docs/planning.md)")  # fmt: skip
+    if hardware.efficiency == ROOFLINE:
+        return f"{seconds} (a roofline: every FLOP at peak, uncalibrated)"
+    return f"{seconds} (with the efficiencies given, uncalibrated)"
+
+
+def explain(candidate) -> str:
+    """The candidate's step time in parts, largest first, with their shares.
+
+    Args:
+      candidate: A timed planner candidate.
+
+    Returns:
+      Such as ``"compute 1.89 s (84%), attention 0.36 s (16%), ..."``.
+    """
+    parts = sorted(candidate.time_breakdown.items(), key=lambda kv: -kv[1])
+    total = candidate.time_s or 1.0
+    shown = [f"{name.replace('/', ' ')} {t:.3g} s ({t / total:.0%})" for name, t in parts]
+    return ", ".join(shown)
 
 
 def how_to_run(candidate) -> list[str]:
@@ -276,6 +311,11 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
         help="a layout from the table: its breakdown, warnings and pipeline schedule's table",
     )
     parser.add_argument("--leaves", action="store_true", help="per-parameter table of the best")
+    parser.add_argument(
+        "--explain", action="store_true",
+        help="the chosen layout's time in parts: compute, attention, bubble, and exposed "
+        "communication by mesh axis",
+    )  # fmt: skip
     parser.add_argument("--json", type=pathlib.Path, default=None)
     return parser
 
@@ -318,6 +358,8 @@ def _hardware(args) -> tuple[Hardware, str]:
         return default if text is None else parse(text)
 
     return Hardware(
+        efficiency=base.efficiency,
+        flash_attention=base.flash_attention,
         memory_bytes=given(args.memory, base.memory_bytes, parse_bytes),
         devices_per_host=given(args.devices_per_host, base.devices_per_host, parse_count),
         flops=given(args.flops, base.flops, _optional),
@@ -394,7 +436,11 @@ def main(
         f"{len(result.candidates)} candidates"
     )
     print(_table(result, args.top, timed=hardware.flops > 0))
+    if hardware.flops:
+        print(f"estimate: {estimate_line(result.best, hardware)}")
     print(_breakdown(result.best, searched))
+    if args.explain and hardware.flops:
+        print(f"time: {explain(result.best)}")
     print(f"why: {result.why}")
     for line in how_to_run(result.best):
         print(line)

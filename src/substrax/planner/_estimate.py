@@ -22,6 +22,7 @@ from substrax.mesh import PipelineParallelStrategy
 from substrax.mesh._resolve import as_axes, resolve_names
 from substrax.pipeline import SCHEDULES, Schedule
 from substrax.planner._architectures import Leaf, TransformerConfig
+from substrax.planner._efficiency import ROOFLINE, Efficiency
 from substrax.spmd import REMAT, region_obstacle
 from substrax.spmd._grouped import auto_block, blocked_size
 
@@ -134,6 +135,12 @@ class Hardware:
       blocked_experts: Whether experts' grouped products pad each expert's rows to whole
         blocks (substrax's kernel on XLA:CPU, :func:`substrax.spmd.group_rows`); GPUs and
         TPUs have a grouped kernel (``ragged_dot``) that does not.
+      efficiency: The shares of the datasheet a step reaches (:class:`Efficiency`): the
+        roofline by default; the named profiles (:data:`~substrax.planner.HARDWARE`) carry
+        the calibrated ones.
+      flash_attention: Whether attention runs as a flash kernel (cuDNN, splash): no score
+        square is stored, and a causal mask skips half the products. True for the named GPU
+        and TPU profiles; False (XLA's plain attention, as on XLA:CPU) by default.
     """
 
     memory_bytes: int
@@ -142,6 +149,8 @@ class Hardware:
     intra_host_bandwidth: float = 0.0
     inter_host_bandwidth: float = 0.0
     blocked_experts: bool = False
+    efficiency: Efficiency = ROOFLINE
+    flash_attention: bool = False
 
     def __post_init__(self) -> None:
         if not self.memory_bytes > 0:
@@ -199,13 +208,16 @@ class Candidate:
       traffic_bytes_per_step: Bytes each device moves per step, keyed ``"axis/kind"`` (such
         as ``"fsdp/all-gather"``).
       flops_per_device: FLOPs per device per step.
-      time_s: Roofline step time (0 without hardware figures).
+      time_s: Estimated step time: :attr:`time_breakdown`'s sum (0 without hardware speeds).
       bubble: Pipeline idle fraction (0 without a pipeline).
       headroom_bytes: Device memory left at the peak (negative when it does not fit).
       fits: Whether the peak fits the device memory.
       warnings: Indivisible dimensions, uneven stages, large replicated parameters.
       workload: The workload estimated, with the remat policy, microbatch count and schedule
         that :func:`~substrax.planner.plan` chose when it searched them.
+      time_breakdown: ``time_s`` in parts, seconds: ``compute`` (matrix products and
+        elementwise work), ``attention``, ``bubble`` (the pipeline's idle share of them),
+        and ``exposed/<axis>`` per mesh axis kind whose collectives are on the critical path.
     """
 
     layout: Layout
@@ -220,13 +232,15 @@ class Candidate:
     fits: bool
     warnings: tuple[str, ...]
     workload: Workload | None = None
+    time_breakdown: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         """A JSON-ready summary (without the per-leaf table).
 
         Returns:
           ``mesh``, ``strategy``, ``bytes_per_device``, ``params_per_device``,
-          ``traffic_bytes_per_step``, ``flops_per_device``, ``time_s``, ``bubble``,
+          ``traffic_bytes_per_step``, ``flops_per_device``, ``time_s``, ``time_breakdown``,
+          ``bubble``,
           ``headroom_bytes``, ``fits``, ``warnings``, ``remat``, ``microbatches``,
           ``schedule`` and ``chunks``.
         """
@@ -242,6 +256,7 @@ class Candidate:
             "traffic_bytes_per_step": self.traffic_bytes_per_step,
             "flops_per_device": self.flops_per_device,
             "time_s": self.time_s,
+            "time_breakdown": self.time_breakdown,
             "bubble": self.bubble,
             "headroom_bytes": self.headroom_bytes,
             "fits": self.fits,
@@ -310,27 +325,54 @@ def _activations(
     schedule: Schedule | None,
     hw: Hardware | None = None,
 ) -> float:
-    """Korthikanti et al. 2022 activation bytes of one device's live microbatches.
+    """Activation bytes of one device's live microbatches (Korthikanti et al. 2022's terms).
 
+    Each layer keeps :func:`_kept` ``s b h`` (in 2-byte units), divided over the tensor-parallel
+    devices (sequence parallelism); without a flash kernel, remat ``"none"`` also keeps the
+    score square (``5 a s / h``). Under ``"full"`` remat a layer keeps its input alone
+    (``2 s b h / t``), and the layer being recomputed holds its own activations once more.
     Context parallelism divides the sequence (ring attention holds one key/value block at a
     time, so the score term shrinks with the square). A mixture of experts replaces the MLP's
-    19 ``s b h`` with its own (:func:`_expert_activations`).
+    part with its own (:func:`_expert_activations`).
     """
     rows = w.batch / layout.batch_degree
     micro = w.microbatches or (layout.pp if layout.pp > 1 else 1)
     in_flight, waiting = _held(schedule)
     b, s, h, a, t = rows / micro, w.seq / layout.cp, c.d_model, c.heads, layout.tp
-    if w.remat == "full":
-        per_layer = 2 * s * b * h
-    elif w.remat == "selective":
-        per_layer = 34 * s * b * h / t
-    else:
-        per_layer = s * b * h * (34 / t + 5 * a * s / (h * t))
-    if c.experts and w.remat != "full":
-        per_layer += s * b * (_expert_activations(c, w, layout, act, hw) * 2 / act - 19 * h / t)
-    # a deferred weight op keeps its layers' output cotangents as well (s b h each)
-    per_layer_all = per_layer * in_flight + s * b * h * waiting
-    return per_layer_all * act / 2 * math.ceil(c.layers / layout.pp)
+    flash = hw is not None and hw.flash_attention
+    layer = _kept(c) / t + (0 if flash or w.remat != "none" else 5 * a * s / (h * t))
+    if c.experts:
+        layer += (_expert_activations(c, w, layout, act, hw) * 2 / act) / h - _mlp_kept(c) / t
+    layer *= s * b * h
+    per_layer = 2 * s * b * h / t if w.remat == "full" else layer
+    # a deferred weight op keeps its layers' output cotangents as well (s b h each, split over
+    # the tensor devices by sequence parallelism as the layers' inputs are)
+    per_layer_all = per_layer * in_flight + s * b * h / t * waiting
+    transient = layer if w.remat == "full" else 0.0  # the layer recomputed in the backward
+    return (per_layer_all * math.ceil(c.layers / layout.pp) + transient) * act / 2
+
+
+def _mlp_kept(c: TransformerConfig) -> float:
+    """The MLP's bytes kept per token per ``h`` (2-byte units): its input and two products.
+
+    XLA fuses the activation (and, gated, the product) into the next matrix product's input,
+    so a plain MLP keeps its input, the first product and the activation's output, and a
+    gated one its input and its two products: ``2 + 4 ffn / h`` either way.
+    """
+    return 2 + 4 * c.ffn / c.d_model
+
+
+def _kept(c: TransformerConfig) -> float:
+    """A layer's bytes kept per token per ``h`` (2-byte units), with flash-style attention.
+
+    Two norms' inputs (4), attention's input (2), its queries, keys and values (``2 q + 4 kv``
+    with ``q``, ``kv`` their widths over ``h``) and output (``2 q``), and the MLP's
+    (:func:`_mlp_kept`). No dropout masks (Korthikanti's 34 counts GPT-3's, and its GeLU
+    MLP's): a Llama 3 8B layer keeps 27, a GPT one 32.
+    """
+    q = c.heads * c.head_dim / c.d_model
+    kv = c.kv_heads * c.head_dim / c.d_model
+    return 4 + 2 + 2 * q + 4 * kv + 2 * q + _mlp_kept(c)
 
 
 def _expert_activations(
@@ -515,21 +557,26 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
         / layout.cp
         * config.vocab
         / layout.tp
-        * 4,
+        * (4 + width),  # float32 logits and their gradient
     }
     memory["peak"] = sum(memory.values())
     state = (per_device * width, dense * width, head * width, shared * width)
     traffic = _traffic(config, workload, layout, state, width, schedule)
     tokens = workload.batch * workload.seq
     flops = _flops_per_token(config, leaves, workload.seq) * tokens
+    attention = _attention_flops_per_token(config, workload.seq) * tokens
     if workload.remat == "full":  # the forward pass again: 8 of 6
         flops *= 8 / 6
+        attention *= 8 / 6
     elif workload.remat == "selective":  # attention's forward again (scores, softmax, values)
-        flops += _attention_flops_per_token(config, workload.seq) / 3 * tokens
+        flops += attention / 3
+        attention *= 4 / 3
     flops += _dispatch_flops(config, leaves, workload, layout, hardware) * tokens
     flops /= layout.devices
+    attention /= layout.devices
     flops += per_device * _UPDATE_FLOPS[workload.optimizer] * _UPDATES_PER_STEP
     bubble = schedule.idle_fraction() if schedule is not None else 0.0
+    breakdown = _time(flops, attention, traffic, bubble, pre, hardware)
     return Candidate(
         layout=layout,
         leaves=plans,
@@ -537,12 +584,13 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
         bytes_per_device=memory,
         traffic_bytes_per_step=traffic,
         flops_per_device=flops,
-        time_s=_time(flops, traffic, bubble, pre, hardware),
+        time_s=sum(breakdown.values()),
         bubble=bubble,
         headroom_bytes=hardware.memory_bytes - memory["peak"],
         fits=memory["peak"] <= hardware.memory_bytes,
         warnings=pre.warnings,
         workload=workload,
+        time_breakdown=breakdown,
     )
 
 
@@ -705,18 +753,29 @@ def _xla_step(layout: Layout) -> bool:
 CRITICAL_AXES = ("model", "expert", "pipe")
 
 
-def _time(flops, traffic, bubble, pre: Prepared, hw: Hardware) -> float:
-    """The step's seconds: compute over the busy fraction, plus the exposed communication.
+def _time(flops, attention, traffic, bubble, pre: Prepared, hw: Hardware) -> dict[str, float]:
+    """The step's seconds in parts (see :attr:`Candidate.time_breakdown`); empty without speeds.
 
-    Tensor, expert and pipeline traffic is exposed whole (:data:`CRITICAL_AXES`). The rest
-    (FSDP and context gathers and reductions, data-parallel reductions, the ring) overlaps
-    the other layers' compute, except one layer's share (the first gather, the last
-    reduction) and whatever exceeds the compute.
+    Compute runs at the hardware's calibrated shares of peak (:class:`Efficiency`): attention
+    (``attention`` of ``flops``) counted causal, half its products, under a flash kernel.
+    The pipeline's idle share stretches both. Tensor, expert and pipeline traffic is on the
+    critical path (:data:`CRITICAL_AXES`), each by the share the efficiency exposes. The rest
+    (FSDP and context gathers and reductions, data-parallel reductions, the ring) overlaps the
+    other layers' compute, except one layer's share (the first gather, the last reduction)
+    and whatever exceeds the compute.
     """
     if not hw.flops:
-        return 0.0
-    compute = flops / hw.flops / (1 - bubble)
-    critical = hidden = 0.0
+        return {}
+    eff = hw.efficiency
+    executed = attention / 2 if hw.flash_attention else attention
+    parts = {
+        "compute": (flops - attention) / (hw.flops * eff.matmul),
+        "attention": executed / (hw.flops * eff.attention),
+    }
+    busy = parts["compute"] + parts["attention"]
+    parts["bubble"] = busy * bubble / (1 - bubble)
+    compute = busy + parts["bubble"]
+    hidden = 0.0
     for key, volume in traffic.items():
         axis = key.split("/")[0]
         link = (axis, hw)
@@ -726,11 +785,14 @@ def _time(flops, traffic, bubble, pre: Prepared, hw: Hardware) -> float:
         if not bandwidth:
             continue
         if axis in CRITICAL_AXES:
-            critical += volume / bandwidth
+            seconds = volume / bandwidth * eff.exposed.get(axis, 1.0)
+            parts[f"exposed/{axis}"] = parts.get(f"exposed/{axis}", 0.0) + seconds
         else:
             hidden += volume / bandwidth
     edge = hidden / math.ceil(pre.config.layers / pre.layout.pp)
-    return compute + critical + edge + max(0.0, hidden - edge - compute)
+    if hidden:
+        parts["exposed/overlapped"] = edge + max(0.0, hidden - edge - compute)
+    return parts
 
 
 def _bandwidth(axis: str, layout: Layout, hw: Hardware) -> float:

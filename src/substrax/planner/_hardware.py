@@ -17,12 +17,16 @@ Figures are the vendors' published numbers; bandwidths are per device and per di
   1,600 Gb/s per chip -> 100 GB/s per direction; 4 chips per host in multi-host slices.
 - TPU v6e (Cloud TPU v6e documentation): 32 GB HBM; 918 TFLOP/s BF16; inter-chip interconnect
   3,200 Gb/s per chip -> 200 GB/s per direction; 4 chips per host in multi-host slices.
+
+Each profile runs attention as a flash kernel and carries the calibrated efficiencies
+(:data:`substrax.planner._efficiency.CALIBRATED`, fitted on H100 runs).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from substrax.planner._efficiency import CALIBRATED
 from substrax.planner._estimate import Hardware
 
 __all__ = ["HARDWARE", "profile_of"]
@@ -33,6 +37,8 @@ _H100 = Hardware(
     flops=989e12,
     intra_host_bandwidth=450e9,
     inter_host_bandwidth=50e9,
+    efficiency=CALIBRATED,
+    flash_attention=True,
 )
 
 HARDWARE: dict[str, Hardware] = {
@@ -44,6 +50,8 @@ HARDWARE: dict[str, Hardware] = {
         flops=459e12,
         intra_host_bandwidth=300e9,
         inter_host_bandwidth=300e9,
+        efficiency=CALIBRATED,
+        flash_attention=True,
     ),
     "tpu-v4": Hardware(
         memory_bytes=32 * 2**30,
@@ -51,6 +59,8 @@ HARDWARE: dict[str, Hardware] = {
         flops=275e12,
         intra_host_bandwidth=150e9,
         inter_host_bandwidth=150e9,
+        efficiency=CALIBRATED,
+        flash_attention=True,
     ),
     "tpu-v5e": Hardware(
         memory_bytes=16 * 10**9,
@@ -58,6 +68,8 @@ HARDWARE: dict[str, Hardware] = {
         flops=197e12,
         intra_host_bandwidth=100e9,
         inter_host_bandwidth=100e9,
+        efficiency=CALIBRATED,
+        flash_attention=True,
     ),
     "tpu-v6e": Hardware(
         memory_bytes=32 * 10**9,
@@ -65,6 +77,8 @@ HARDWARE: dict[str, Hardware] = {
         flops=918e12,
         intra_host_bandwidth=200e9,
         inter_host_bandwidth=200e9,
+        efficiency=CALIBRATED,
+        flash_attention=True,
     ),
 }
 """Named hardware profiles: ``--hardware h100`` on the command line."""

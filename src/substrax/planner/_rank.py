@@ -177,7 +177,12 @@ def plan(
     candidates = [
         _cheapest(config, leaves, layout, workload, hardware, timed) for layout in feasible
     ]
-    candidates.sort(key=lambda c: (not c.fits, *_cost(c, timed), c.bytes_per_device["peak"]))
+    if any(c.fits for c in candidates if c.layout.cp == 1):  # the sequence does not need cp
+        candidates = [c for c in candidates if c.layout.cp == 1]
+    if any(c.fits for c in candidates):
+        candidates.sort(key=lambda c: (not c.fits, *_cost(c, timed), c.bytes_per_device["peak"]))
+    else:  # nothing fits: the least memory first, as the why line says
+        candidates.sort(key=lambda c: (c.bytes_per_device["peak"], *_cost(c, timed)))
     margin = headroom * hardware.memory_bytes
     why = _prefer_headroom(candidates, margin) if timed else ""
     total = sum(math.prod(leaf.shape) for leaf in leaves)
@@ -185,21 +190,29 @@ def plan(
 
 
 def _prefer_headroom(candidates: list[Candidate], margin: float) -> str:
-    """Moves a close second with ``margin`` bytes free ahead of a tight first; says so."""
+    """On a near-tie, puts the layout with the most memory free first; says so.
+
+    Layouts within :data:`CLOSE_TIMES` of the fastest are a tie (the estimate does not tell
+    them apart); of those, the one that keeps the most memory free, which is the one that
+    replicates the least, goes first when it keeps more than the fastest does. When the
+    fastest keeps less than ``margin``, a tie that keeps at least ``margin`` always wins.
+    """
     fitting = [c for c in candidates if c.fits]
-    if not fitting or fitting[0].headroom_bytes >= margin:
+    if len(fitting) < 2:
         return ""
     first = fitting[0]
     close = [c for c in fitting[1:] if c.time_s <= first.time_s * (1 + CLOSE_TIMES)]
-    roomy = next((c for c in close if c.headroom_bytes >= margin), None)
-    if roomy is None:
+    roomy = max(close, key=lambda c: c.headroom_bytes, default=None)
+    if roomy is None or roomy.headroom_bytes <= first.headroom_bytes:
         return ""
+    if first.headroom_bytes >= margin and roomy.headroom_bytes - first.headroom_bytes < 2**30:
+        return ""  # the fastest keeps enough, and the tie would free less than a GiB more
     candidates.remove(roomy)
     candidates.insert(0, roomy)
     return (
-        f"{roomy.layout.label} keeps {roomy.headroom_bytes / 2**30:.1f} GiB free per device "
-        f"(at least the {margin / 2**30:.1f} GiB asked) and is within "
-        f"{roomy.time_s / first.time_s - 1:.1%} of the fastest, {first.layout.label} "
+        f"{roomy.layout.label} keeps {roomy.headroom_bytes / 2**30:.1f} GiB free per device, "
+        f"the most of the layouts within {CLOSE_TIMES:.0%} of the fastest (a tie for the "
+        f"estimate): {roomy.time_s / first.time_s - 1:.1%} slower than {first.layout.label} "
         f"({_seconds(first.time_s)}), which keeps {first.headroom_bytes / 2**30:.1f} GiB."
     )
 
@@ -235,9 +248,9 @@ def _why(candidates: list[Candidate], timed: bool) -> str:
 def _settings(workload: Workload, layout, layers: int) -> list[Workload]:
     """The workloads to try on ``layout``: ``workload`` with each open choice filled in."""
     remats = REMAT if workload.remat is None else (workload.remat,)
-    if workload.microbatches is None:
+    if workload.microbatches is None:  # microbatches that divide the replica's sequences
         rows = max(workload.batch // layout.batch_degree, 1)
-        micros = tuple(m for m in MICROBATCH_CHOICES if m <= rows) or (1,)
+        micros = tuple(m for m in MICROBATCH_CHOICES if m <= rows and rows % m == 0) or (1,)
     else:
         micros = (workload.microbatches,)
     return [
