@@ -43,6 +43,9 @@ HEADROOM = 0.10
 CLOSE_TIMES = 0.03
 """Estimated times within this share of the fastest count as a tie for headroom."""
 
+SAME_TIMES = 0.005
+"""Estimated times within this share of the fastest count as the same time."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -192,27 +195,26 @@ def plan(
 def _prefer_headroom(candidates: list[Candidate], margin: float) -> str:
     """On a near-tie, puts the layout with the most memory free first; says so.
 
-    Layouts within :data:`CLOSE_TIMES` of the fastest are a tie (the estimate does not tell
-    them apart); of those, the one that keeps the most memory free, which is the one that
-    replicates the least, goes first when it keeps more than the fastest does. When the
-    fastest keeps less than ``margin``, a tie that keeps at least ``margin`` always wins.
+    Layouts within :data:`CLOSE_TIMES` of the fastest are a tie for the estimate. When the
+    fastest keeps less than ``margin`` free, the tie that keeps the most memory free (the one
+    that replicates the least) goes first. When it keeps enough, more room is worth little:
+    only a tie within :data:`SAME_TIMES` (the same time, in effect) that keeps more goes first.
     """
     fitting = [c for c in candidates if c.fits]
     if len(fitting) < 2:
         return ""
     first = fitting[0]
-    close = [c for c in fitting[1:] if c.time_s <= first.time_s * (1 + CLOSE_TIMES)]
+    within = CLOSE_TIMES if first.headroom_bytes < margin else SAME_TIMES
+    close = [c for c in fitting[1:] if c.time_s <= first.time_s * (1 + within)]
     roomy = max(close, key=lambda c: c.headroom_bytes, default=None)
     if roomy is None or roomy.headroom_bytes <= first.headroom_bytes:
         return ""
-    if first.headroom_bytes >= margin and roomy.headroom_bytes - first.headroom_bytes < 2**30:
-        return ""  # the fastest keeps enough, and the tie would free less than a GiB more
     candidates.remove(roomy)
     candidates.insert(0, roomy)
     return (
         f"{roomy.layout.label} keeps {roomy.headroom_bytes / 2**30:.1f} GiB free per device, "
-        f"the most of the layouts within {CLOSE_TIMES:.0%} of the fastest (a tie for the "
-        f"estimate): {roomy.time_s / first.time_s - 1:.1%} slower than {first.layout.label} "
+        f"the most of the layouts within {within:.1%} of the fastest (a tie for the estimate): "
+        f"{roomy.time_s / first.time_s - 1:.1%} slower than {first.layout.label} "
         f"({_seconds(first.time_s)}), which keeps {first.headroom_bytes / 2**30:.1f} GiB."
     )
 
