@@ -395,7 +395,7 @@ ENTRY_CASES = {
     "checkpoint directory not a path": (
         lambda mesh, model: sf.Checkpointer(3),
         TypeError,
-        "directory must be a path (a str or pathlib.Path), got int 3.",
+        "directory must be a path (a str or pathlib.Path) or a gs:// URL, got int 3.",
     ),
 }
 
