@@ -178,10 +178,16 @@ def plan(
         )
     timed = hardware.flops > 0
     candidates = [
-        _cheapest(config, leaves, layout, workload, hardware, timed) for layout in feasible
+        _cheapest(config, leaves, layout, workload, hardware, timed)
+        for layout in feasible
+        if layout.cp == 1
     ]
-    if any(c.fits for c in candidates if c.layout.cp == 1):  # the sequence does not need cp
-        candidates = [c for c in candidates if c.layout.cp == 1]
+    if not any(c.fits for c in candidates):  # only then does the sequence need cp
+        candidates += [
+            _cheapest(config, leaves, layout, workload, hardware, timed)
+            for layout in feasible
+            if layout.cp > 1
+        ]
     if any(c.fits for c in candidates):
         candidates.sort(key=lambda c: (not c.fits, *_cost(c, timed), c.bytes_per_device["peak"]))
     else:  # nothing fits: the least memory first, as the why line says
@@ -253,6 +259,8 @@ def _settings(workload: Workload, layout, layers: int) -> list[Workload]:
     if workload.microbatches is None:  # microbatches that divide the replica's sequences
         rows = max(workload.batch // layout.batch_degree, 1)
         micros = tuple(m for m in MICROBATCH_CHOICES if m <= rows and rows % m == 0) or (1,)
+        if layout.pp > 1:  # more microbatches: less bubble, smaller ones held, fewer bytes
+            micros = micros[-1:]  # passed per tick; the most dominates, so only it is tried
     else:
         micros = (workload.microbatches,)
     return [
