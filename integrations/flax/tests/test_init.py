@@ -88,3 +88,19 @@ def test_planning_and_compiling_the_init_allocate_nothing():
     model = plan.create()
     created = {id(a) for a in jax.live_arrays()} - before
     assert {id(a) for a in jax.tree.leaves(nnx.state(model))} <= created
+
+
+def test_a_model_built_outside_substrax_gets_flax_s_error_and_the_documented_fixes_work():
+    """Built before any substrax call, an annotated model meets Flax's eager-sharding check;
+    docs/troubleshooting.md gives two fixes, and both give the planned shardings and values."""
+    mesh = DeviceMeshManager.create_device_mesh({"data": 2, "model": 4})
+    with pytest.raises(ValueError, match="An auto mesh context or metadata is required"):
+        Transformer(nnx.Rngs(0))
+    built = sf.create_sharded_model(lambda: Transformer(nnx.Rngs(0)), mesh, FSDP_TP)
+    with nnx.use_eager_sharding(False):
+        outside = Transformer(nnx.Rngs(0))
+    sf.shard_model(outside, mesh, FSDP_TP)
+    pairs = zip(jax.tree.leaves(nnx.state(built)), jax.tree.leaves(nnx.state(outside)), strict=True)
+    for a, b in pairs:
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        np.testing.assert_array_equal(a, b)
