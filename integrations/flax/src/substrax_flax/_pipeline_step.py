@@ -225,23 +225,15 @@ class PipelineTrainStep(JittedStep):
         """The schedule an evaluation runs: the training schedule's forward pass.
 
         One chunk of layers per stage: GPipe's forward (every schedule with one chunk stores
-        the stack alike); circular: its own.
+        the stack alike). Several chunks: circular's forward, for ``"circular"`` itself and
+        for ``"interleaved"``, which lays the chunks out as circular does (chunk ``c`` of
+        stage ``s`` holds virtual stage ``c S + s``); like circular's, it needs at least as
+        many microbatches as stages.
 
         Returns:
           The schedule's name: ``"gpipe"`` or ``"circular"``.
-
-        Raises:
-          ValueError: For ``"interleaved"``, whose forward pass is not built yet.
         """
-        if self.stages.repeats == 1:
-            return "gpipe"
-        if self.stages.schedule == "circular":
-            return "circular"
-        raise ValueError(
-            f"An evaluation of the {self.stages.schedule!r} schedule with "
-            f"{self.stages.repeats} chunks per stage is not built yet; evaluate a 'circular' "
-            "or single-chunk stack."
-        )
+        return "gpipe" if self.stages.repeats == 1 else "circular"
 
     def _make_runner(
         self, mesh: jax.sharding.Mesh, schedule: str
