@@ -235,9 +235,13 @@ def test_orbax_logs_of_a_disk_refusal_are_left_to_the_one_error(tmp_path, caplog
     log = logging.getLogger("absl")
     full = ValueError('RESOURCE_EXHAUSTED: Failed writing: "d/1" [OS error 28: No space left '
                       "on device]")  # fmt: skip
-    for error in (full, OSError(errno.ENOSPC, "No space left on device"), ValueError("other")):
+    # XLA names a device out of memory RESOURCE_EXHAUSTED too: that is no full disk
+    device = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.00GiB."
+    errors = (full, OSError(errno.ENOSPC, "No space left on device"), ValueError("other"),
+              ValueError(device))  # fmt: skip
+    for error in errors:
         try:
             raise error
         except (ValueError, OSError):
             log.error("_SignalingThread.run() raised an exception", exc_info=True)
-    assert [str(record.exc_info[1]) for record in caplog.records] == ["other"]
+    assert [str(record.exc_info[1]) for record in caplog.records] == ["other", device]

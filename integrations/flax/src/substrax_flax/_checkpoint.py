@@ -644,7 +644,8 @@ def _os_error(error: BaseException) -> OSError | None:
     """The disk's error (no space, no permission, read-only) behind ``error``, if any.
 
     TensorStore reports a full disk as ``ValueError: RESOURCE_EXHAUSTED ... No space left on
-    device``, not as an OSError: that is read as ENOSPC too.
+    device [os_error_code='28']``, not as an OSError: that is read as ENOSPC too. A bare
+    ``RESOURCE_EXHAUSTED`` is not: XLA names a device out of memory so.
     """
     seen = set()
     while error is not None and id(error) not in seen:
@@ -652,7 +653,7 @@ def _os_error(error: BaseException) -> OSError | None:
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EACCES,
                                                           errno.EROFS, errno.EDQUOT):  # fmt: skip
             return error
-        if "No space left on device" in str(error) or "RESOURCE_EXHAUSTED" in str(error):
+        if "No space left on device" in str(error):
             return OSError(errno.ENOSPC, "No space left on device")
         error = error.__cause__ or error.__context__
     return None
