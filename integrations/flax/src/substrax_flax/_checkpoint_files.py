@@ -227,8 +227,7 @@ class ObjectLock:
             if time.time() - holder["renewed"] >= max(holder["lease"], self._lease):
                 return holder
             time.sleep(min(1.0, self._lease / 10))
-            self._fs.invalidate_cache()
-            holder = self._read()
+            holder = self._read()  # (cat_file reads the store: no listing cache to drop)
         return None
 
     def _refusal(self, holder: dict) -> DirectoryLocked:
@@ -277,11 +276,12 @@ CHECKSUMS = "substrax-checksums.json"
 COMMITTED = "commit_success.txt"
 
 
-def _files(step_dir: epath.Path) -> dict[str, list]:
+def _files(step_dir: epath.Path, checksums: bool = True) -> dict[str, list]:
     """``{relative path: [size, checksum]}`` of every file of a step but the checksum file.
 
-    Locally the checksum is the CRC-32 of the bytes; on object storage it is the CRC-32C the
-    store records for each object, read from one listing.
+    Locally the checksum is the CRC-32 of the bytes (None without ``checksums``: no byte
+    read); on object storage it is the CRC-32C the store records for each object, read from
+    the one listing either way.
     """
     if is_remote(step_dir):
         fs, root = _store(step_dir)
@@ -297,7 +297,8 @@ def _files(step_dir: epath.Path) -> dict[str, list]:
     sums = {}
     for path in sorted(local.rglob("*")):
         if path.is_file() and path.name != CHECKSUMS:
-            sums[path.relative_to(local).as_posix()] = [path.stat().st_size, _crc32(path)]
+            crc = _crc32(path) if checksums else None
+            sums[path.relative_to(local).as_posix()] = [path.stat().st_size, crc]
     return sums
 
 
@@ -323,7 +324,7 @@ def damage(step_dir: epath.Path) -> str | None:
     """
     if jax.process_index() != 0:
         return None
-    found = _files(step_dir)
+    found = _files(step_dir, checksums=False)  # names and sizes: no byte read yet
     if not found and not (step_dir / CHECKSUMS).exists():
         return "its directory is empty"
     missing = [name for name in REQUIRED if name not in found]
@@ -333,6 +334,8 @@ def damage(step_dir: epath.Path) -> str | None:
         recorded = json.loads((step_dir / CHECKSUMS).read_text())
     except (OSError, ValueError):
         return None
+    if not is_remote(step_dir):  # a bucket's listing carried the checksums already
+        found = _files(step_dir)
     for name, (size, crc) in recorded.items():
         if name not in found:
             return f"it lacks {name}"
