@@ -124,21 +124,24 @@ def plan(
         ``ep`` only where the sequence and the experts allow them).
       leaves: The parameters, for a model that is not a built-in transformer (its closed
         forms still use ``model``'s configuration).
-      headroom: The share of device memory to keep free: the fastest layout that fits is
-        passed over for one within :data:`CLOSE_TIMES` of its time that keeps this much
-        (estimates are estimates; fragmentation and buffers are not modelled).
+      headroom: The share of device memory to keep free: a fastest layout that keeps less
+        is passed over for the layout within :data:`CLOSE_TIMES` of its time that keeps the
+        most; one that keeps this much only for a layout within :data:`SAME_TIMES` that
+        keeps more (estimates are estimates; fragmentation and buffers are not modelled).
 
-    Layouts with more data-parallel devices than the batch has sequences are left out.
+    Layouts with more data-parallel devices than the batch has sequences are left out, and
+    context-parallel ones are estimated only when no layout without context parallelism fits.
     Candidates that fit come first, then by estimated time when the hardware's speeds are
-    known, else by FLOPs per device over the pipeline's busy fraction. Each candidate's remat
-    policy, microbatch count and pipeline schedule (with its chunks) are ``workload``'s, or,
-    where it leaves
-    them None, searched: per layout, the cheapest setting that fits (by estimated time when
-    the hardware's speeds are known, else by FLOPs over the pipeline's busy fraction; then less
+    known, else by FLOPs per device over the pipeline's busy fraction; on a near-tie the one
+    keeping the most memory free may go first (see ``headroom``). When nothing fits, the one
+    with the smallest peak comes first. Each candidate's remat policy, microbatch count and
+    pipeline schedule (with its chunks) are ``workload``'s, or, where it leaves them None,
+    searched: per layout, the cheapest setting that fits (by estimated time when the
+    hardware's speeds are known, else by FLOPs over the pipeline's busy fraction; then less
     recomputation, fewer microbatches), or the one with the smallest peak when none fits.
-    Microbatches are searched among :data:`MICROBATCH_CHOICES` up to the sequences of one
-    data-parallel replica (a count that does not divide them means uneven microbatches, as
-    estimated).
+    Microbatches are searched among the :data:`MICROBATCH_CHOICES` that divide the sequences
+    of one data-parallel replica; a pipeline tries only the most of them (fewer only add
+    bubble, larger microbatches to hold and more bytes per tick).
 
     Returns:
       The :class:`Plan`.
@@ -177,17 +180,14 @@ def plan(
             "strategies."
         )
     timed = hardware.flops > 0
-    candidates = [
-        _cheapest(config, leaves, layout, workload, hardware, timed)
-        for layout in feasible
-        if layout.cp == 1
-    ]
+
+    def estimated(context: bool) -> list[Candidate]:
+        chosen = [layout for layout in feasible if (layout.cp > 1) == context]
+        return [_cheapest(config, leaves, layout, workload, hardware, timed) for layout in chosen]
+
+    candidates = estimated(context=False)
     if not any(c.fits for c in candidates):  # only then does the sequence need cp
-        candidates += [
-            _cheapest(config, leaves, layout, workload, hardware, timed)
-            for layout in feasible
-            if layout.cp > 1
-        ]
+        candidates += estimated(context=True)
     if any(c.fits for c in candidates):
         candidates.sort(key=lambda c: (not c.fits, *_cost(c, timed), c.bytes_per_device["peak"]))
     else:  # nothing fits: the least memory first, as the why line says
