@@ -1,10 +1,6 @@
 """Checkpoints: bit-exact round trips across layouts, mismatches, retention, and SIGKILL."""
 
 import os
-import pathlib
-import signal
-import subprocess
-import sys
 import time
 
 import jax
@@ -13,6 +9,7 @@ import optax
 import pytest
 from flax import nnx
 from flax_test_models import Transformer, token_loss, tokens
+from killed_save import kill_during_second_save, restore_target
 
 import substrax_flax as sf
 from substrax.mesh import DeviceMeshManager, MeshRules
@@ -106,37 +103,21 @@ def test_only_the_last_k_are_kept(tmp_path):
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint(tmp_path):
     """A kill -9 while an asynchronous save writes in the background loses only that step."""
     directory, first = tmp_path / "ckpt", tmp_path / "first.npy"
-    worker = pathlib.Path(__file__).with_name("checkpoint_worker.py")
-    process = subprocess.Popen(
-        [sys.executable, str(worker), str(directory), str(first)],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    try:
-        assert process.stdout.readline().strip() == "saved 1"
+
+    def in_flight(process):
         deadline = time.monotonic() + 120
         while not any("tmp" in p.name and p.name.startswith("2") for p in directory.iterdir()):
             assert process.poll() is None, "the second save finished before it could be killed"
             assert time.monotonic() < deadline
             time.sleep(0.001)
-        process.send_signal(signal.SIGKILL)
-    finally:
-        process.kill()
-        process.wait(30)
-        process.stdout.close()
-    assert process.returncode == -signal.SIGKILL
+
+    kill_during_second_save(directory, first, in_flight=in_flight)
     assert any(".orbax-checkpoint-tmp" in p.name for p in directory.iterdir())
     with pytest.warns(sf.CheckpointWarning, match=r"Removed 2.orbax-checkpoint-tmp\S* in "):
         checkpointer = sf.Checkpointer(directory)
     assert checkpointer.latest_step() == 1
     assert [p.name for p in directory.iterdir() if not p.name.startswith(".")] == ["1"]
-
-    class Big(nnx.Module):
-        def __init__(self, rngs):
-            self.w = nnx.Param(jax.numpy.zeros((4096, 8192)), out_sharding=("embed", None))
-
-    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
-    model = sf.create_sharded_model(lambda: Big(nnx.Rngs(1)), mesh, MeshRules(embed="data"))
-    optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.1), mesh, MeshRules(embed="data"))
+    model, optimizer = restore_target()
     assert checkpointer.restore(model, optimizer) == {"step": 1}
     np.testing.assert_array_equal(np.asarray(model.w[...][:4]), np.load(first))
 

@@ -9,18 +9,17 @@ operations, through ``etils.epath``) through ``STORAGE_EMULATOR_HOST``.
 import os
 import pathlib
 import re
-import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
 
-import jax
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from killed_save import kill_during_second_save, restore_target
 
 import substrax_flax as sf
 from substrax.mesh import DeviceMeshManager, MeshRules
@@ -150,25 +149,16 @@ def test_a_url_orbax_cannot_write_is_refused_with_the_alternatives():
 def test_a_kill_during_an_async_save_to_a_bucket_loses_only_that_step(bucket, tmp_path):
     """The killed writer's lock lapses and is taken over; its unfinished step is removed."""
     directory, first = _fresh(bucket), tmp_path / "first.npy"
-    worker = pathlib.Path(__file__).with_name("checkpoint_worker.py")
-    process = subprocess.Popen(
-        [sys.executable, str(worker), directory, str(first), "1024", "2"],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
-    try:
-        assert process.stdout.readline().strip() == "saved 1"
-        assert process.stdout.readline().strip() == "saved 2"  # copied; writing in the background
-        process.send_signal(signal.SIGKILL)
-    finally:
-        process.kill()
-        process.wait(30)
-        process.stdout.close()
-    assert process.returncode == -signal.SIGKILL
+
+    def in_flight(process):  # copied to host memory; writing in the background
+        assert process.stdout.readline().strip() == "saved 2"
+
+    pid = kill_during_second_save(directory, first, "1024", "2", in_flight=in_flight)
     with pytest.warns(sf.CheckpointWarning) as warned:
         checkpointer = sf.Checkpointer(directory, lease=2)
     messages = [str(w.message) for w in warned]
     assert re.fullmatch(
-        rf"Took over the writer lock of {directory} from pid {process.pid} on .*: it was not "
+        rf"Took over the writer lock of {directory} from pid {pid} on .*: it was not "
         r"renewed for \d+ s \(lease 2 s\), so that writer is gone\.",
         messages[0],
     ), messages
@@ -176,13 +166,7 @@ def test_a_kill_during_an_async_save_to_a_bucket_loses_only_that_step(bucket, tm
     assert messages[1:] in ([], [f"Removed 2 in {directory}: a save that did not finish."])
     assert checkpointer.all_steps() == [1]
 
-    class Big(nnx.Module):
-        def __init__(self, rngs):
-            self.w = nnx.Param(jax.numpy.zeros((1024, 8192)), out_sharding=("embed", None))
-
-    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
-    model = sf.create_sharded_model(lambda: Big(nnx.Rngs(1)), mesh, RULES)
-    optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.1), mesh, RULES)
+    model, optimizer = restore_target(rows=1024)
     assert checkpointer.restore(model, optimizer) == {"step": 1}
     np.testing.assert_array_equal(np.asarray(model.w[...][:4]), np.load(first))
     model.w[...] = model.w[...] + 1.0
