@@ -156,6 +156,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--remat", default="none", choices=REMAT, help="recompute blocks in the backward pass"
     )
     parser.add_argument(
+        "--gather", default="keep", choices=("keep", "regather"),
+        help="regather: gather FSDP parameters again in the backward pass (and per microbatch) "
+        "instead of keeping them",
+    )  # fmt: skip
+    parser.add_argument(
         "--schedule", default="zb-h1", choices=SCHEDULES,
         help="pipeline schedule (the step plan shows its idle share and what it holds)",
     )  # fmt: skip
@@ -754,6 +759,7 @@ def train(args) -> dict:
         "eval_losses": evaluations,
         "sample": sample,
         "remat": args.remat,
+        "gather": args.gather,
         "precision": args.precision,
         "microbatches": args.microbatches,
         "moe_experts": args.moe_experts,
@@ -834,12 +840,12 @@ def export(args, model, primary) -> None:
 def make_step(args, mesh):
     """The train step: pipelined for ``--strategy pp``, the plain one otherwise.
 
-    Both take the layout from the model's plan (each parameter gathered once per step).
+    Both take the layout from the model's plan (each parameter gathered where used).
     """
     if args.strategy != "pp":
         return sf.make_train_step(
             gpt.loss_fn, remat=args.remat, microbatches=args.microbatches,
-            precision=args.precision, wrt=trained(args),
+            precision=args.precision, wrt=trained(args), gather=args.gather,
         )  # fmt: skip
     try:
         stages = sf.Stages(gpt.pipeline_embed, gpt.pipeline_block, gpt.pipeline_head,

@@ -225,3 +225,23 @@ def test_each_pipeline_schedule_compiles_for_the_target(schedule, repeats):
                             ROWS, target=target, layout="pp", mesh=mesh)  # fmt: skip
     assert report.plan.path == "pipeline"
     assert any(k == "collective-permute" and a == ("pipe",) for k, a in report.collectives)
+
+
+STACKED = gpt.Config(vocab=256, d_model=256, heads=4, mlp=1024, layers=8, seq=8)
+
+
+def test_the_default_step_gathers_a_stack_one_layer_at_a_time():
+    """XLA:TPU's temporaries for an ``nnx.scan`` stack of 8 layers: the forward's gathered
+    layers, not the whole gathered stack and its whole gradient too (gathering every parameter
+    before the forward pass asked for 48.3 MiB here, 2.0x the stack's 24.0; now 25.5)."""
+
+    def factory():
+        return gpt.StackedGPT(STACKED, nnx.Rngs(0))
+
+    rows = jax.ShapeDtypeStruct((8, STACKED.seq + 1), jnp.int32)
+    report = sf.compile_for(factory, gpt.optimizer(), gpt.loss_fn, rows, target="v5p:2x2x2",
+                            layout="fsdp")  # fmt: skip
+    stack = sum(4 * math.prod(r.shape) for r in sf.plan_model(factory).rows
+                if r.path.startswith("blocks"))  # fmt: skip
+    assert report.plan.path == "manual"
+    assert report.step.temporaries < 1.25 * stack

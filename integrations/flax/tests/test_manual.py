@@ -243,3 +243,52 @@ def test_the_plan_prints_repeated_layers_on_one_line_and_every_one_in_full():
     grouped = sum(" blocks/0-1/" in line for line in lines)  # 8 parameters per block
     assert grouped == 8 and len(full) == len(lines) + grouped  # 2 blocks: 16 lines, not 8
     assert any(line.strip().startswith("blocks/1/up:") for line in full)
+
+
+STACK = gpt.Config(vocab=256, d_model=128, heads=4, mlp=512, layers=8, seq=8)
+STACK_BATCHES = [gpt.batch_at(i, 16, STACK.seq, 0) for i in range(2)]
+
+
+def _stacked():
+    return gpt.StackedGPT(STACK, nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def stacked_one_device():
+    model = unsharded(_stacked)
+    optimizer = nnx.Optimizer(model, gpt.optimizer(3e-3), wrt=nnx.Param)
+    step = nnx.jit(lambda m, o, b: _update(m, o, b))
+    return [float(step(model, optimizer, b)) for b in STACK_BATCHES]
+
+
+@pytest.mark.parametrize(
+    "gather, remat, k",
+    [("keep", "none", 1), ("regather", "none", 1), ("keep", "full", 1), ("regather", "none", 2)],
+)
+def test_a_stack_is_gathered_layer_by_layer_inside_its_scan(stacked_one_device, gather, remat, k):
+    """Each layer of an ``nnx.scan`` stack is gathered inside the loop and its gradient
+    reduce-scattered there: the step never holds the whole gathered stack and its whole
+    gradient (gathering every parameter before the forward pass held both: 2.6x the stack's
+    bytes in temporaries at this size). Under ``"regather"`` no gathered layer is kept for the
+    backward pass, which gathers each again; so does a layer under remat, which gathers its
+    parameters inside its ``jax.checkpoint`` region. With ``k`` microbatches under
+    ``"regather"`` each slice does so: ``k`` times the collectives, one layer's memory."""
+    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    model = sf.create_sharded_model(_stacked, mesh, layout="fsdp")
+    optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(3e-3))
+    step = sf.make_train_step(gpt.loss_fn, gather=gather, remat=remat, microbatches=k)
+    compiled = step.lower(model, optimizer, STACK_BATCHES[0]).compile()
+    losses = [float(step(model, optimizer, b)["loss"]) for b in STACK_BATCHES]
+    np.testing.assert_allclose(losses, stacked_one_device, rtol=2e-5)
+    sharded, _ = _split_bytes(model, ("data",))
+    stack = sum(4 * math.prod(r.shape) for r in sf.sharding_report(model).rows
+                if r.path.startswith("blocks"))  # fmt: skip
+    ring, temps = 7 / 8, compiled.memory_analysis().temp_size_in_bytes
+    traffic = {k: v["bytes"] for k, v in traffic_by_kind(compiled.as_text(), 8, trips=True).items()}
+    assert traffic["reduce-scatter"] == pytest.approx(k * sharded * ring, rel=1e-3)
+    if gather == "keep" and remat == "none":  # the forward's layers kept: one stack at most
+        assert traffic["all-gather"] == pytest.approx(sharded * ring, rel=1e-3)
+        assert temps < 1.75 * stack
+    else:  # gathered again in the backward loop: nothing close to a whole stack held
+        assert 1.9 * k * sharded * ring < traffic["all-gather"] <= 2 * k * sharded * ring
+        assert temps < 0.75 * stack

@@ -30,22 +30,48 @@ from typing import Any
 
 import jax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from substrax.layout import Layout
 from substrax.mesh import MeshRules, as_axes, spec_entry
-from substrax.spmd import MixedPrecision, gather_shard, is_replicated_leaf, scatter_shard
+from substrax.spmd import (
+    MixedPrecision,
+    gather_shard,
+    is_replicated_leaf,
+    lay_out,
+    scatter_shard,
+)
+from substrax_flax._deferred import Stored, gathered_shapes, run_gathering
 from substrax_flax._resolve import without_axes
-from substrax_flax._state import map_variables, values_by_path
+from substrax_flax._state import constrain_state, map_variables, values_by_path
 from substrax_flax._streams import RowDraws, rows_loss
 
 __all__ = [
+    "GATHERED",
+    "at_use",
     "batch_specs",
     "manual_movers",
     "manual_rules",
     "manual_value_and_grad",
     "state_of",
 ]
+
+
+#: The name (``jax.ad_checkpoint.checkpoint_name``) of every parameter at its point of use;
+#: ``gather="regather"`` saves anything but these for the backward pass.
+GATHERED = "substrax_gathered_param"
+
+
+def at_use(params: Any, shardings: Any, precision: MixedPrecision) -> Any:
+    """Parameters at their point of use outside a manual region: laid out, cast and named.
+
+    Inside one, :meth:`Mover.place` does the same to each parameter as it is gathered.
+    """
+    if shardings is not None:
+        params = constrain_state(params, shardings)
+    params = precision.cast_to_compute(params)
+    return jax.tree.map(lambda p: checkpoint_name(p, GATHERED), params)
 
 
 def manual_rules(rules: MeshRules, batch_axes: tuple[str, ...]) -> MeshRules:
@@ -179,20 +205,39 @@ class Mover:
         return False
 
     def gather(self, x: jax.Array) -> jax.Array:
-        """The gathered parameter in the compute dtype; its gradient is :meth:`scatter`'s."""
+        """The parameter at its point of use, from its shard; its gradient is :meth:`scatter`'s.
+
+        Gathered, laid out and cast as :meth:`place` says, in one differentiable step whose
+        value alone is named :data:`GATHERED`: under ``gather="regather"`` nothing between the
+        shard and it is kept for the backward pass.
+        """
 
         @jax.custom_vjp
         def gathered(x):
-            return self.all_gather(x)
+            return self._laid_out(self.all_gather(x))
 
         def forward(x):
-            return self.all_gather(x), None
+            return gathered(x), None
 
         def backward(_, g):
             return (self.scatter(g, x.dtype),)
 
         gathered.defvjp(forward, backward)
-        return gathered(x)
+        return checkpoint_name(gathered(x), GATHERED)
+
+    def place(self, x: jax.Array) -> jax.Array:
+        """A value gathered by :meth:`all_gather` at its point of use: laid out and named.
+
+        What the loss does to every parameter outside the region (its compute sharding, the
+        compute dtype, the :data:`GATHERED` name), done here so that a stacked parameter's
+        slices get it inside the layer loop.
+        """
+        return checkpoint_name(self._laid_out(x), GATHERED)
+
+    def _laid_out(self, x: jax.Array) -> jax.Array:
+        if self.compute is not None:
+            x = lay_out(x, self.compute)
+        return self.precision.cast_to_compute(x)
 
     def all_gather(self, x: jax.Array) -> jax.Array:
         """The shard gathered over its batch axes, in the compute dtype (no custom gradient)."""
@@ -237,6 +282,7 @@ def manual_value_and_grad(
     microbatches: int = 1,
     scatter_each: bool = False,
     draws: RowDraws | None = None,
+    regather: bool = False,
 ) -> tuple[tuple[jax.Array, tuple[Any, Any]], Any]:
     """``value_and_grad(loss_of, has_aux=True)`` with the batch axes handled by hand.
 
@@ -246,9 +292,16 @@ def manual_value_and_grad(
     scan, so the reductions per step do not grow with K while activations are held for one
     slice only.
 
+    Each parameter is gathered where the loss uses it (:mod:`substrax_flax._deferred`): a
+    stacked parameter one layer at a time inside the loop that scans it, so that each layer's
+    gradient is reduce-scattered as the backward loop computes it. Under ZeRO, or with
+    microbatches and ``regather`` off, every parameter is gathered once before the slices
+    instead, and kept for all of them (the collectives do not grow with the slices); with
+    microbatches and ``regather``, each slice gathers each layer where it is used.
+
     Args:
       loss_of: ``loss_of(params, rest_leaves, batch) -> (loss, (aux, new_rest))`` on one
-        device's rows and the gathered parameters.
+        device's rows and the parameters at their point of use (:meth:`Mover.place`).
       params: The differentiated state, stored sharded.
       rest_leaves: The other state's leaves (replicated over the batch axes).
       batch: The batch, sharded over the batch axes (0-d leaves replicated).
@@ -264,6 +317,9 @@ def manual_value_and_grad(
         the model's streams). Device ``p``'s slice ``j`` then draws block ``p * K + j`` of the
         whole batch's draws, and every slice starts from the step's stream counts, so the
         step draws what one device draws for the whole batch.
+      regather: Keep no gathered parameter for the backward pass: it gathers each one again
+        (``gather="regather"``; less memory, one more all-gather of each; with microbatches,
+        that per slice).
 
     Returns:
       ``((loss, (aux, new_rest)), grads)`` as ``jax.value_and_grad`` would, the loss and the
@@ -276,13 +332,14 @@ def manual_value_and_grad(
         device = jax.lax.axis_index(batch_axes) if batch_axes else 0
         if explicit:  # gradients taken on the gathered values, then scattered by hand
             return _accumulate(loss_of, template, pure, rest_leaves, batch, movers,
-                               batch_axes, microbatches, scatter_each, draws, device)  # fmt: skip
-        drawn = rows_loss(loss_of, draws, device) if draws is not None else loss_of
+                               batch_axes, microbatches, scatter_each, draws, device,
+                               regather)  # fmt: skip
+        loss = _gathering_loss(loss_of, template, movers, regather)
+        drawn = rows_loss(loss, draws, device) if draws is not None else loss
 
         def objective(pure):
-            gathered = jax.tree.map(lambda x, m: m.gather(x), pure, movers)
-            loss, (aux, new_rest) = drawn(state_of(template, gathered), rest_leaves, batch)
-            return _pmean(loss, batch_axes), (_mean(aux, batch_axes), new_rest)
+            value, (aux, new_rest) = drawn(pure, rest_leaves, batch)
+            return _pmean(value, batch_axes), (_mean(aux, batch_axes), new_rest)
 
         return jax.value_and_grad(objective, has_aux=True)(pure)
 
@@ -315,15 +372,31 @@ def state_of(template: Any, pure: Any) -> Any:
     return state
 
 
+def _stored(pure: Any, movers: Any) -> Any:
+    return jax.tree.map(Stored, pure, movers)
+
+
+_REGATHER = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
+
+
 def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes, k, scatter_each,
-                draws, device):  # fmt: skip
+                draws, device, regather):  # fmt: skip
     """Forward and backward slice by slice on this device, the gradients scattered by hand.
 
     Gradients are summed in the parameters' stored dtype: whole, and scattered once at the end,
     or (``scatter_each``) scattered per slice and summed as shards. With ``draws``, slice ``j``
     of device ``device`` draws block ``device * k + j`` from the step's stream counts.
+
+    Under ``regather`` with FSDP parameters (each gradient the shard it updates), no gathered
+    parameter outlives its use: each slice gathers each layer where it is used, twice (see
+    :func:`~substrax_flax._deferred.run_gathering`), and reduce-scatters its gradients, which
+    are summed as shards; ``k`` times the collectives of one slice, for one layer's memory.
     """
-    gathered = jax.tree.map(lambda x, m: m.all_gather(x), pure, movers)
+    per_layer = regather and all(m.custom_gradient for m in jax.tree.leaves(movers))
+    params = pure if per_layer else jax.tree.map(lambda x, m: m.all_gather(x), pure, movers)
+    loss_on = _gathering_loss(loss_of, template, movers) if per_layer else _placed_loss(
+        loss_of, template, movers, regather
+    )  # fmt: skip
     # 0-d leaves (a key, a step number) are the same for every slice: None in the scanned tree
     leaves, treedef = jax.tree.flatten(batch)
     kept = [x if is_replicated_leaf(x) else None for x in leaves]
@@ -332,17 +405,18 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes,
 
     counts = draws.counts if draws is not None and draws.counts else (False,) * len(rest_leaves)
 
-    def one(gathered, rest_leaves, sliced, j):
+    def one(params, rest_leaves, sliced, j):
         rows = jax.tree.unflatten(
             treedef, [a if b is None else b for a, b in zip(kept, sliced, strict=True)]
         )
-        drawn = loss_of if draws is None else rows_loss(loss_of, draws, device * k + j)
-        loss, (aux, new_rest) = drawn(state_of(template, gathered), rest_leaves, rows)
+        drawn = loss_on if draws is None else rows_loss(loss_on, draws, device * k + j)
+        loss, (aux, new_rest) = drawn(params, rest_leaves, rows)
         return loss, (aux, jax.tree.leaves(new_rest), new_rest)
 
     first = [None if x is None else x[0] for x in slices]
-    shapes = jax.eval_shape(one, gathered, rest_leaves, first, 0)
+    shapes = jax.eval_shape(one, params, rest_leaves, first, 0)
     rest_def = jax.tree.structure(shapes[1][2])
+    scatter_each = scatter_each and not per_layer  # per layer, the gradients arrive as shards
 
     def scatter(grads):
         return jax.tree.map(lambda g, m, x: m.scatter(g, x.dtype), grads, movers, pure)
@@ -352,26 +426,50 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes,
         rows, j = xs
         # the streams' counts restart at the step's: every slice draws from the same keys
         rest = [a if c else b for a, b, c in zip(rest_leaves, rest, counts, strict=True)]
-        (loss, (aux, rest, _)), grads = jax.value_and_grad(one, has_aux=True)(
-            gathered, rest, rows, j
-        )
+        (loss, (aux, rest, _)), grads = jax.value_and_grad(one, has_aux=True)(params, rest, rows, j)
         grads = scatter(grads) if scatter_each else grads
         total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
         return (total, rest), (loss, aux)
 
     # summed in the stored dtype, whatever the compute dtype
-    like = jax.eval_shape(scatter, gathered) if scatter_each else gathered
+    like = jax.eval_shape(scatter, params) if scatter_each else params
     zeros = jax.tree.map(lambda g, x: _zeros(g, x.dtype), like, pure)
     xs = (slices, jax.numpy.arange(k, dtype=jax.numpy.uint32))
     (total, rest), (losses, auxes) = jax.lax.scan(body, (zeros, list(rest_leaves)), xs)
     count = k * math.prod(jax.lax.axis_size(a) for a in batch_axes)
-    if scatter_each:
+    if scatter_each or per_layer:
         grads = jax.tree.map(lambda t: t / count, total)
     else:
         grads = jax.tree.map(lambda g, m, x: m.scatter(g / count, x.dtype), total, movers, pure)
     loss = _pmean(losses.mean(), batch_axes)
     aux = _mean(jax.tree.map(lambda a: a.mean(0), auxes), batch_axes)
     return (loss, (aux, jax.tree.unflatten(rest_def, rest))), grads
+
+
+def _placed_loss(loss_of, template, movers, regather):
+    """``loss_of`` on whole gathered parameters (a pure dict), each placed at its use."""
+
+    def placed_loss(gathered, rest_leaves, rows):
+        placed = jax.tree.map(lambda x, m: m.place(x), gathered, movers)
+        return loss_of(state_of(template, placed), rest_leaves, rows)
+
+    if regather:  # the compute-dtype copies made from the kept gathers are not kept
+        return jax.checkpoint(placed_loss, policy=_REGATHER)
+    return placed_loss
+
+
+def _gathering_loss(loss_of, template, movers, regather=True):
+    """``loss_of`` on the stored shards (a pure dict), each gathered where it is used."""
+
+    def at_use(stored: Stored) -> jax.Array:
+        return stored.mover.gather(stored.shard)
+
+    def gathering_loss(pure, rest_leaves, rows):
+        shapes = gathered_shapes(lambda p: jax.tree.map(at_use, _stored(p, movers)), pure)
+        run = lambda p: loss_of(state_of(template, p), rest_leaves, rows)  # noqa: E731
+        return run_gathering(run, pure, movers, at_use, shapes, regather)
+
+    return gathering_loss
 
 
 def _is_spec(x: Any) -> bool:

@@ -13,7 +13,6 @@ from typing import Any, Literal
 import jax
 import numpy as np
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 
 from substrax import ShardingWarning, warn_user
@@ -35,7 +34,13 @@ from substrax_flax._jitted import (
     optimizer_shardings,
     rehome,
 )
-from substrax_flax._manual import manual_movers, manual_rules, manual_value_and_grad
+from substrax_flax._manual import (
+    GATHERED,
+    at_use,
+    manual_movers,
+    manual_rules,
+    manual_value_and_grad,
+)
 from substrax_flax._nonfinite import NonFinite, check_policy, guard_decision
 from substrax_flax._optimizer import check_owner
 from substrax_flax._per_device import sync_batch_norms
@@ -43,7 +48,7 @@ from substrax_flax._pipeline_step import PipelineTrainStep, Stages, pipelined_st
 from substrax_flax._plan import LayoutLike, ModelPlan, model_plan, shardings_of
 from substrax_flax._remat import Marked, use_remat
 from substrax_flax._resolve import Resolver, Rules, Strategy, as_rules
-from substrax_flax._state import check_filter, constrain_state, shape_and_dtype, variables
+from substrax_flax._state import check_filter, shape_and_dtype, variables
 from substrax_flax._step_plan import (
     Decision,
     StepPlan,
@@ -61,7 +66,6 @@ __all__ = ["TrainStep", "make_train_step"]
 
 Gather = Literal["keep", "regather"]
 DATA_PARALLEL = ("auto", "manual", "xla")
-_GATHERED = "substrax_gathered_param"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,17 +159,17 @@ class TrainStep(JittedStep):
             compute = ModelPlan(params, resolver).shardings
         return compute, self.compute_rules
 
-    def _loss_fn(self, model_def, compute_shardings, rest_def, region=()):
+    def _loss_fn(self, model_def, compute_shardings, rest_def, region=(), placed=False):
         """The differentiated function: parameters at the point of use, the rest as arrays.
 
-        ``region`` is the manual region's batch axes (empty outside one).
+        ``region`` is the manual region's batch axes (empty outside one). ``placed``: the
+        parameters arrive at their point of use already (the manual region's movers lay them
+        out, cast and name them, and keep them for the backward pass or not).
         """
 
         def loss_of(params, rest_leaves, batch):
-            if compute_shardings is not None:
-                params = constrain_state(params, compute_shardings)
-            params = self.precision.cast_to_compute(params)
-            params = jax.tree.map(lambda p: checkpoint_name(p, _GATHERED), params)
+            if not placed:
+                params = at_use(params, compute_shardings, self.precision)
             # The other state (rng counts, batch statistics, counters) enters as plain arrays
             # and becomes Variables here, at the trace level that may mutate them.
             rest = jax.tree.unflatten(rest_def, rest_leaves)
@@ -177,8 +181,8 @@ class TrainStep(JittedStep):
             loss, aux = self.precision.cast_to_output((loss, aux))
             return loss, (aux, nnx.state(model, nnx.Not(self.wrt)))
 
-        if self.gather == "regather":
-            policy = jax.checkpoint_policies.save_anything_except_these_names(_GATHERED)
+        if self.gather == "regather" and not placed:
+            policy = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
             loss_of = jax.checkpoint(loss_of, policy=policy)
         return loss_of
 
@@ -194,13 +198,14 @@ class TrainStep(JittedStep):
             model = nnx.merge(model_def, model_state)
             _, params, rest = nnx.split(model, self.wrt, ...)
             rest_leaves, rest_def = jax.tree.flatten(rest)
-            loss_of = self._loss_fn(model_def, compute_shardings, rest_def, region)
+            loss_of = self._loss_fn(model_def, compute_shardings, rest_def, region, bool(manual))
             with use_remat(self.remat) as marked:
                 if manual:
                     (loss, (aux, rest)), grads = manual_value_and_grad(
                         loss_of, params, rest_leaves, batch, mesh=mesh, batch_axes=region,
                         movers=manual[1], microbatches=self.microbatches,
                         scatter_each=manual[2], draws=manual[3],
+                        regather=self.gather == "regather",
                     )  # fmt: skip
                 else:
                     grad_fn = jax.value_and_grad(loss_of, has_aux=True)
@@ -288,7 +293,7 @@ class TrainStep(JittedStep):
             Decision("precision", precision_name(self.precision), "as asked"),
             Decision("remat", self.remat, "as asked"),
             Decision("microbatches", str(self.microbatches), "as asked"),
-            Decision("gather", self.gather, "as asked"),
+            Decision("gather", self.gather, _gather_reason(self.gather, self.microbatches)),
             Decision("guard", guard_value, guard_reason),
         )  # fmt: skip
         if scatter_line is not None:
@@ -583,6 +588,17 @@ def _on(mesh: jax.sharding.Mesh, shardings: Any) -> Any:
     return jax.tree.map(move, shardings)
 
 
+def _gather_reason(gather: str, microbatches: int) -> str:
+    """What ``gather`` does in this step, and what it costs."""
+    if gather == "keep":
+        kept = "as asked: each parameter gathered where used, kept for the backward pass"
+        return kept + (f" and for all {microbatches} slices" if microbatches > 1 else "")
+    again = "as asked: gathered again in the backward pass (twice the all-gathers)"
+    if microbatches > 1:
+        again += f"; FSDP parameters per slice ({microbatches}x the collectives of one slice)"
+    return again
+
+
 def _batch_reason(asked: tuple[str, ...] | None, plan: ModelPlan) -> str:
     if asked:
         return "batch_axes as asked"
@@ -786,6 +802,8 @@ def make_train_step(
       wrt: The variables to differentiate and update, as for ``nnx.Optimizer``.
       gather: ``"keep"`` keeps gathered parameters from the forward pass for the backward pass
         (less traffic); ``"regather"`` gathers them again in the backward pass (less memory).
+        Either way the manual step gathers each parameter where the loss uses it, a stacked
+        one layer by layer inside the scan that runs it (see docs/step.md).
       batch_axes: The mesh axes of the batch's leading dimension; by default the layout's
         :attr:`~substrax.layout.Layout.batch_axes` (its data, FSDP and expert axes: the
         name is the layout's, whose ``data_axes`` are its replica axes only), or the rules'
