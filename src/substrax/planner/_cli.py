@@ -24,7 +24,13 @@ from substrax.layout import LAYOUTS, Layout
 from substrax.pipeline import SCHEDULES
 from substrax.planner._architectures import ARCHITECTURES, Leaf, config_from_leaves
 from substrax.planner._efficiency import CALIBRATED, CALIBRATION_RUNS, ROOFLINE, SPREAD
-from substrax.planner._estimate import PRECISION_BYTES, Hardware, Workload, schedule_of
+from substrax.planner._estimate import (
+    GATHER,
+    PRECISION_BYTES,
+    Hardware,
+    Workload,
+    schedule_of,
+)
 from substrax.planner._hardware import HARDWARE
 from substrax.planner._layouts import STRATEGIES
 from substrax.planner._rank import plan
@@ -84,7 +90,8 @@ def _table(result, top: int, timed: bool) -> str:
     shown = result.candidates[:top]
     width = max([len("layout"), *(len(c.layout.label) for c in shown)])
     head = (
-        f"{'#':>3}  {'layout':{width}} {'remat':>9} {'micro':>5} {'schedule':>14} {'idle':>5} "
+        f"{'#':>3}  {'layout':{width}} {'remat':>9} {'micro':>5} {'gather':>8} {'schedule':>14} "
+        f"{'idle':>5} "
         f"{'params/dev':>14} {'peak GiB':>9} {'fits':>5} {'time s':>8}"
     )
     lines = [head, "-" * len(head)]
@@ -92,11 +99,17 @@ def _table(result, top: int, timed: bool) -> str:
         time = f"{c.time_s:>8.3f}" if timed else f"{'-':>8}"
         lines.append(
             f"{rank:>3}  {c.layout.label:{width}} {c.workload.remat:>9} "
-            f"{c.workload.microbatches:>5} {_schedule_name(c):>14} {c.bubble:>5.2f} "
+            f"{c.workload.microbatches:>5} {_gather_name(c):>8} {_schedule_name(c):>14} "
+            f"{c.bubble:>5.2f} "
             f"{c.params_per_device:>14,} {_gib(c.bytes_per_device['peak']):>9} "
             f"{'yes' if c.fits else 'no':>5} {time}"
         )
     return "\n".join(lines)
+
+
+def _gather_name(candidate) -> str:
+    """The candidate's ``gather`` as the table shows it (``-`` without FSDP)."""
+    return (candidate.workload.gather or "keep") if candidate.layout.fsdp > 1 else "-"
 
 
 def _schedule_name(candidate) -> str:
@@ -122,7 +135,7 @@ def _leaf_table(candidate, workload) -> str:
 def _breakdown(candidate, searched: list[str], what: str = "chosen") -> str:
     parts = ", ".join(f"{k} {_gib(v)}" for k, v in candidate.bytes_per_device.items())
     work = candidate.workload
-    setting = f"remat {work.remat}, {work.microbatches} microbatches"
+    setting = f"remat {work.remat}, {work.microbatches} microbatches, gather {work.gather}"
     if candidate.layout.pp > 1:
         setting += f", schedule {_schedule_name(candidate)} (idle {candidate.bubble:.3f})"
     if searched:
@@ -195,6 +208,7 @@ def how_to_run(candidate) -> list[str]:
         lines.append(
             f"example: python examples/fsdp_training.py --strategy {layout.name} --mesh {flags} "
             f"--remat {work.remat} --microbatches {work.microbatches}"
+            + (f" --gather {work.gather}" if work.gather not in (None, "keep") else "")
         )
     return lines
 
@@ -213,7 +227,7 @@ def _inputs(args, result, hardware, workload, speeds: str) -> list[str]:
         f"  batch: {args.batch_tokens} tokens = {tokens:,} = {rows}",
         f"  precision {workload.precision}, optimizer {workload.optimizer}, remat "
         f"{workload.remat or 'searched'}, microbatches {workload.microbatches or 'searched'}, "
-        f"schedule {workload.schedule or 'searched'}",
+        f"gather {workload.gather or 'searched'}, schedule {workload.schedule or 'searched'}",
     ]
     if hardware.flops:
         intra, inter = hardware.intra_host_bandwidth / 1e9, hardware.inter_host_bandwidth / 1e9
@@ -283,6 +297,10 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
     parser.add_argument(
         "--remat", default=None, help=f"one of {', '.join(REMAT)}; searched when left out"
     )
+    parser.add_argument(
+        "--gather", default=None, choices=GATHER,
+        help="make_train_step(gather=...) on FSDP layouts; searched when left out",
+    )  # fmt: skip
     parser.add_argument(
         "--microbatches",
         type=int,
@@ -415,6 +433,7 @@ def main(
             optimizer=args.optimizer,
             remat=args.remat,
             microbatches=args.microbatches,
+            gather=args.gather,
             schedule=args.schedule,
             chunks=args.chunks,
         )
@@ -427,7 +446,7 @@ def main(
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    searched = [name for name in ("remat", "microbatches", "schedule")
+    searched = [name for name in ("remat", "microbatches", "gather", "schedule")
                 if getattr(args, name) is None]  # fmt: skip
     for line in _inputs(args, result, hardware, workload, speeds):
         print(line)

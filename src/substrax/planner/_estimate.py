@@ -49,6 +49,8 @@ _ELEMENTWISE = 10  # FLOPs per element, forward and backward: softmax, norms, ac
 #: stored parameter or gradient, bytes of a gathered parameter, an activation or a gradient on
 #: the wire).
 PRECISION_BYTES = {"f32": (4, 4), "mixed": (4, 2), "bf16": (2, 2)}
+#: The step's ``gather`` settings, the default first.
+GATHER = ("keep", "regather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,8 +67,11 @@ class Workload:
       optimizer: ``"adam"``/``"adamw"`` (two fp32 moments), ``"momentum"`` or ``"sgd"``.
       remat: ``"none"``, ``"selective"`` (attention recomputed) or ``"full"`` (layer input
         only); None lets :func:`~substrax.planner.plan` choose per layout.
-      gather: FSDP parameters gathered once per step and kept for the backward pass
-        (``"keep"``, substrax's default) or gathered again there (``"regather"``).
+      gather: As ``make_train_step(gather=...)``: FSDP parameters gathered where used and
+        kept for the backward pass (``"keep"``, the step's default; with accumulation, kept
+        for every slice) or gathered again there, and per slice (``"regather"``); None lets
+        :func:`~substrax.planner.plan` choose per layout. A layer under remat gathers its
+        parameters again when it is recomputed, either way.
       microbatches: Pipeline microbatches, or gradient-accumulation steps without a
         pipeline: each device holds one microbatch's activations at a time (0: the pipeline
         depth, or 1); None lets :func:`~substrax.planner.plan` choose per layout.
@@ -84,7 +89,7 @@ class Workload:
     optimizer: str = "adamw"
     remat: str | None = "selective"
     microbatches: int | None = 0
-    gather: str = "keep"
+    gather: str | None = "keep"
     schedule: str | None = "zb-h1"
     chunks: int | None = 1
 
@@ -112,7 +117,7 @@ class Workload:
         for value, options, what in ((self.precision, PRECISION_BYTES, "precision"),
                                      (self.optimizer, _OPTIMIZER_BYTES, "optimizer"),
                                      (self.remat or "none", REMAT, "remat"),
-                                     (self.gather, ("keep", "regather"), "gather")):  # fmt: skip
+                                     (self.gather or "keep", GATHER, "gather")):  # fmt: skip
             if value not in options:
                 raise ValueError(f"Unknown {what} {value!r}; choose one of {', '.join(options)}.")
 
@@ -536,6 +541,41 @@ def prepare(config: TransformerConfig, leaves: Sequence[Leaf], layout: Layout) -
     return Prepared(config, leaves, layout, plans, sums, _warnings(config, plans, layout, sums[0]))
 
 
+def _gathers(layout, workload: Workload) -> tuple[int, int, bool]:
+    """How the default step moves FSDP parameters: ``(gathers, rounds, whole)``.
+
+    ``gathers`` per round (1: the forward's kept for the backward pass; 2: gathered again
+    there, under ``"regather"`` or for a layer under remat), ``rounds`` of gathers and
+    reduce-scatters per step (one per accumulation slice under ``"regather"``), and whether
+    the whole model is gathered once and kept for every slice (accumulation under
+    ``"keep"``). A pipeline's stages gather their layers once (or twice) per step.
+    """
+    gather = workload.gather or "keep"
+    slices = (workload.microbatches or 1) if layout.pp == 1 else 1
+    if layout.pp > 1:
+        return (1 if gather == "keep" else 2), 1, False
+    if gather == "keep" and slices > 1:
+        return 1, 1, True
+    if gather == "keep" and (workload.remat or "none") == "none":
+        return 1, 1, False
+    return 2, (slices if gather == "regather" else 1), False
+
+
+def _gathered(config, layout, workload, per_device, layer_shard, stored) -> tuple[float, float]:
+    """Bytes of gathered parameters and of gradients not yet reduced, per device."""
+    if layout.fsdp == 1:
+        return 0.0, 0.0
+    width = PRECISION_BYTES[workload.precision][1]
+    gathers, _, whole = _gathers(layout, workload)
+    if whole:  # every parameter gathered, and a whole gradient summed over the slices
+        model = per_device * layout.fsdp
+        return model * width, model * (stored + width)
+    layer = layer_shard * layout.fsdp
+    if gathers == 1 and layout.pp == 1:  # every layer's gathered parameters kept
+        return layer * max(config.layers, 2), layer
+    return 2 * layer, layer  # the layer in use and the next
+
+
 def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> Candidate:
     """:func:`evaluate` of a :func:`prepare`d layout (the search runs it per workload)."""
     config, leaves, layout, plans = pre.config, pre.leaves, pre.layout, pre.plans
@@ -544,13 +584,14 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
     rows = workload.batch / layout.batch_degree
     schedule = schedule_of(layout, workload)
     layer_shard = layer_params / (layout.tp * layout.fsdp) * width
+    gathered, unreduced = _gathered(config, layout, workload, per_device, layer_shard, stored)
     memory = {
         "params": per_device * stored,
         "grads": (sharded if layout.zero == 2 else per_device) * stored,
         "optimizer": sharded * _OPTIMIZER_BYTES[workload.optimizer],
         "activations": _activations(config, workload, layout, width, schedule, hardware),
-        "gathered": 2 * layer_shard * layout.fsdp if layout.fsdp > 1 else 0.0,
-        "unreduced": layer_shard * layout.fsdp if layout.fsdp > 1 else 0.0,
+        "gathered": gathered,
+        "unreduced": unreduced,
         "logits": rows
         / max(workload.microbatches or 1, 1)
         * workload.seq
@@ -696,12 +737,12 @@ def _traffic(c, w, layout, state, width, schedule) -> dict[str, float]:
     f = layout.fsdp * layout.cp  # parameters are sharded over the FSDP and context axes
     if f > 1:  # parameter all-gathers (one, or two when re-gathered), one reduce-scatter
         axes = "+".join(n for n, d in (("fsdp", layout.fsdp), ("context", layout.cp)) if d > 1)
-        gathers = 1 if w.gather == "keep" else 2
-        traffic[f"{axes}/all-gather"] = gathers * state_bytes * f * (f - 1) / f
+        gathers, rounds, _ = _gathers(layout, w)
+        traffic[f"{axes}/all-gather"] = rounds * gathers * state_bytes * f * (f - 1) / f
         if _xla_step(layout):  # XLA's partitioning all-reduces the gathered gradients
             traffic[f"{axes}/all-reduce"] = 2 * reduced * f * (f - 1) / f
         else:
-            traffic[f"{axes}/reduce-scatter"] = reduced * f * (f - 1) / f
+            traffic[f"{axes}/reduce-scatter"] = rounds * reduced * f * (f - 1) / f
     if layout.dp > 1 and layout.zero:  # gradients reduce-scattered, new parameters gathered
         traffic["data/reduce-scatter"] = reduced * (layout.dp - 1) / layout.dp
         traffic["data/all-gather"] = state_bytes * (layout.dp - 1) / layout.dp

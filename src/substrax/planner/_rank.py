@@ -14,6 +14,7 @@ from substrax.planner._architectures import (
 )
 from substrax.planner._estimate import (
     CHUNKED,
+    GATHER,
     Candidate,
     Hardware,
     Workload,
@@ -134,11 +135,12 @@ def plan(
     Candidates that fit come first, then by estimated time when the hardware's speeds are
     known, else by FLOPs per device over the pipeline's busy fraction; on a near-tie the one
     keeping the most memory free may go first (see ``headroom``). When nothing fits, the one
-    with the smallest peak comes first. Each candidate's remat policy, microbatch count and
-    pipeline schedule (with its chunks) are ``workload``'s, or, where it leaves them None,
-    searched: per layout, the cheapest setting that fits (by estimated time when the
-    hardware's speeds are known, else by FLOPs over the pipeline's busy fraction; then less
-    recomputation, fewer microbatches), or the one with the smallest peak when none fits.
+    with the smallest peak comes first. Each candidate's remat policy, microbatch count,
+    ``gather`` (on FSDP layouts) and pipeline schedule (with its chunks) are ``workload``'s,
+    or, where it leaves them None, searched: per layout, the cheapest setting that fits (by
+    estimated time when the hardware's speeds are known, else by FLOPs over the pipeline's
+    busy fraction; then less recomputation, fewer microbatches, ``"keep"``), or the one with
+    the smallest peak when none fits.
     Microbatches are searched among the :data:`MICROBATCH_CHOICES` that divide the sequences
     of one data-parallel replica; a pipeline tries only the most of them (fewer only add
     bubble, larger microbatches to hold and more bytes per tick).
@@ -263,10 +265,16 @@ def _settings(workload: Workload, layout, layers: int) -> list[Workload]:
             micros = micros[-1:]  # passed per tick; the most dominates, so only it is tried
     else:
         micros = (workload.microbatches,)
+    gathers = (workload.gather,) if workload.gather is not None else (
+        GATHER if layout.fsdp > 1 else GATHER[:1]
+    )  # fmt: skip
     return [
-        dataclasses.replace(workload, remat=r, microbatches=m, schedule=name, chunks=chunks)
+        dataclasses.replace(
+            workload, remat=r, microbatches=m, schedule=name, chunks=chunks, gather=g
+        )
         for r in remats
         for m in micros
+        for g in gathers
         for name, chunks in _schedules(workload, layout, layers, m)
     ]
 
@@ -308,4 +316,5 @@ def _cost(c: Candidate, timed: bool) -> tuple:
     """Estimated time (else FLOPs over the pipeline's busy fraction), then less recompute."""
     work = c.time_s if timed else c.flops_per_device / (1 - c.bubble)
     peak = c.bytes_per_device["peak"]
-    return (work, REMAT.index(c.workload.remat), c.workload.microbatches, peak)
+    gather = GATHER.index(c.workload.gather or GATHER[0])
+    return (work, REMAT.index(c.workload.remat), c.workload.microbatches, gather, peak)

@@ -433,7 +433,8 @@ def _validate_on_target(config: TransformerConfig, candidate: Any, target: str) 
         options = {}
     else:
         step = _loss
-        options = {"precision": precision, "remat": remat_name, "microbatches": micro}
+        options = {"precision": precision, "remat": remat_name, "microbatches": micro,
+                   "gather": workload.gather or "keep"}  # fmt: skip
     planned = candidate.bytes_per_device
     with warnings.catch_warnings():  # the path is returned below, not warned about
         warnings.simplefilter("ignore", ShardingWarning)
