@@ -135,7 +135,7 @@ def _stats(compiled, axis_sizes) -> dict:
     }
 
 
-def run_substrax(config, target, layout, mesh, batch):
+def run_substrax(config, target, layout, mesh, batch, gather="keep"):
     start = time.perf_counter()
 
     def factory():
@@ -149,7 +149,7 @@ def run_substrax(config, target, layout, mesh, batch):
                                 layout=layout, mesh=mesh)  # fmt: skip
     else:
         report = sf.compile_for(factory, gpt.optimizer(), gpt.loss_fn, batch, target=target,
-                                layout=layout, mesh=mesh)  # fmt: skip
+                                layout=layout, mesh=mesh, gather=gather)  # fmt: skip
     return report, time.perf_counter() - start
 
 
@@ -186,11 +186,11 @@ def run_flax(config, target, layout, mesh, batch, donate=False):
     return compiled, time.perf_counter() - start
 
 
-def measure(config, target, label, layout, sizes, rows):
+def measure(config, target, label, layout, sizes, rows, gather="keep"):
     mesh = target.make_mesh(sizes)
     batch = jax.ShapeDtypeStruct((rows, config.seq + 1), jnp.int32)
     try:
-        report, seconds = run_substrax(config, target, layout, mesh, batch)
+        report, seconds = run_substrax(config, target, layout, mesh, batch, gather)
     except sf.CompileRefused as error:  # the compiler's refusal (out of memory), recorded
         return {"layout": label, "strategy": layout, "mesh": sizes,
                 "substrax": {"refused": str(error).splitlines()[0][:300]}}  # fmt: skip
@@ -235,6 +235,12 @@ def _flax_row(config, target, layout, mesh, batch, sizes, data_axes, donate):
     stats = _stats(compiled, sizes)
     data, other = split_traffic(stats.pop("_table"), data_axes)
     return {**stats, "data_bytes": data, "other_bytes": other, "compile_s": seconds}
+
+
+def _gather_words(report) -> str:
+    if report.get("gather", "keep") == "keep":
+        return ""
+    return f'with `gather="{report["gather"]}"` '
 
 
 def _mib(value):
@@ -282,14 +288,15 @@ def markdown(report: dict) -> str:
         f"{report['cpus']} CPU cores, no TPU; model {report['params']:,} parameters (Llama 3 "
         f"8B's shapes, stacked, SwiGLU, grouped-query attention), batch {report['batch_rows']} x "
         f"{report['config']['seq']} tokens, float32 parameters, adamw, no remat. substrax: "
-        "the default step, `compile_for(factory, tx, loss_fn, batch, target=..., layout=...)` "
-        "(PP: ZB-H1, 4 microbatches); flax: the same model under Flax's recipe, whose step "
-        "donates nothing, as the guide writes it (flax donated: the same step donating the "
-        "model and optimizer, as substrax's does, where the guide's fits). Data-axes traffic "
-        "is every collective over the data and FSDP axes alone; the limit is float32 (each "
-        "parameter gathered once, its gradient reduce-scattered once, the shard all-reduced "
-        "over the replicas). A refusal is the compiler's own (it compiles a program whose "
-        "temporaries fit, so a peak with the arguments may still exceed HBM: `over HBM`).\n"
+        "the default step, `compile_for(factory, tx, loss_fn, batch, target=..., layout=...)`"
+        f" {_gather_words(report)}(PP: ZB-H1, 4 microbatches); flax: the same model under "
+        "Flax's recipe, whose step donates nothing, as the guide writes it (flax donated: the"
+        " same step donating the model and optimizer, as substrax's does, where the guide's "
+        "fits). Data-axes traffic is every collective over the data and FSDP axes alone; the "
+        "limit is float32 (each parameter gathered once, its gradient reduce-scattered once, "
+        "the shard all-reduced over the replicas). A refusal is the compiler's own (it "
+        "compiles a program whose temporaries fit, so a peak with the arguments may still "
+        "exceed HBM: `over HBM`).\n"
     )
     return head + "\n".join(lines) + "\n" + footer
 
@@ -300,6 +307,12 @@ def main(argv=None):
     parser.add_argument("--target", default="v5p-64")
     parser.add_argument("--rows", type=int, default=0, help="global batch rows (0: 1 per chip)")
     parser.add_argument("--layouts", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument(
+        "--gather",
+        choices=("keep", "regather"),
+        default="keep",
+        help="substrax's gather= (the default keeps the forward's gathers)",
+    )
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks"))
     args = parser.parse_args(argv)
     config, target = SIZES[args.size], CompileTarget.parse(args.target)
@@ -309,7 +322,7 @@ def main(argv=None):
         layout, sizes = CASES[label]
         sizes = _scaled(sizes, target.chips)
         print(f"compiling {label} on {sizes} ...", flush=True)
-        rows.append(measure(config, target, label, layout, sizes, rows_per_step))
+        rows.append(measure(config, target, label, layout, sizes, rows_per_step, args.gather))
     import flax
     import libtpu
 
@@ -329,6 +342,7 @@ def main(argv=None):
             for r in sf.plan_model(lambda: gpt.StackedGPT(config, nnx.Rngs(0))).rows
         ),
         "batch_rows": rows_per_step,
+        "gather": args.gather,
         "rows": rows,
     }
     write_results(args.output_dir, "tpu", report, markdown(report))
