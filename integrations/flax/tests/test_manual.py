@@ -57,12 +57,17 @@ def _run(name, shape, data_parallel):
     return traffic, losses, _split_bytes(model, layout.batch_axes), layout
 
 
-@pytest.fixture(scope="module")
-def one_device():
-    model = unsharded(_factory)
+def _one_device_losses(factory, batches):
+    """The losses of plain ``nnx.jit`` steps of the model on one device."""
+    model = unsharded(factory)
     optimizer = nnx.Optimizer(model, gpt.optimizer(3e-3), wrt=nnx.Param)
     step = nnx.jit(lambda m, o, b: _update(m, o, b))
-    return [float(step(model, optimizer, b)) for b in BATCHES]
+    return [float(step(model, optimizer, b)) for b in batches]
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _one_device_losses(_factory, BATCHES)
 
 
 def _update(model, optimizer, batch):
@@ -255,10 +260,7 @@ def _stacked():
 
 @pytest.fixture(scope="module")
 def stacked_one_device():
-    model = unsharded(_stacked)
-    optimizer = nnx.Optimizer(model, gpt.optimizer(3e-3), wrt=nnx.Param)
-    step = nnx.jit(lambda m, o, b: _update(m, o, b))
-    return [float(step(model, optimizer, b)) for b in STACK_BATCHES]
+    return _one_device_losses(_stacked, STACK_BATCHES)
 
 
 @pytest.mark.parametrize(
