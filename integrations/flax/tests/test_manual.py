@@ -279,9 +279,12 @@ def test_a_stack_is_gathered_layer_by_layer_inside_its_scan(stacked_one_device, 
     model = sf.create_sharded_model(_stacked, mesh, layout="fsdp")
     optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(3e-3))
     step = sf.make_train_step(gpt.loss_fn, gather=gather, remat=remat, microbatches=k)
-    compiled = step.lower(model, optimizer, STACK_BATCHES[0]).compile()
+    lowered = step.lower(model, optimizer, STACK_BATCHES[0])
+    compiled = lowered.compile()
     losses = [float(step(model, optimizer, b)["loss"]) for b in STACK_BATCHES]
     np.testing.assert_allclose(losses, stacked_one_device, rtol=2e-5)
+    # run equation by equation, the program still names the model's own source lines
+    assert 'examples/gpt.py":' in lowered.as_text(debug_info=True)
     sharded, _ = _split_bytes(model, ("data",))
     stack = sum(4 * math.prod(r.shape) for r in sf.sharding_report(model).rows
                 if r.path.startswith("blocks"))  # fmt: skip

@@ -22,6 +22,7 @@ its parameters inside, so that it gathers them again when it is recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,11 @@ from typing import Any
 import jax
 from jax.extend.core import Literal, primitives
 from jax.sharding import NamedSharding, PartitionSpec
+
+try:  # each equation keeps the user's source line and name stack in the program's metadata
+    from jax._src import source_info_util as _source_info
+except ImportError:  # pragma: no cover - a jax without it: the program is the same, unnamed
+    _source_info = None
 
 __all__ = ["Stored", "gathered_shapes", "run_gathering"]
 
@@ -182,9 +188,17 @@ def _run(jaxpr, consts, args, gather: _Gathers) -> list:
 def _bind(eqn, inputs: list) -> list:
     params = eqn.primitive.get_bind_params(eqn.params)
     subfuns, params = params if isinstance(params, tuple) else ((), params)  # older jax: a pair
-    with eqn.ctx.manager:  # the equation's context (its mesh, its compute kind)
+    with _source(eqn), eqn.ctx.manager:  # the equation's context (its mesh, its compute kind)
         out = eqn.primitive.bind(*subfuns, *inputs, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _source(eqn) -> contextlib.AbstractContextManager:
+    """The equation's own source location and name stack, as ``jax.core.eval_jaxpr`` keeps."""
+    if _source_info is None:
+        return contextlib.nullcontext()
+    stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    return _source_info.user_context(eqn.source_info.traceback, name_stack=stack)
 
 
 def _bind_regathered(eqn, inputs: list, gather: _Gathers) -> list:
