@@ -59,7 +59,7 @@ __all__ = [
 
 
 #: The name (``jax.ad_checkpoint.checkpoint_name``) of every parameter at its point of use;
-#: ``gather="regather"`` saves anything but these for the backward pass.
+#: XLA's step under ``gather="regather"`` asks its checkpoint to save anything but these.
 GATHERED = "substrax_gathered_param"
 
 
@@ -207,9 +207,11 @@ class Mover:
     def gather(self, x: jax.Array) -> jax.Array:
         """The parameter at its point of use, from its shard; its gradient is :meth:`scatter`'s.
 
-        Gathered, laid out and cast as :meth:`place` says, in one differentiable step whose
-        value alone is named :data:`GATHERED`: under ``gather="regather"`` nothing between the
-        shard and it is kept for the backward pass.
+        Gathered, laid out and cast as :meth:`place` says, in one differentiable step named
+        :data:`GATHERED`, as the loss names parameters outside a region. (A name cannot make
+        ``gather="regather"`` drop it: a policy that refuses the name saves the unnamed value
+        it was made from. :func:`~substrax_flax._deferred.run_gathering` rematerialises each use
+        with its gather instead.)
         """
 
         @jax.custom_vjp
@@ -376,9 +378,6 @@ def _stored(pure: Any, movers: Any) -> Any:
     return jax.tree.map(Stored, pure, movers)
 
 
-_REGATHER = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
-
-
 def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes, k, scatter_each,
                 draws, device, regather):  # fmt: skip
     """Forward and backward slice by slice on this device, the gradients scattered by hand.
@@ -394,9 +393,10 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes,
     """
     per_layer = regather and all(m.custom_gradient for m in jax.tree.leaves(movers))
     params = pure if per_layer else jax.tree.map(lambda x, m: m.all_gather(x), pure, movers)
-    loss_on = _gathering_loss(loss_of, template, movers) if per_layer else _placed_loss(
-        loss_of, template, movers, regather
-    )  # fmt: skip
+    if per_layer:
+        loss_on = _gathering_loss(loss_of, template, movers, regather=True)
+    else:
+        loss_on = _placed_loss(loss_of, template, movers)
     # 0-d leaves (a key, a step number) are the same for every slice: None in the scanned tree
     leaves, treedef = jax.tree.flatten(batch)
     kept = [x if is_replicated_leaf(x) else None for x in leaves]
@@ -446,19 +446,21 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes,
     return (loss, (aux, jax.tree.unflatten(rest_def, rest))), grads
 
 
-def _placed_loss(loss_of, template, movers, regather):
-    """``loss_of`` on whole gathered parameters (a pure dict), each placed at its use."""
+def _placed_loss(loss_of, template, movers):
+    """``loss_of`` on whole gathered parameters (a pure dict), each placed at its use.
+
+    They are kept for every slice, whatever ``gather`` says: under ZeRO there is nothing to
+    gather again, and with FSDP parameters ``regather`` takes the per-layer path instead.
+    """
 
     def placed_loss(gathered, rest_leaves, rows):
         placed = jax.tree.map(lambda x, m: m.place(x), gathered, movers)
         return loss_of(state_of(template, placed), rest_leaves, rows)
 
-    if regather:  # the compute-dtype copies made from the kept gathers are not kept
-        return jax.checkpoint(placed_loss, policy=_REGATHER)
     return placed_loss
 
 
-def _gathering_loss(loss_of, template, movers, regather=True):
+def _gathering_loss(loss_of, template, movers, regather):
     """``loss_of`` on the stored shards (a pure dict), each gathered where it is used."""
 
     def at_use(stored: Stored) -> jax.Array:
