@@ -35,7 +35,6 @@ from substrax_flax._jitted import (
     rehome,
 )
 from substrax_flax._manual import (
-    GATHERED,
     at_use,
     manual_movers,
     manual_rules,
@@ -181,9 +180,6 @@ class TrainStep(JittedStep):
             loss, aux = self.precision.cast_to_output((loss, aux))
             return loss, (aux, nnx.state(model, nnx.Not(self.wrt)))
 
-        if self.gather == "regather" and not placed:
-            policy = jax.checkpoint_policies.save_anything_except_these_names(GATHERED)
-            loss_of = jax.checkpoint(loss_of, policy=policy)
         return loss_of
 
     def _gradient(self, model_def, compute_shardings, manual, mesh) -> Gradient:
@@ -293,7 +289,8 @@ class TrainStep(JittedStep):
             Decision("precision", precision_name(self.precision), "as asked"),
             Decision("remat", self.remat, "as asked"),
             Decision("microbatches", str(self.microbatches), "as asked"),
-            Decision("gather", self.gather, _gather_reason(self.gather, self.microbatches)),
+            Decision("gather", self.gather,
+                     _gather_reason(self.gather, self.microbatches, path.name)),
             Decision("guard", guard_value, guard_reason),
         )  # fmt: skip
         if scatter_line is not None:
@@ -352,7 +349,20 @@ class TrainStep(JittedStep):
                      seq_axes)  # fmt: skip
 
     def _warn_path(self, step_plan: StepPlan) -> None:
-        """Says, at the user's line, where ``"auto"`` left the manual step at a cost."""
+        """Says, at the user's line, what the step does not do as asked.
+
+        Where ``"auto"`` left the manual step at a cost, and where XLA's step cannot do the
+        ``gather`` asked.
+        """
+        if self.gather == "regather" and step_plan.path == "xla":
+            warn_user(
+                "make_train_step(gather='regather') is not done on XLA's step "
+                f"({step_plan.reason}): it keeps the gathered parameters for the backward "
+                "pass, as under 'keep' (a checkpoint policy that refuses their name saves the "
+                "unnamed layout they are made from). The manual step gathers them again: "
+                "data_parallel='manual', or 'auto' where it keeps the numbers.",
+                ShardingWarning,
+            )
         if self.data_parallel != "auto" or step_plan.path != "xla" or not step_plan.extra_bytes:
             return  # a switch that costs nothing (no sharded gradient) goes unsaid
         advice = step_plan.advice
@@ -588,8 +598,11 @@ def _on(mesh: jax.sharding.Mesh, shardings: Any) -> Any:
     return jax.tree.map(move, shardings)
 
 
-def _gather_reason(gather: str, microbatches: int) -> str:
+def _gather_reason(gather: str, microbatches: int, path: str) -> str:
     """What ``gather`` does in this step, and what it costs."""
+    if path == "xla":
+        kept = "XLA's step keeps the gathered parameters for the backward pass"
+        return f"as asked: {kept}" if gather == "keep" else f"not done: {kept} (see warning)"
     if gather == "keep":
         kept = "as asked: each parameter gathered where used, kept for the backward pass"
         return kept + (f" and for all {microbatches} slices" if microbatches > 1 else "")
