@@ -309,8 +309,13 @@ def test_regather_on_xlas_step_says_it_is_not_done():
     optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(3e-3))
     step = sf.make_train_step(gpt.loss_fn, gather="regather", data_parallel="xla")
     with pytest.warns(ShardingWarning, match="gather='regather'. is not done on XLA's step"):
-        step.lower(model, optimizer, STACK_BATCHES[0])
+        lowered = step.lower(model, optimizer, STACK_BATCHES[0])
     assert "gather        regather: not done: XLA's step keeps" in str(step.plan)
+    kept = sf.make_train_step(gpt.loss_fn, data_parallel="xla").lower(
+        model, optimizer, STACK_BATCHES[0]
+    )  # the same program as under "keep": docs/step.md's figure
+    temps = [x.compile().memory_analysis().temp_size_in_bytes for x in (lowered, kept)]
+    assert temps[0] == temps[1]
     manual = sf.make_train_step(gpt.loss_fn, gather="regather")
     with warnings.catch_warnings():
         warnings.simplefilter("error", ShardingWarning)  # the manual step does it: no warning
