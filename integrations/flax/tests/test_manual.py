@@ -301,9 +301,9 @@ def test_a_stack_is_gathered_layer_by_layer_inside_its_scan(stacked_one_device, 
 
 def test_regather_on_xlas_step_says_it_is_not_done():
     """XLA's step keeps its gathered parameters whatever ``gather`` says (a policy refusing
-    their name saves the unnamed layout they come from: measured 2.74x the stack's bytes in
-    temporaries under both settings); asking for ``"regather"`` there warns and the plan says
-    so, rather than dropping the request silently."""
+    their name saves the unnamed layout they come from: the same temporaries under both
+    settings); asking for ``"regather"`` there warns and the plan says so, rather than
+    dropping the request silently."""
     mesh = DeviceMeshManager.create_device_mesh({"data": 8})
     model = sf.create_sharded_model(_stacked, mesh, layout="fsdp")
     optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(3e-3))
