@@ -21,6 +21,7 @@ order. Without context axes both are the plain computation.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +30,14 @@ from jax.sharding import PartitionSpec
 
 from substrax._warnings import ShardingWarning, warn_user
 from substrax.mesh._resolve import spec_entry
-from substrax.spmd._region import axes_size, free_axes, recomputed_region, region_mesh
+from substrax.spmd._region import (
+    axes_size,
+    free_axes,
+    recomputed_region,
+    reduce_as,
+    region_mesh,
+    vary_as,
+)
 
 __all__ = [
     "VARIANTS",
@@ -140,6 +148,7 @@ def attention(
     causal: bool = False,
     variant: str = "ring",
     scale: float | None = None,
+    block: int | None = None,
 ) -> jax.Array:
     """Attention for model code: context parallel where the active layout splits ``seq``.
 
@@ -149,7 +158,13 @@ def attention(
     runs :func:`context_attention` in ``shard_map`` over those axes, on a sequence in
     :func:`zigzag` order (the order substrax's steps give the batch), each device on its own
     rows and (where the layout splits ``heads`` and they divide) its own heads. Otherwise it
-    is plain attention over whole rows. Either way scores and softmax are float32.
+    is one device's attention: over whole rows, or with ``block``, flash attention's blocks
+    (online softmax, ``block`` queries by ``block`` keys, the blocks above a causal diagonal
+    skipped; only the output and a float32 log-sum-exp per query are kept for the backward
+    pass, which recomputes each block's probabilities). Whole rows hold the ``[T, T]`` score
+    square, in float32, through the backward pass (at 8192 tokens and 32 heads, 8 GiB per
+    sequence and layer); blocks hold one ``[block, block]`` square at a time, for more, smaller
+    products. Either way scores and softmax are float32.
 
     Args:
       q: Queries ``[B, T, H, D]``.
@@ -158,13 +173,16 @@ def attention(
       causal: Each token attends to itself and earlier tokens only (by :func:`positions`).
       variant: ``"ring"`` or ``"all_gather"`` (see :func:`context_attention`).
       scale: The score scale (default ``1 / sqrt(D)``).
+      block: Without context axes, the block size of flash-style attention (a divisor of the
+        queries' and keys' lengths); None (the default) for whole rows. Under context axes
+        the ring holds one chunk pair's square per step and ``block`` does not apply.
 
     Returns:
       The output ``[B, T, H, D]`` in ``q``'s dtype.
 
     Raises:
-      ValueError: For an unknown variant, heads that do not group, or a length that does not
-        split into ``2 x cp`` chunks.
+      ValueError: For an unknown variant, heads that do not group, a length that does not
+        split into ``2 x cp`` chunks, or a ``block`` that does not divide the lengths.
 
     Warns:
       ShardingWarning: Where the layout splits ``heads`` over tensor axes that the query or
@@ -175,7 +193,10 @@ def attention(
         if variant not in VARIANTS:
             raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}.")
         _check_heads(q, k)
-        return _plain(q, k, v, causal, _scale(q, scale))
+        if block is None:
+            return _plain(q, k, v, causal, _scale(q, scale))
+        _check_block(block, q, k, causal)
+        return _blocked(q, k, v, causal, _scale(q, scale), block)
     cp = axes_size(axes)
     if q.shape[1] % (2 * cp):
         raise ValueError(
@@ -315,30 +336,130 @@ def _ring_backward(axis_name, causal, balanced, scale, saved, g):
     """
     q, k, v, out, lse = saved
     cp, device, length = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name), q.shape[1]
-    groups = q.shape[2] // k.shape[2]
     q_pos = _positions(device, length, cp, balanced)
-    g32 = g.astype(jnp.float32)
-    delta = jnp.sum(g32 * out.astype(jnp.float32), axis=-1)  # [b, t, h]
+    g32, delta = _cotangent(g, out)
     dq = jnp.zeros(q.shape, jnp.float32)
     dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     for step in range(cp):
         k_pos = _positions((device - step) % cp, length, cp, balanced)
-        keys, values = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-        scores = jnp.einsum("bqhd,bkhd->bqhk", q, keys, preferred_element_type=jnp.float32)
-        probs = jnp.exp(scores * scale - lse[..., None])
-        if causal:
-            visible = q_pos[:, None] >= k_pos[None, :]
-            probs = jnp.where(visible[None, :, None, :], probs, 0.0)
-        dprobs = jnp.einsum("bqhd,bkhd->bqhk", g32, values.astype(jnp.float32))
-        dscores = probs * (dprobs - delta[..., None]) * scale
-        dq = dq + jnp.einsum("bqhk,bkhd->bqhd", dscores, keys.astype(jnp.float32))
-        dk = dk + _group_sum(jnp.einsum("bqhk,bqhd->bkhd", dscores, q.astype(jnp.float32)), groups)
-        dv = dv + _group_sum(jnp.einsum("bqhk,bqhd->bkhd", probs, g32), groups)
+        grads = _block_grads(q, k, v, g32, lse, delta, q_pos, k_pos, causal, scale)
+        dq, dk, dv = dq + grads[0], dk + grads[1], dv + grads[2]
         if step < cp - 1:
             k, v, dk, dv = jax.lax.ppermute((k, v, dk, dv), axis_name, _shift(cp))
         else:  # home: the block's gradients return to the device that holds it
             dk, dv = jax.lax.ppermute((dk, dv), axis_name, _shift(cp))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _cotangent(g: jax.Array, out: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The output's cotangent in float32 and flash attention's ``delta`` (its dot with out)."""
+    g32 = g.astype(jnp.float32)
+    return g32, jnp.sum(g32 * out.astype(jnp.float32), axis=-1)  # [b, t, h]
+
+
+def _block_grads(q, k, v, g32, lse, delta, q_pos, k_pos, causal, scale):
+    """One query block's and one key/value block's share of the gradients (float32).
+
+    The block's probabilities are recomputed from the queries' saved log-sum-exp ``lse``;
+    ``delta`` is :func:`_cotangent`'s. Returns ``(dq, dk, dv)`` of the blocks' shapes.
+    """
+    groups = q.shape[2] // k.shape[2]
+    keys, values = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bqhk", q, keys, preferred_element_type=jnp.float32)
+    probs = jnp.exp(scores * scale - lse[..., None])
+    if causal:
+        visible = q_pos[:, None] >= k_pos[None, :]
+        probs = jnp.where(visible[None, :, None, :], probs, 0.0)
+    dprobs = jnp.einsum("bqhd,bkhd->bqhk", g32, values.astype(jnp.float32))
+    dscores = probs * (dprobs - delta[..., None]) * scale
+    dq = jnp.einsum("bqhk,bkhd->bqhd", dscores, keys.astype(jnp.float32))
+    dk = _group_sum(jnp.einsum("bqhk,bqhd->bkhd", dscores, q.astype(jnp.float32)), groups)
+    dv = _group_sum(jnp.einsum("bqhk,bqhd->bkhd", probs, g32), groups)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _blocked(q, k, v, causal, scale, block):
+    """One device's attention ``block`` queries by ``block`` keys (flash attention's blocking).
+
+    Loops run over the pairs of query and key blocks that have visible keys (under a causal
+    mask, those on and below the diagonal: half the products, as a flash kernel executes
+    them; :func:`_over_pairs`), so one block's square is live at a time; only the output and
+    each query's log-sum-exp are kept for the backward pass, loops over the same pairs that
+    recompute each block's probabilities.
+    """
+    return _blocked_forward(q, k, v, causal, scale, block)[0]
+
+
+def _over_pairs(body, carry, q_len: int, k_len: int, block: int, causal: bool):
+    """Folds ``body(carry, row, col, masked)`` over the block pairs that have visible keys.
+
+    ``row`` and ``col`` are the pair's first query and key positions. Under a causal mask,
+    one loop runs the pairs below the diagonal (unmasked) and one the diagonal's (each the
+    same lower triangle, a constant); the blocks above it are not run.
+    """
+    n_q, n_k = q_len // block, k_len // block
+    if causal:
+        groups = [([(i, j) for i in range(n_q) for j in range(i)], False),
+                  ([(i, i) for i in range(n_q)], True)]  # fmt: skip
+    else:
+        groups = [([(i, j) for i in range(n_q) for j in range(n_k)], False)]
+    for pairs, masked in groups:
+        if pairs:
+            starts = np.array(pairs, np.int32).T * block
+            step = lambda c, pair, m=masked: (body(c, pair[0], pair[1], m), None)  # noqa: E731
+            carry, _ = jax.lax.scan(step, carry, tuple(starts))
+    return carry
+
+
+def _take(x: jax.Array, start: jax.Array, block: int) -> jax.Array:
+    return jax.lax.dynamic_slice_in_dim(x, start, block, axis=1)
+
+
+def _put(x: jax.Array, start: jax.Array, update: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, update, start, axis=1)
+
+
+def _blocked_forward(q, k, v, causal, scale, block):
+    here = jnp.arange(block)  # positions within a block: a diagonal block's are its keys'
+
+    def fold(state, row, col, masked):
+        part = tuple(_take(x, row, block) for x in state)
+        kv = _take(k, col, block), _take(v, col, block)
+        part = _block(part, _take(q, row, block), *kv, here, here, masked, scale)
+        return tuple(_put(x, row, y) for x, y in zip(state, part, strict=True))
+
+    empty = tuple(vary_as(x, q, k, v) for x in _empty(q))  # inside shard_map: as the blocks vary
+    state = _over_pairs(fold, empty, q.shape[1], k.shape[1], block, causal)
+    maximum, total, _ = state
+    return _normalised(state, q.dtype), maximum + jnp.log(total)
+
+
+def _blocked_saving(q, k, v, causal, scale, block):
+    out, lse = _blocked_forward(q, k, v, causal, scale, block)
+    return out, (q, k, v, out, lse)
+
+
+def _blocked_backward(causal, scale, block, saved, g):
+    q, k, v, out, lse = saved
+    g32, delta = _cotangent(g, out)
+    here = jnp.arange(block)
+
+    def accumulate(grads, row, col, masked):
+        qb, gb, lb, db = (_take(x, row, block) for x in (q, g32, lse, delta))
+        kb, vb = _take(k, col, block), _take(v, col, block)
+        parts = _block_grads(qb, kb, vb, gb, lb, db, here, here, masked, scale)
+        return tuple(
+            _put(x, start, _take(x, start, block) + d)
+            for x, start, d in zip(grads, (row, col, col), parts, strict=True)
+        )
+
+    zeros = tuple(vary_as(jnp.zeros(x.shape, jnp.float32), q, k, v, g) for x in (q, k, v))
+    grads = _over_pairs(accumulate, zeros, q.shape[1], k.shape[1], block, causal)
+    return tuple(reduce_as(d, x).astype(x.dtype) for d, x in zip(grads, (q, k, v), strict=True))
+
+
+_blocked.defvjp(_blocked_saving, _blocked_backward)
 
 
 def _group_sum(x: jax.Array, groups: int) -> jax.Array:
@@ -399,6 +520,24 @@ def _check_heads(q: jax.Array, k: jax.Array) -> None:
     if q.shape[2] % k.shape[2]:
         raise ValueError(
             f"q has {q.shape[2]} heads and k {k.shape[2]}: the key/value heads must divide them."
+        )
+
+
+def _check_block(block: Any, q: jax.Array, k: jax.Array, causal: bool) -> None:
+    lengths = (q.shape[1], k.shape[1])
+    if (
+        isinstance(block, bool)
+        or not isinstance(block, int)
+        or block < 1
+        or any(n % block for n in lengths)
+    ):
+        raise ValueError(
+            f"block must be a positive int that divides the query and key lengths {lengths}, "
+            f"got {block!r}; use None for whole rows."
+        )
+    if causal and lengths[0] != lengths[1]:
+        raise ValueError(
+            f"Causal blocked attention takes queries and keys of one length, got {lengths}."
         )
 
 
