@@ -180,6 +180,10 @@ def test_planner_candidate_compiled_at_its_size_for_the_target():
         assert result[key][0] == result[key][1], key
     estimate, compiled = result["flops"]
     assert compiled == pytest.approx(estimate, rel=0.05)
+    # 1.06x measured: at this size fixed buffers weigh more than at real size, where the
+    # peaks are within 5% (tests/test_planner.py's COMPILED_PEAKS)
+    estimate, compiled = result["peak_bytes"]
+    assert compiled == pytest.approx(estimate, rel=0.10)
     # The planner counts the gradient's reduce-scatter; XLA:TPU reduces the whole gradient
     # over 8 chips of a 2x2x2 torus (an all-reduce's bytes): docs/planning.md.
     estimate, compiled = result["traffic_bytes"]

@@ -93,11 +93,14 @@ class PublishedRun:
 
     @property
     def workload(self) -> Workload:
-        """What one of its steps does."""
+        """What one of its steps does.
+
+        Tensor parallelism with sequence parallelism, as Megatron-LM and torchtitan run it.
+        """
         return Workload(
             batch_tokens=self.batch * self.seq, seq=self.seq, precision=self.precision,
             optimizer="adamw", remat=self.remat, microbatches=self.microbatches,
-            schedule=self.schedule, chunks=self.chunks,
+            schedule=self.schedule, chunks=self.chunks, sequence_parallel=True,
         )  # fmt: skip
 
     def hardware(self, efficiency: Efficiency | None = None) -> Hardware:

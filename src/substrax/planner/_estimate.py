@@ -81,6 +81,11 @@ class Workload:
         :func:`~substrax.planner.plan` choose per layout (with ``chunks``).
       chunks: Chunks of layers per stage for ``"interleaved"`` and ``"circular"`` (1
         otherwise); None lets :func:`~substrax.planner.plan` choose.
+      sequence_parallel: Whether the ``h``-wide activations (the residual stream, the
+        norms) are split over the tensor-parallel devices along the sequence, as Megatron-LM
+        and torchtitan run tensor parallelism. substrax's layouts do not (their tensor axes
+        shard ``heads``, ``kv_heads``, ``mlp`` and ``vocab``, not ``seq``): False, as they
+        run.
     """
 
     batch_tokens: int
@@ -92,6 +97,7 @@ class Workload:
     gather: str | None = "keep"
     schedule: str | None = "zb-h1"
     chunks: int | None = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.microbatches is not None and self.microbatches < 0:
@@ -223,6 +229,7 @@ class Candidate:
       time_breakdown: ``time_s`` in parts, seconds: ``compute`` (matrix products and
         elementwise work), ``attention``, ``bubble`` (the pipeline's idle share of them),
         and ``exposed/<axis>`` per mesh axis kind whose collectives are on the critical path.
+      hardware: The profile estimated against (its memory, speeds and kernels).
     """
 
     layout: Layout
@@ -238,6 +245,7 @@ class Candidate:
     warnings: tuple[str, ...]
     workload: Workload | None = None
     time_breakdown: dict[str, float] = dataclasses.field(default_factory=dict)
+    hardware: Hardware | None = None
 
     def as_dict(self) -> dict:
         """A JSON-ready summary (without the per-leaf table).
@@ -319,7 +327,15 @@ def _sums(config: TransformerConfig, leaves: tuple, layout: Layout, plans: tuple
         for leaf in leaves
         if leaf.names[:1] == ("layers",)
     )
-    return per_device, sharded, dense, head, shared, layer_params
+    outside = sum(_whole_over_fsdp(p, layout) for p in plans if p.names[:1] != ("layers",))
+    return per_device, sharded, dense, head, shared, layer_params, outside
+
+
+def _whole_over_fsdp(plan: LeafPlan, layout: Layout) -> float:
+    """A parameter's elements per device once gathered over the FSDP axes its spec names."""
+    sizes = dict(zip(layout.axis_names, layout.axis_sizes, strict=True))
+    split = math.prod(sizes[a] for axes in plan.spec for a in axes if a in layout.fsdp_axes)
+    return plan.params_per_device * split
 
 
 def _activations(
@@ -330,54 +346,69 @@ def _activations(
     schedule: Schedule | None,
     hw: Hardware | None = None,
 ) -> float:
-    """Activation bytes of one device's live microbatches (Korthikanti et al. 2022's terms).
+    """Activation bytes of one device's live microbatches, and of the layer in its backward.
 
-    Each layer keeps :func:`_kept` ``s b h`` (in 2-byte units), divided over the tensor-parallel
-    devices (sequence parallelism); without a flash kernel, remat ``"none"`` also keeps the
-    score square (``5 a s / h``). Under ``"full"`` remat a layer keeps its input alone
-    (``2 s b h / t``), and the layer being recomputed holds its own activations once more.
-    Context parallelism divides the sequence (ring attention holds one key/value block at a
-    time, so the score term shrinks with the square). A mixture of experts replaces the MLP's
-    part with its own (:func:`_expert_activations`).
+    Each layer keeps :func:`_kept` ``s b h`` under its remat policy (in 2-byte units): the
+    heads' and the MLP's parts divided over the tensor-parallel devices, the ``h``-wide
+    residual stream whole on each unless ``w.sequence_parallel``; without a flash kernel,
+    remat ``"none"`` also keeps the score square (``5 a s / h``, split by heads). The layer
+    whose backward pass runs holds its gradients' buffers besides, about its own ``"none"``
+    activations once more; under ``"full"`` remat XLA:TPU runs it after the loss's backward
+    pass, whose buffers (:func:`_vocabulary`, the logits) were the larger at every size
+    measured, so it adds nothing to the peak. Context parallelism divides the sequence (ring
+    attention holds one key/value block at a time, so the score term shrinks with the
+    square). A mixture of
+    experts replaces the MLP's part with its own (:func:`_expert_activations`).
     """
     rows = w.batch / layout.batch_degree
     micro = w.microbatches or (layout.pp if layout.pp > 1 else 1)
     in_flight, waiting = _held(schedule)
     b, s, h, a, t = rows / micro, w.seq / layout.cp, c.d_model, c.heads, layout.tp
     flash = hw is not None and hw.flash_attention
-    layer = _kept(c) / t + (0 if flash or w.remat != "none" else 5 * a * s / (h * t))
-    if c.experts:
-        layer += (_expert_activations(c, w, layout, act, hw) * 2 / act) / h - _mlp_kept(c) / t
-    layer *= s * b * h
-    per_layer = 2 * s * b * h / t if w.remat == "full" else layer
-    # a deferred weight op keeps its layers' output cotangents as well (s b h each, split over
-    # the tensor devices by sequence parallelism as the layers' inputs are)
-    per_layer_all = per_layer * in_flight + s * b * h / t * waiting
-    transient = layer if w.remat == "full" else 0.0  # the layer recomputed in the backward
+    remat = w.remat or "none"
+    square = 0 if flash or remat != "none" else 5 * a * s / (h * t)
+    moe = (_expert_activations(c, w, layout, act, hw) * 2 / act) / h if c.experts else None
+
+    split = t if w.sequence_parallel else 1
+
+    def per_token(policy: str) -> float:
+        wide, heads, mlp = _kept(c, policy)
+        if moe is not None and policy != "full":  # the experts' part replaces the MLP's own
+            mlp = moe * t
+        return wide / split + (heads + mlp) / t
+
+    layer, whole = per_token(remat) + square, per_token("none")
+    # a deferred weight op keeps its layers' output cotangents as well (s b h each)
+    per_layer_all = layer * s * b * h * in_flight + s * b * h / split * waiting
+    transient = 0.0 if remat == "full" else whole * s * b * h
     return (per_layer_all * math.ceil(c.layers / layout.pp) + transient) * act / 2
 
 
-def _mlp_kept(c: TransformerConfig) -> float:
-    """The MLP's bytes kept per token per ``h`` (2-byte units): its input and two products.
+def _kept(c: TransformerConfig, remat: str) -> tuple[float, float, float]:
+    """A layer's bytes kept for the backward pass per token per ``h`` (2-byte activations).
 
-    XLA fuses the activation (and, gated, the product) into the next matrix product's input,
-    so a plain MLP keeps its input, the first product and the activation's output, and a
-    gated one its input and its two products: ``2 + 4 ffn / h`` either way.
-    """
-    return 2 + 4 * c.ffn / c.d_model
+    ``(h-wide, the heads', the MLP's)``, with flash-style attention (no score square), as
+    XLA:TPU keeps them (measured on Llama 3 8B's and GPT-2's layers, libtpu 0.0.42.1; see
+    docs/planning.md "At real size"):
 
-
-def _kept(c: TransformerConfig) -> float:
-    """A layer's bytes kept per token per ``h`` (2-byte units), with flash-style attention.
-
-    Two norms' inputs (4), attention's input (2), its queries, keys and values (``2 q + 4 kv``
-    with ``q``, ``kv`` their widths over ``h``) and output (``2 q``), and the MLP's
-    (:func:`_mlp_kept`). No dropout masks (Korthikanti's 34 counts GPT-3's, and its GeLU
-    MLP's): a Llama 3 8B layer keeps 27, a GPT one 32.
+    - ``"none"``: six ``h``-wide tensors (the residual stream and the norms' values), the
+      queries and attention's output (``2 q`` each, ``q`` their width over ``h``), keys
+      and values (``2 kv`` each), and six ``ffn``-wide ones in the MLP (its products and the
+      activation's intermediates, which XLA keeps rather than recomputes, plain or gated):
+      59 for a Llama 3 8B layer, 68 for GPT-2's (62 measured).
+    - ``"selective"`` (products without batch dimensions saved): the layer's input and
+      attention's output product, queries, keys and values, and the MLP's first products
+      (one, or two gated): 21 for Llama 3 8B, 18 for GPT-2.
+    - ``"full"``: the layer's input alone, 2.
     """
     q = c.heads * c.head_dim / c.d_model
     kv = c.kv_heads * c.head_dim / c.d_model
-    return 4 + 2 + 2 * q + 4 * kv + 2 * q + _mlp_kept(c)
+    f = c.ffn / c.d_model
+    if remat == "full":
+        return 2.0, 0.0, 0.0
+    if remat == "selective":
+        return 4.0, 2 * q + 4 * kv, (4 if c.gated else 2) * f
+    return 12.0, 4 * q + 4 * kv, 12 * f
 
 
 def _expert_activations(
@@ -510,7 +541,7 @@ class Prepared:
       plans: Each parameter's plan.
       sums: ``(params per device, of which sharded over the replicas under ZeRO, not
         experts', the loss's own, those also looked up, elements of one stacked layer per
-        expert shard)``.
+        expert shard, those outside the layer stack per device once gathered over FSDP)``.
       warnings: The layout's warnings.
       links: Bandwidth per traffic axis on one hardware, filled as :func:`_time` asks.
     """
@@ -562,9 +593,17 @@ def _gathers(layout, workload: Workload) -> tuple[int, int, bool]:
 
 
 def _gathered(config, layout, workload, per_device, layer_shard, stored) -> tuple[float, float]:
-    """Bytes of gathered parameters and of gradients not yet reduced, per device."""
+    """Bytes of gathered parameters and of gradients not yet reduced, per device.
+
+    Without FSDP, accumulation over microbatches holds the slice's gradient and the running
+    sum, whole (before ZeRO's reduce-scatter or the data-parallel all-reduce) in the compute
+    width: Llama 3 8B on ZeRO-2 16 x TP 2, 8 slices, XLA:TPU: 67.3 GiB compiled, 64.3
+    estimated with them, 49.4 without.
+    """
     if layout.fsdp == 1:
-        return 0.0, 0.0
+        slices = (workload.microbatches or 1) if layout.pp == 1 else 1
+        width = PRECISION_BYTES[workload.precision][1]
+        return 0.0, (2 * per_device * width if slices > 1 else 0.0)
     width = PRECISION_BYTES[workload.precision][1]
     gathers, _, whole = _gathers(layout, workload)
     if whole:  # every parameter gathered, and a whole gradient summed over the slices
@@ -576,15 +615,26 @@ def _gathered(config, layout, workload, per_device, layer_shard, stored) -> tupl
     return 2 * layer, layer  # the layer in use and the next
 
 
+def _vocabulary(layout: Layout, outside: float, width: int) -> float:
+    """Bytes of the parameters outside the layer stack (embedding, head) that FSDP gathers.
+
+    Each is gathered whole in the compute width for the lookup and the loss, beside the
+    logits in the loss's backward pass (Llama 3 8B on FSDP 32, XLA:TPU: 1.96 GiB of its
+    peak, the 128256 x 4096 embedding and head).
+    """
+    return outside * width if layout.fsdp > 1 else 0.0
+
+
 def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> Candidate:
     """:func:`evaluate` of a :func:`prepare`d layout (the search runs it per workload)."""
     config, leaves, layout, plans = pre.config, pre.leaves, pre.layout, pre.plans
-    per_device, sharded, dense, head, shared, layer_params = pre.sums
+    per_device, sharded, dense, head, shared, layer_params, outside = pre.sums
     stored, width = PRECISION_BYTES[workload.precision]
     rows = workload.batch / layout.batch_degree
     schedule = schedule_of(layout, workload)
     layer_shard = layer_params / (layout.tp * layout.fsdp) * width
     gathered, unreduced = _gathered(config, layout, workload, per_device, layer_shard, stored)
+    gathered += _vocabulary(layout, outside, width)
     memory = {
         "params": per_device * stored,
         "grads": (sharded if layout.zero == 2 else per_device) * stored,
@@ -632,6 +682,7 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
         warnings=pre.warnings,
         workload=workload,
         time_breakdown=breakdown,
+        hardware=hardware,
     )
 
 

@@ -43,7 +43,7 @@ from substrax.planner import (
 )
 from substrax.planner import main as planner_main
 from substrax.planner import transformer_leaves as leaves_of
-from substrax.spmd import attention, context_axes, experts, native_grouped_matmul
+from substrax.spmd import attention, experts, native_grouped_matmul
 from substrax.target import CompileTarget
 from substrax_flax._compile import CompileRefused, compile_for
 from substrax_flax._create import create_sharded_model
@@ -192,22 +192,20 @@ def _logits(c: TransformerConfig, p: Callable[[str], jax.Array], x: jax.Array) -
     return _norm(x, p("norm")) @ (p("embedding").T if c.tied else p("head"))
 
 
-def _layer_of(c: TransformerConfig, p: dict, x: jax.Array) -> jax.Array:
-    """One decoder layer of ``c`` with parameters ``p`` (one slice of the stack)."""
+def _layer_of(c: TransformerConfig, p: dict, x: jax.Array, block: int | None = None) -> jax.Array:
+    """One decoder layer of ``c`` with parameters ``p`` (one slice of the stack).
+
+    ``block``: attention in flash attention's blocks of that size (no score square kept),
+    as the planner assumes on hardware with a flash kernel; None for whole rows.
+    """
     h = _norm(x, p["attn_norm"])
     q = jnp.einsum("bte,ehk->bthk", h, p["wq"])
     k = jnp.einsum("bte,ehk->bthk", h, p["wk"])
     v = jnp.einsum("bte,ehk->bthk", h, p["wv"])
     if c.biases:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
-    if context_axes():  # the sequence is split: ring attention
-        x = x + jnp.einsum("bthk,hke->bte", attention(q, k, v, causal=True), p["wo"])
-    else:
-        k, v = (jnp.repeat(a, c.heads // c.kv_heads, axis=2) for a in (k, v))
-        scores = jnp.einsum("bthk,bshk->bhts", q, k) / np.sqrt(c.head_dim)
-        causal = jnp.tril(jnp.ones((x.shape[1], x.shape[1]), bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
-        x = x + jnp.einsum("bhts,bshk,hke->bte", weights, v, p["wo"])
+    out = attention(q, k, v, causal=True, block=block)  # a ring where the sequence is split
+    x = x + jnp.einsum("bthk,hke->bte", out, p["wo"])
     if c.experts:
         out, _ = experts(
             _norm(x, p["mlp_norm"]), p["router"], p["w_in"], p["w_out"],
@@ -220,9 +218,15 @@ def _layer_of(c: TransformerConfig, p: dict, x: jax.Array) -> jax.Array:
 
 
 class _StackedTwin(nnx.Module):
-    """The twin with its layers stacked under ``layers``, for the pipelined step."""
+    """The twin with its layers stacked under ``layers`` (attention in ``block``s, if given)."""
 
-    def __init__(self, config: TransformerConfig, rngs: nnx.Rngs, dtype: Any = jnp.float32):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        rngs: nnx.Rngs,
+        dtype: Any = jnp.float32,
+        block: int | None = None,
+    ):
         leaves = leaves_of(config)
         self.config = config
         self.params = nnx.Dict({
@@ -235,7 +239,7 @@ class _StackedTwin(nnx.Module):
             for leaf in leaves
             if leaf.path.startswith("layers/")
         })  # fmt: skip
-        self.scan = _Scan(config)
+        self.scan = _Scan(config, block)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """The logits, the layers run by ``lax.scan`` (one compiled layer, as at real size)."""
@@ -248,17 +252,18 @@ class _StackedTwin(nnx.Module):
 class _Scan(nnx.Module):
     """One layer of the stacked twin, marked for the step's remat policy."""
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, block: int | None = None):
         self.config = config
+        self.block = block
 
     @remat
     def layer(self, p: dict, x: jax.Array) -> jax.Array:
-        return _layer_of(self.config, p, x)
+        return _layer_of(self.config, p, x, self.block)
 
 
 def _pipeline_step(
     config: TransformerConfig, layout: Layout, microbatches: int, schedule: str,
-    mesh: Any = None, **options: Any,
+    mesh: Any = None, block: int | None = None, **options: Any,
 ) -> Any:  # fmt: skip
     """The pipelined twin's step: embedding, one stacked layer, and the head's loss."""
 
@@ -266,7 +271,7 @@ def _pipeline_step(
         return _embed(config, lambda n: model.params[n][...], batch["inputs"]), batch["targets"]
 
     def layer(one: nnx.Dict, x: jax.Array) -> jax.Array:
-        return _layer_of(config, {name: v[...] for name, v in one.items()}, x)
+        return _layer_of(config, {name: v[...] for name, v in one.items()}, x, block)
 
     def head(model: _StackedTwin, y: jax.Array, targets: jax.Array) -> jax.Array:
         logits = _logits(config, lambda n: model.params[n][...], y)
@@ -297,7 +302,10 @@ def validate(
     real TPU compiler at the model's real size (:func:`~substrax_flax.compile_for`, no TPU
     needed): the architecture's parameters stacked over its layers (run by ``lax.scan``), in
     the workload's precision, with its remat policy, microbatches and schedule, trained with
-    adamw through the default step.
+    adamw through the default step; where the plan's hardware profile assumes a flash
+    kernel, attention runs in flash attention's blocks of 512
+    (:func:`substrax.spmd.attention` with ``block``), so no score square is kept, as the
+    estimate counts it.
 
     Without, a scaled-down twin is compiled on the available devices: it keeps the
     architecture's kinds of layer (grouped-query attention, gating, tied head, biases) at a
@@ -425,11 +433,13 @@ def _validate_on_target(config: TransformerConfig, candidate: Any, target: str) 
     precision = None if workload.precision == "f32" else workload.precision
     remat_name, micro = workload.remat or "none", workload.microbatches or 1
     rows = workload.batch_tokens // workload.seq
+    flash = candidate.hardware is not None and candidate.hardware.flash_attention
+    block = _flash_block(workload.seq) if flash else None
     tokens = jax.ShapeDtypeStruct((rows, workload.seq), jnp.int32)
     batch = {"inputs": tokens, "targets": tokens}
     if layout.pp > 1:
         step = _pipeline_step(config, layout, micro, workload.schedule or "zb-h1", mesh,
-                              precision=precision, remat=remat_name)  # fmt: skip
+                              block=block, precision=precision, remat=remat_name)  # fmt: skip
         options = {}
     else:
         step = _loss
@@ -439,7 +449,7 @@ def _validate_on_target(config: TransformerConfig, candidate: Any, target: str) 
     with warnings.catch_warnings():  # the path is returned below, not warned about
         warnings.simplefilter("ignore", ShardingWarning)
         try:
-            report = compile_for(lambda: _StackedTwin(config, nnx.Rngs(0), dtype),
+            report = compile_for(lambda: _StackedTwin(config, nnx.Rngs(0), dtype, block),
                                  _float32_moments(optax.adamw(1e-3)), step, batch,
                                  target=target, layout=layout, mesh=mesh, **options)  # fmt: skip
         except CompileRefused as refused:  # the estimate fits where the compiler says not
@@ -461,6 +471,11 @@ def _validate_on_target(config: TransformerConfig, candidate: Any, target: str) 
         "peak_bytes": (planned["peak"], report.step.peak),
         "compile_seconds": report.compile_seconds,
     }
+
+
+def _flash_block(seq: int) -> int:
+    """The twin's attention block under a flash assumption: splash attention's 512, or less."""
+    return math.gcd(seq, 512)
 
 
 def _float32_moments(tx: optax.GradientTransformation) -> optax.GradientTransformation:
