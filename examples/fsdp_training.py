@@ -156,6 +156,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--remat", default="none", choices=REMAT, help="recompute blocks in the backward pass"
     )
     parser.add_argument(
+        "--attention-block", type=int, default=0,
+        help="attention in flash attention's blocks of this many tokens, keeping no score "
+        "square (0: whole rows)",
+    )  # fmt: skip
+    parser.add_argument(
         "--gather", default="keep", choices=("keep", "regather"),
         help="regather: gather FSDP parameters again in the backward pass (and per microbatch) "
         "instead of keeping them",
@@ -239,6 +244,11 @@ def build(args):
     shape = parse_mesh(args.mesh)
     if args.moe_experts < 0 or args.capacity_factor < 0:
         raise UsageError("--moe-experts and --capacity-factor must not be negative")
+    if args.attention_block < 0 or (args.attention_block and args.seq % args.attention_block):
+        raise UsageError(
+            f"--attention-block {args.attention_block} does not divide --seq {args.seq}; use a "
+            "divisor of it, or 0 for whole rows"
+        )
     if args.strategy == "pp" and "pipe" not in shape:
         raise UsageError(
             f"--strategy pp needs a pipe= axis in --mesh (got {args.mesh!r}), e.g. "
@@ -289,6 +299,7 @@ def build(args):
         vocab=args.vocab, d_model=args.d_model, heads=args.heads, mlp=args.mlp,
         layers=args.layers, seq=args.seq, moe_experts=args.moe_experts,
         capacity_factor=args.capacity_factor or None, dropout=args.dropout,
+        attention_block=args.attention_block or None,
     )  # fmt: skip
     return mesh, layout, config
 
@@ -760,6 +771,7 @@ def train(args) -> dict:
         "sample": sample,
         "remat": args.remat,
         "gather": args.gather,
+        "attention_block": args.attention_block,
         "precision": args.precision,
         "microbatches": args.microbatches,
         "moe_experts": args.moe_experts,

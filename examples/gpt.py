@@ -43,6 +43,10 @@ class Config:
     kv_heads: int = 0
     #: A SwiGLU MLP (``silu(x @ gate) * (x @ up) @ down``, as Llama's) instead of GELU's.
     gated: bool = False
+    #: Attention in flash attention's blocks of this many tokens (no ``[seq, seq]`` score
+    #: square kept for the backward pass; ``substrax.spmd.attention(block=...)``), or None
+    #: for whole rows.
+    attention_block: int | None = None
 
     @property
     def head_dim(self) -> int:
@@ -94,6 +98,7 @@ class Block(nnx.Module):
         self.wv = _param(rngs, (d, config.kv, k), ("embed", "heads", "kv"))
         self.wo = _param(rngs, (h, k, d), ("heads", "kv", "embed"))
         self.mlp_norm = nnx.Param(jnp.ones((d,)), out_sharding=("embed",))
+        self.attention_block = config.attention_block
         if config.moe_experts:
             dispatch = "sorted" if config.capacity_factor is None else "one-hot"
             self.moe = sf.MixtureOfExperts(
@@ -143,7 +148,10 @@ class Block(nnx.Module):
         q = constrain(jnp.einsum("bte,ehk->bthk", h, self.wq[...]), *names)
         k = constrain(jnp.einsum("bte,ehk->bthk", h, self.wk[...]), *names)
         v = constrain(jnp.einsum("bte,ehk->bthk", h, self.wv[...]), *names)
-        attended = self._cached(q, k, v) if cached else attention(q, k, v, causal=True)
+        if cached:
+            attended = self._cached(q, k, v)
+        else:
+            attended = attention(q, k, v, causal=True, block=self.attention_block)
         out = self._drop("attn_drop", jnp.einsum("bthk,hke->bte", attended, self.wo[...]))
         return constrain(x + out, "data", "seq", "embed")
 

@@ -83,6 +83,22 @@ def test_context_and_expert_runs_train(tmp_path):
         assert metrics["losses"][-1] < metrics["losses"][0]
 
 
+def test_blocked_attention_trains_as_whole_rows(tmp_path):
+    """--attention-block 4 over 16 tokens (the causal half of 16 block pairs) gives the
+    losses of whole rows: the online softmax differs by rounding only."""
+    runs = {}
+    for block in ("0", "4"):
+        out = tmp_path / block
+        result = _run(*TINY, "--steps", "4", "--attention-block", block, "--output-dir",
+                      str(out), tmp_path=tmp_path)  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        runs[block] = json.loads((out / "metrics.json").read_text())
+    assert runs["4"]["attention_block"] == 4
+    assert runs["4"]["losses"] == pytest.approx(runs["0"]["losses"], rel=1e-5)
+    # the blocks above the diagonal are not run
+    assert runs["4"]["flops_per_device_per_step"] < runs["0"]["flops_per_device_per_step"]
+
+
 def test_fine_tuning_a_llama_checkpoint_with_lora_and_exporting_it(tmp_path):
     import safetensors.numpy
 
@@ -162,6 +178,7 @@ def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelin
         (["--data", "setup.cfg"], "unknown data format '.cfg'; expected one of .bin"),
         (["--vocab", "100"], "needs a vocabulary of 126 tokens (tokenizer: bytes), more than"),
         (["--eval-fraction", "1.5"], "held_out=1.5: expected a fraction between 0 and 1"),
+        (["--attention-block", "5"], "--attention-block 5 does not divide --seq 16; use a"),
     ],
 )
 def test_example_rejects_bad_input_in_one_line(tmp_path, args, message):
