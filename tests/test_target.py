@@ -122,3 +122,42 @@ def test_xla_tpu_compiles_ragged_dot_to_a_grouped_kernel():
     dense = experts * rows * width * 2  # the [experts, rows, width] operand a dense product needs
     assert compiled.memory_analysis().temp_size_in_bytes < dense / 8
     assert "tpu_custom_call" in compiled.as_text()
+
+
+def test_a_grouped_kernel_in_a_loop_counts_every_trip_and_its_gradient_is_not_dense():
+    """compiled_flops counts a TPU kernel (by its own cost estimate) as often as its loop
+    runs, as it counts dots; and the experts' weight gradient (grouped_matmul on TPU) runs
+    tile by tile, where ragged_dot's own transpose is a dense product over every expert."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from substrax.hlo import compiled_flops
+    from substrax.spmd import _grouped
+
+    target = CompileTarget.parse("v5p:2x2x2")
+    whole = NamedSharding(target.make_mesh({"data": 8}), P())
+    experts, rows, width, hidden, trips = 8, 2048, 256, 512, 4
+    args = (
+        jax.ShapeDtypeStruct((trips, rows, width), jnp.bfloat16, sharding=whole),
+        jax.ShapeDtypeStruct((experts, width, hidden), jnp.bfloat16, sharding=whole),
+        jax.ShapeDtypeStruct((experts,), jnp.int32, sharding=whole),
+    )
+
+    def loss(product):
+        def scanned(xs, w, sizes):
+            step = lambda total, x: (total + jnp.sum(product(x, w, sizes)), None)  # noqa: E731
+            return jax.lax.scan(step, jnp.zeros((), jnp.bfloat16), xs)[0]
+
+        return scanned
+
+    one = 2 * rows * width * hidden
+    with target.compiling():
+        forward = jax.jit(loss(jax.lax.ragged_dot)).lower(*args).compile()
+        tiled = jax.jit(jax.grad(loss(_grouped._ragged), (0, 1))).lower(*args).compile()
+        dense = jax.jit(jax.grad(loss(jax.lax.ragged_dot), (0, 1))).lower(*args).compile()
+    assert compiled_flops(forward) == pytest.approx(trips * one, rel=0.001)  # and the sums
+    # the input's gradient, and the weights' over 4 + 8 - 1 pairs of a 512-row tile and an
+    # expert (the forward product is not needed: the loss is its sum)
+    assert compiled_flops(tiled) == pytest.approx(trips * (one + one * 11 / 4), rel=0.01)
+    assert compiled_flops(dense) > 0.99 * trips * (one + experts * one)  # every expert's rows

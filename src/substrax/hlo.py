@@ -480,6 +480,7 @@ _CONDITION = re.compile(r"condition=%?([\w.\-]+)")
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([0-9,]*)\}")
 # XLA:GPU rewrites a dot as a cuBLAS call; its dimensions are in the call's backend config.
+_KERNEL_FLOPS = re.compile(r'"cost_estimate":\{"flops":"(\d+)"')
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul)[^"]*"')
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 
@@ -606,7 +607,9 @@ def dot_flops(
     """The matrix-product FLOPs of one execution of a compiled program, per device.
 
     XLA's ``cost_analysis()`` counts a ``while`` body once; this counts each ``dot`` (and each
-    ``convolution``, XLA:TPU's form of a matrix product, and each cuBLAS call, XLA:GPU's) as
+    ``convolution``, XLA:TPU's form of a matrix product, each TPU kernel by the FLOPs its
+    ``cost_estimate`` gives, such as ``ragged_dot``'s grouped kernel, and each cuBLAS call,
+    XLA:GPU's) as
     often as its loops run (their
     ``known_trip_count``, or their condition's bound), and of a ``conditional`` its costliest
     branch: a static bound on what any device computes, exact where every device takes a
@@ -638,6 +641,8 @@ def dot_flops(
         if op == "dot":
             contracting = _CONTRACTING.search(attrs)
             return _matmul_flops(result, operands, contracting.group(1) if contracting else "")
+        if op == "custom-call" and (kernel := _KERNEL_FLOPS.search(attrs)):
+            return float(kernel.group(1))  # a TPU kernel's own estimate (cost_analysis's too)
         if op == "custom-call" and library_calls and _GEMM.search(attrs):
             contracting = _GEMM_CONTRACTING.search(attrs)
             dims = ",".join(re.findall(r"\d+", contracting.group(1))) if contracting else ""

@@ -2,7 +2,8 @@
 
 A mixture of experts sorts its routed rows by expert and multiplies each expert's rows by that
 expert's weight: ``y[r] = x[r] @ w[group(r)]``. On TPU and GPU the rows are packed for
-``jax.lax.ragged_dot``: XLA:TPU compiles it to a grouped kernel; XLA:GPU (jax 0.11.2) to a
+``jax.lax.ragged_dot``: XLA:TPU compiles it to a grouped kernel (the weights' gradient, which
+it would compile densely, runs tile by tile instead: :func:`_ragged`); XLA:GPU (jax 0.11.2) to a
 dense product under a mask (``groups`` times the work, ``[groups, rows, d]`` temporaries), which
 on one H200 still ran 1.9x faster than the loop below at 64 groups (``benchmarks/gpu_check.py``).
 On XLA:CPU, whose ``ragged_dot`` is dense and slow, each group is padded to a
@@ -197,7 +198,8 @@ def grouped_matmul(
         raise ValueError("grouped_matmul with a target needs rows, the result's row count.")
     if groups.block_group is None:
         xs = x if source is None else jnp.take(x, source, axis=0, mode="fill", fill_value=0)
-        y = jax.lax.ragged_dot(xs, w.astype(x.dtype), groups.sizes.astype(jnp.int32))
+        ragged = _ragged if active_platform() == "tpu" else jax.lax.ragged_dot
+        y = ragged(xs, w.astype(x.dtype), groups.sizes.astype(jnp.int32))
         if target is None:
             return y
         out = jnp.zeros((rows, w.shape[2]), jnp.float32)
@@ -285,3 +287,69 @@ def _blocked_backward(block, rows, residuals, dy):
 
 _blocked = jax.custom_vjp(_blocked, nondiff_argnums=(6, 7))
 _blocked.defvjp(_blocked_forward, _blocked_backward)
+
+
+#: Rows per tile of :func:`_ragged`'s weight gradient.
+_TILE = 512
+
+
+@jax.custom_vjp
+def _ragged(xs: jax.Array, w: jax.Array, sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot`` whose weights' gradient runs tile by tile, not densely.
+
+    XLA:TPU (libtpu 0.0.42.1) compiles ``ragged_dot`` to a grouped kernel, and the input's
+    gradient (a ``ragged_dot`` by the transposed weights) too; the weights' gradient, which
+    contracts over the grouped rows, it compiles as a dense product over every group
+    (``groups`` times the work). Here it is a loop over the pairs of a tile of rows and a
+    group it meets: at most ``tiles + groups - 1`` products of ``tile`` rows, the rows of
+    other groups masked (megablox's ``tgmm`` schedule, in JAX).
+    """
+    return jax.lax.ragged_dot(xs, w, sizes)
+
+
+def _ragged_forward(xs, w, sizes):
+    return jax.lax.ragged_dot(xs, w, sizes), (xs, w, sizes)
+
+
+def _ragged_backward(residuals, dy):
+    xs, w, sizes = residuals
+    dy = dy.astype(xs.dtype)
+    dxs = jax.lax.ragged_dot(dy, jnp.swapaxes(w, 1, 2), sizes).astype(xs.dtype)
+    dw = _tiled_weight_grad(xs, dy, sizes, w.shape[0])
+    return reduce_as(dxs, xs), reduce_as(dw.astype(w.dtype), w), None
+
+
+_ragged.defvjp(_ragged_forward, _ragged_backward)
+
+
+def _tiled_weight_grad(xs: jax.Array, dy: jax.Array, sizes: jax.Array, groups: int) -> jax.Array:
+    """``dw[g] = xs[rows of g].T @ dy[rows of g]`` (float32), one tile and group at a time."""
+    rows = xs.shape[0]
+    tile = min(_TILE, rows)
+    tiles = -(-rows // tile)
+    if tiles * tile != rows:  # whole tiles; the padding belongs to no group
+        pad = ((0, tiles * tile - rows), (0, 0))
+        xs, dy = jnp.pad(xs, pad), jnp.pad(dy, pad)
+    ends = jnp.cumsum(sizes)
+    starts = ends - sizes
+    first = starts // tile
+    counts = jnp.where(sizes > 0, (ends - 1) // tile - first + 1, 0)
+    reach = jnp.cumsum(counts)  # the pairs of groups up to each, inclusive
+    pair = jnp.arange(tiles + groups - 1)
+    group = jnp.sum(reach[None, :] <= pair[:, None], axis=1)  # (searchsorted: no manual axes)
+    valid = group < groups
+    group = jnp.minimum(group, groups - 1)
+    at = jnp.where(valid, first[group] + pair - (reach - counts)[group], 0)
+
+    def add(dw, item):
+        g, t, ok = item
+        place = t * tile + jnp.arange(tile)
+        inside = ok & (place >= starts[g]) & (place < ends[g])
+        x = jnp.where(inside[:, None], jax.lax.dynamic_slice_in_dim(xs, t * tile, tile), 0)
+        d = jax.lax.dynamic_slice_in_dim(dy, t * tile, tile)
+        product = jnp.dot(x.T, d, preferred_element_type=jnp.float32)
+        current = jax.lax.dynamic_index_in_dim(dw, g, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(dw, current + product, g, 0), None
+
+    dw = vary_as(jnp.zeros((groups, xs.shape[1], dy.shape[1]), jnp.float32), xs, dy, sizes)
+    return jax.lax.scan(add, dw, (group, at, valid))[0]

@@ -474,8 +474,8 @@ def _validate_on_target(config: TransformerConfig, candidate: Any, target: str) 
 
 
 def _flash_block(seq: int) -> int:
-    """The twin's attention block under a flash assumption: splash attention's 512, or less."""
-    return math.gcd(seq, 512)
+    """The twin's flash attention block: 512, or ``seq``'s largest divisor below it."""
+    return max(d for d in range(1, min(seq, 512) + 1) if seq % d == 0)
 
 
 def _float32_moments(tx: optax.GradientTransformation) -> optax.GradientTransformation:
