@@ -171,6 +171,9 @@ def test_the_command_line_shows_a_layout_it_did_not_choose(capsys):
     # cotangents in 44.25 GiB, 8 x the 5.53 that the published run's sequence parallelism holds
     assert shown.startswith("#") and "schedule interleaved x4 (idle 0.135)" in shown
     assert "optimizer 0.22, activations 44.25" in shown
+    assert main([*run, "--sequence-parallel", "--show", "pp 16 x zero1 dp 128 x tp 8"]) == 0
+    split = capsys.readouterr().out
+    assert ", sequence parallel\n" in split and "optimizer 0.22, activations 5.53," in split
     assert "stored padded to 128 slots" in out[out.index(shown) + 1]
     table = out[out.index(shown) + 2 :]
     assert table[0].startswith("interleaved x 4 chunks, 16 microbatches on 16 stages: ")

@@ -227,7 +227,8 @@ def _inputs(args, result, hardware, workload, speeds: str) -> list[str]:
         f"  batch: {args.batch_tokens} tokens = {tokens:,} = {rows}",
         f"  precision {workload.precision}, optimizer {workload.optimizer}, remat "
         f"{workload.remat or 'searched'}, microbatches {workload.microbatches or 'searched'}, "
-        f"gather {workload.gather or 'searched'}, schedule {workload.schedule or 'searched'}",
+        f"gather {workload.gather or 'searched'}, schedule {workload.schedule or 'searched'}"
+        + (", sequence parallel" if workload.sequence_parallel else ""),
     ]
     if hardware.flops:
         intra, inter = hardware.intra_host_bandwidth / 1e9, hardware.inter_host_bandwidth / 1e9
@@ -300,6 +301,11 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
     parser.add_argument(
         "--gather", default=None, choices=GATHER,
         help="make_train_step(gather=...) on FSDP layouts; searched when left out",
+    )  # fmt: skip
+    parser.add_argument(
+        "--sequence-parallel", action="store_true",
+        help="split the h-wide activations over the tensor devices, as Megatron-LM and "
+        "torchtitan run tensor parallelism (substrax's layouts do not)",
     )  # fmt: skip
     parser.add_argument(
         "--microbatches",
@@ -436,6 +442,7 @@ def main(
             gather=args.gather,
             schedule=args.schedule,
             chunks=args.chunks,
+            sequence_parallel=args.sequence_parallel,
         )
         strategies = tuple(args.strategies.split(","))
         model, leaves = _model(args, load_factory)
