@@ -357,8 +357,8 @@ def _activations(
     pass, whose buffers (:func:`_vocabulary`, the logits) were the larger at every size
     measured, so it adds nothing to the peak. Context parallelism divides the sequence (ring
     attention holds one key/value block at a time, so the score term shrinks with the
-    square). A mixture of
-    experts replaces the MLP's part with its own (:func:`_expert_activations`).
+    square). A mixture of experts replaces the MLP's part with its own
+    (:func:`_expert_activations`).
     """
     rows = w.batch / layout.batch_degree
     micro = w.microbatches or (layout.pp if layout.pp > 1 else 1)
@@ -368,14 +368,12 @@ def _activations(
     remat = w.remat or "none"
     square = 0 if flash or remat != "none" else 5 * a * s / (h * t)
     moe = (_expert_activations(c, w, layout, act, hw) * 2 / act) / h if c.experts else None
-
     split = t if w.sequence_parallel else 1
 
     def per_token(policy: str) -> float:
         wide, heads, mlp = _kept(c, policy)
-        if moe is not None and policy != "full":  # the experts' part replaces the MLP's own
-            mlp = moe * t
-        return wide / split + (heads + mlp) / t
+        experts = moe is not None and policy != "full"  # their part replaces the MLP's own
+        return wide / split + heads / t + (moe if experts else mlp / t)
 
     layer, whole = per_token(remat) + square, per_token("none")
     # a deferred weight op keeps its layers' output cotangents as well (s b h each)
@@ -600,11 +598,10 @@ def _gathered(config, layout, workload, per_device, layer_shard, stored) -> tupl
     width: Llama 3 8B on ZeRO-2 16 x TP 2, 8 slices, XLA:TPU: 67.3 GiB compiled, 64.3
     estimated with them, 49.4 without.
     """
+    width = PRECISION_BYTES[workload.precision][1]
     if layout.fsdp == 1:
         slices = (workload.microbatches or 1) if layout.pp == 1 else 1
-        width = PRECISION_BYTES[workload.precision][1]
         return 0.0, (2 * per_device * width if slices > 1 else 0.0)
-    width = PRECISION_BYTES[workload.precision][1]
     gathers, _, whole = _gathers(layout, workload)
     if whole:  # every parameter gathered, and a whole gradient summed over the slices
         model = per_device * layout.fsdp

@@ -15,7 +15,8 @@ Model code calls :func:`attention` instead: it reads the context axes from the a
 (the logical name ``seq``, which a context-parallel :class:`~substrax.layout.Layout` maps to its
 ``context`` axes), enters ``shard_map`` over them itself and runs the ring, on a sequence that
 substrax's steps lay out in zigzag order; :func:`positions` gives the tokens' positions in that
-order. Without context axes both are the plain computation.
+order. Without context axes both are one device's computation: :func:`attention` over whole
+rows, or with ``block`` in flash attention's blocks, which keep no ``[T, T]`` score square.
 """
 
 from __future__ import annotations
