@@ -336,7 +336,8 @@ def _tiled_weight_grad(xs: jax.Array, dy: jax.Array, sizes: jax.Array, groups: i
     counts = jnp.where(sizes > 0, (ends - 1) // tile - first + 1, 0)
     reach = jnp.cumsum(counts)  # the pairs of groups up to each, inclusive
     pair = jnp.arange(tiles + groups - 1)
-    group = jnp.sum(reach[None, :] <= pair[:, None], axis=1)  # (searchsorted: no manual axes)
+    # a count, not jnp.searchsorted: that asserts inside jax on rows varying over a manual axis
+    group = jnp.sum(reach[None, :] <= pair[:, None], axis=1)
     valid = group < groups
     group = jnp.minimum(group, groups - 1)
     at = jnp.where(valid, first[group] + pair - (reach - counts)[group], 0)
