@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from flax_test_models import token_loss, train, unsharded
 
 import substrax_flax as sf
 
@@ -56,26 +57,13 @@ class Scanned(nnx.Module):
         return run(self.embed(tokens), self.blocks) @ self.embed.embedding[...].T
 
 
-def loss_fn(model, batch):
-    logits = model(batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
-
-
 BATCH = jax.random.randint(jax.random.key(1), (16, 9), 0, 64)
 
 
 def _one_device(config):
-    with nnx.use_eager_sharding(False):
-        model = Scanned(config, nnx.Rngs(0))
+    model = unsharded(lambda: Scanned(config, nnx.Rngs(0)))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss
-
-    return [float(step(model, optimizer, BATCH)) for _ in range(3)]
+    return train(model, optimizer, [BATCH] * 3, token_loss)
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +80,7 @@ def test_a_published_style_stack_with_dropout_equals_one_device(one_device, opti
     model = sf.create_sharded_model(lambda: Scanned(Config(), nnx.Rngs(0)), mesh,
                                     layout="fsdp+tp")  # fmt: skip
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2))
-    step = sf.make_train_step(loss_fn, **options)
+    step = sf.make_train_step(token_loss, **options)
     losses = [float(step(model, optimizer, BATCH)["loss"]) for _ in range(3)]
     assert step.plan.path == "manual"
     np.testing.assert_allclose(losses, one_device, rtol=1e-5)
