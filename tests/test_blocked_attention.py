@@ -4,20 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_context_attention import B, D, H, inputs
 
 from substrax.hlo import dot_flops
 from substrax.spmd import attention
-
-B, T, H, HKV, D = 2, 32, 4, 2, 8
-
-
-def _inputs(length=T, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (B, length, H, D))
-    k = jax.random.normal(keys[1], (B, length, HKV, D))
-    v = jax.random.normal(keys[2], (B, length, HKV, D))
-    w = jax.random.normal(keys[3], (B, length, H, D))
-    return q, k, v, w
 
 
 def _loss(w, **options):
@@ -26,7 +16,7 @@ def _loss(w, **options):
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_values_and_gradients_equal_whole_rows(causal):
-    q, k, v, w = _inputs()
+    q, k, v, w = inputs()
     blocked = jax.jit(lambda q, k, v: attention(q, k, v, causal=causal, block=8))
     whole = attention(q, k, v, causal=causal)
     np.testing.assert_allclose(blocked(q, k, v), whole, atol=2e-6, rtol=2e-5)
@@ -37,7 +27,7 @@ def test_values_and_gradients_equal_whole_rows(causal):
 
 
 def test_gradients_under_remat_equal_whole_rows():
-    q, k, v, w = _inputs()
+    q, k, v, w = inputs()
     loss = jax.checkpoint(_loss(w, causal=True, block=16))
     got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(_loss(w, causal=True), argnums=(0, 1, 2))(q, k, v)
@@ -46,7 +36,7 @@ def test_gradients_under_remat_equal_whole_rows():
 
 
 def _compiled(loss, length):
-    q, k, v, w = _inputs(length)
+    q, k, v, w = inputs(length)
     grad = jax.jit(jax.grad(loss(w), argnums=(0, 1, 2)))
     return grad.lower(q, k, v).compile()
 
@@ -70,7 +60,7 @@ def test_the_backward_holds_one_block_square_and_skips_the_masked_blocks():
 
 @pytest.mark.parametrize("block", [0, 5, 2.0, True])
 def test_a_block_that_does_not_divide_the_length_is_refused(block):
-    q, k, v, _ = _inputs()
+    q, k, v, _ = inputs()
     with pytest.raises(
         ValueError, match=rf"divides the query and key lengths \(32, 32\), got {block!r}"
     ):
@@ -78,6 +68,6 @@ def test_a_block_that_does_not_divide_the_length_is_refused(block):
 
 
 def test_causal_blocks_need_one_length():
-    q, k, v, _ = _inputs()
+    q, k, v, _ = inputs()
     with pytest.raises(ValueError, match=r"one length, got \(32, 16\)"):
         attention(q, k[:, :16], v[:, :16], causal=True, block=8)

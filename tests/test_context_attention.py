@@ -13,12 +13,13 @@ from substrax.spmd import context_attention, context_positions, unzigzag, zigzag
 B, T, H, HKV, D = 2, 32, 4, 2, 8
 
 
-def _inputs(seed=0):
+def inputs(length=T, seed=0):
+    """Queries, grouped keys and values, and an output weight, ``length`` tokens long."""
     keys = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(keys[0], (B, T, H, D))
-    k = jax.random.normal(keys[1], (B, T, HKV, D))
-    v = jax.random.normal(keys[2], (B, T, HKV, D))
-    w = jax.random.normal(keys[3], (B, T, H, D))
+    q = jax.random.normal(keys[0], (B, length, H, D))
+    k = jax.random.normal(keys[1], (B, length, HKV, D))
+    v = jax.random.normal(keys[2], (B, length, HKV, D))
+    w = jax.random.normal(keys[3], (B, length, H, D))
     return q, k, v, w
 
 
@@ -62,7 +63,7 @@ def mesh():
 def test_values_and_gradients_equal_one_device(mesh, variant, causal, balanced):
     """Grouped-query heads, values and gradients (the all-gather variant, and the ring on a
     whole train step, are compared with one device in test_context_parallel.py)."""
-    q, k, v, w = _inputs()
+    q, k, v, w = inputs()
     attention = _context(mesh, causal, balanced, variant)
     np.testing.assert_allclose(attention(q, k, v), _dense(q, k, v, causal), atol=2e-6, rtol=2e-5)
 
@@ -76,7 +77,7 @@ def test_values_and_gradients_equal_one_device(mesh, variant, causal, balanced):
 
 
 def test_the_ring_passes_key_value_blocks_and_never_gathers(mesh):
-    q, k, v, _ = _inputs()
+    q, k, v, _ = inputs()
     text = _context(mesh, True, True, "ring").lower(q, k, v).as_text()
     ops = collectives(text, 4)
     assert {op.kind for op in ops} == {"collective-permute"}
