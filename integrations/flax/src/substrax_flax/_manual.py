@@ -30,7 +30,6 @@ from typing import Any
 
 import jax
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from substrax.layout import Layout
@@ -48,7 +47,6 @@ from substrax_flax._state import constrain_state, map_variables, values_by_path
 from substrax_flax._streams import RowDraws, rows_loss
 
 __all__ = [
-    "GATHERED",
     "at_use",
     "batch_specs",
     "manual_movers",
@@ -58,20 +56,14 @@ __all__ = [
 ]
 
 
-#: The name (``jax.ad_checkpoint.checkpoint_name``) of every parameter at its point of use;
-#: XLA's step under ``gather="regather"`` asks its checkpoint to save anything but these.
-GATHERED = "substrax_gathered_param"
-
-
 def at_use(params: Any, shardings: Any, precision: MixedPrecision) -> Any:
-    """Parameters at their point of use outside a manual region: laid out, cast and named.
+    """Parameters at their point of use outside a manual region: laid out and cast.
 
     Inside one, :meth:`Mover.place` does the same to each parameter as it is gathered.
     """
     if shardings is not None:
         params = constrain_state(params, shardings)
-    params = precision.cast_to_compute(params)
-    return jax.tree.map(lambda p: checkpoint_name(p, GATHERED), params)
+    return precision.cast_to_compute(params)
 
 
 def manual_rules(rules: MeshRules, batch_axes: tuple[str, ...]) -> MeshRules:
@@ -207,11 +199,11 @@ class Mover:
     def gather(self, x: jax.Array) -> jax.Array:
         """The parameter at its point of use, from its shard; its gradient is :meth:`scatter`'s.
 
-        Gathered, laid out and cast as :meth:`place` says, in one differentiable step named
-        :data:`GATHERED`, as the loss names parameters outside a region. (A name cannot make
-        ``gather="regather"`` drop it: a policy that refuses the name saves the unnamed value
-        it was made from. :func:`~substrax_flax._deferred.run_gathering` rematerialises each use
-        with its gather instead.)
+        Gathered, laid out and cast as :meth:`place` says, in one differentiable step. (No
+        checkpoint name can make ``gather="regather"`` drop it: a policy that refuses the name
+        saves the unnamed value it was made from.
+        :func:`~substrax_flax._deferred.run_gathering` rematerialises each use with its gather
+        instead.)
         """
 
         @jax.custom_vjp
@@ -225,16 +217,16 @@ class Mover:
             return (self.scatter(g, x.dtype),)
 
         gathered.defvjp(forward, backward)
-        return checkpoint_name(gathered(x), GATHERED)
+        return gathered(x)
 
     def place(self, x: jax.Array) -> jax.Array:
-        """A value gathered by :meth:`all_gather` at its point of use: laid out and named.
+        """A value gathered by :meth:`all_gather` at its point of use: laid out and cast.
 
         What the loss does to every parameter outside the region (its compute sharding, the
-        compute dtype, the :data:`GATHERED` name), done here so that a stacked parameter's
-        slices get it inside the layer loop.
+        compute dtype), done here so that a stacked parameter's slices get it inside the layer
+        loop.
         """
-        return checkpoint_name(self._laid_out(x), GATHERED)
+        return self._laid_out(x)
 
     def _laid_out(self, x: jax.Array) -> jax.Array:
         if self.compute is not None:
