@@ -580,7 +580,7 @@ def _gathers(layout, workload: Workload) -> tuple[int, int, bool]:
     ``"keep"``). A pipeline's stages gather their layers once (or twice) per step.
     """
     gather = workload.gather or "keep"
-    slices = (workload.microbatches or 1) if layout.pp == 1 else 1
+    slices = _slices(layout, workload)
     if layout.pp > 1:
         return (1 if gather == "keep" else 2), 1, False
     if gather == "keep" and slices > 1:
@@ -588,6 +588,11 @@ def _gathers(layout, workload: Workload) -> tuple[int, int, bool]:
     if gather == "keep" and (workload.remat or "none") == "none":
         return 1, 1, False
     return 2, (slices if gather == "regather" else 1), False
+
+
+def _slices(layout, workload: Workload) -> int:
+    """Gradient-accumulation slices of a step (a pipeline's microbatches are not slices)."""
+    return (workload.microbatches or 1) if layout.pp == 1 else 1
 
 
 def _gathered(config, layout, workload, per_device, layer_shard, stored) -> tuple[float, float]:
@@ -600,8 +605,7 @@ def _gathered(config, layout, workload, per_device, layer_shard, stored) -> tupl
     """
     width = PRECISION_BYTES[workload.precision][1]
     if layout.fsdp == 1:
-        slices = (workload.microbatches or 1) if layout.pp == 1 else 1
-        return 0.0, (2 * per_device * width if slices > 1 else 0.0)
+        return 0.0, (2 * per_device * width if _slices(layout, workload) > 1 else 0.0)
     gathers, _, whole = _gathers(layout, workload)
     if whole:  # every parameter gathered, and a whole gradient summed over the slices
         model = per_device * layout.fsdp
