@@ -272,9 +272,7 @@ def _blocked_backward(block, rows, residuals, dy):
     def add(dw, i):
         product = jnp.dot(_block_rows(x, source, i, block).T, _block_rows(dy, target, i, block),
                           preferred_element_type=jnp.float32)  # fmt: skip
-        group = block_group[i]
-        current = jax.lax.dynamic_index_in_dim(dw, group, keepdims=False)
-        return jax.lax.dynamic_update_index_in_dim(dw, current + product, group, 0)
+        return _add_to_group(dw, block_group[i], product)
 
     dw = vary_as(jnp.zeros(w.shape, jnp.float32), x, dy, block_group)
     if used is None:
@@ -283,6 +281,12 @@ def _blocked_backward(block, rows, residuals, dy):
         dw = jax.lax.fori_loop(0, used, lambda i, dw: add(dw, i), dw)
     dx = dx.astype(x.dtype)
     return reduce_as(dx, x), reduce_as(dw.astype(w.dtype), w), None, None, None, None
+
+
+def _add_to_group(dw: jax.Array, group: jax.Array, product: jax.Array) -> jax.Array:
+    """``dw[group] += product``, in place in a loop's carry."""
+    current = jax.lax.dynamic_index_in_dim(dw, group, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(dw, current + product, group, 0)
 
 
 _blocked = jax.custom_vjp(_blocked, nondiff_argnums=(6, 7))
@@ -349,8 +353,7 @@ def _tiled_weight_grad(xs: jax.Array, dy: jax.Array, sizes: jax.Array, groups: i
         x = jnp.where(inside[:, None], jax.lax.dynamic_slice_in_dim(xs, t * tile, tile), 0)
         d = jax.lax.dynamic_slice_in_dim(dy, t * tile, tile)
         product = jnp.dot(x.T, d, preferred_element_type=jnp.float32)
-        current = jax.lax.dynamic_index_in_dim(dw, g, keepdims=False)
-        return jax.lax.dynamic_update_index_in_dim(dw, current + product, g, 0), None
+        return _add_to_group(dw, g, product), None
 
     dw = vary_as(jnp.zeros((groups, xs.shape[1], dy.shape[1]), jnp.float32), xs, dy, sizes)
     return jax.lax.scan(add, dw, (group, at, valid))[0]
