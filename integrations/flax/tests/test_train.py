@@ -131,9 +131,10 @@ def test_stacked_layers_and_their_optimizer_state_match_one_device():
     sharded = _sharded(factory, mesh, rules, batches, token_loss)
     # Gradients of one step agree within 5.7e-7 here, as for the unstacked model; over three
     # adam steps at lr 1e-2 through four scanned layers that grows to 3.6e-5 on blocks/wv
-    # (adam normalises each coordinate, so rounding in tiny gradients becomes full steps).
-    # Losses still agree within 1e-5.
-    _assert_same(_reference(factory, batches, token_loss), sharded, rtol=5e-5)
+    # under XLA:CPU's default code generator and 5.7e-5 under the suite's (tests/jax_setup.py)
+    # (adam normalises each coordinate, so rounding in tiny gradients becomes full steps; a
+    # sharding error is of the order of the weights). Losses still agree within 1e-5.
+    _assert_same(_reference(factory, batches, token_loss), sharded, rtol=1e-4)
     optimizer_report = sf.sharding_report(
         sf.create_sharded_optimizer(
             sf.create_sharded_model(factory, mesh, rules), _tx(), mesh, rules
