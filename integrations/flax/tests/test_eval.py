@@ -14,7 +14,6 @@ from flax_test_models import unsharded
 from jax.sharding import PartitionSpec as P
 
 import substrax_flax as sf
-from substrax import ShardingWarning
 from substrax.hlo import traffic_by_kind
 from substrax.layout import Layout
 from substrax.mesh import DeviceMeshManager
@@ -204,7 +203,7 @@ def test_the_kv_cache_is_sharded_and_sized_as_planned(name):
         f"blocks/{i}/{v}" for i in range(2) for v in ("cache_index", "cached_key", "cached_value")
     )
     key = rows["blocks/0/cached_key"]
-    assert key.names == ("data", "seq", "heads", "kv") and key.spec == CACHE_SPECS[name]
+    assert key.logical_names == ("data", "seq", "heads", "kv") and key.spec == CACHE_SPECS[name]
     leaves = dict(_paths(step.cache))
     for path, row in rows.items():  # what each device holds is what the plan says
         assert leaves[path].sharding.spec == row.spec, path
@@ -217,6 +216,29 @@ def test_the_kv_cache_is_sharded_and_sized_as_planned(name):
     step(model, np.asarray(logits.argmax(-1))[:, None])
     index = _paths(step.cache)
     assert int(dict(index)["blocks/1/cache_index"]) == 7
+
+
+class _ExplicitCacheGPT(gpt.GPT):
+    """The example decoder with its cache written as an Explicit-style model writes it."""
+
+    def init_cache(self, batch_size: int, max_length: int) -> None:
+        spec = P("data", None, "model", None)  # the mesh's axes, not logical names
+        for block in self.blocks:
+            shape = (batch_size, max_length, *block.wk.shape[1:])
+            block.cached_key = nnx.Cache(jnp.zeros(shape), out_sharding=spec)
+            block.cached_value = nnx.Cache(jnp.zeros(shape), out_sharding=spec)
+            block.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
+
+
+def test_a_cache_that_names_mesh_axes_is_planned_on_them_as_parameters_are():
+    """The cache's names go through the parameters' resolver: mesh axes mean those axes."""
+    layout, prompt = LAYOUTS["fsdp+tp"](), BATCH[:8, :4]
+    model = sf.create_sharded_model(lambda: _ExplicitCacheGPT(CONFIG, nnx.Rngs(0)), layout=layout)
+    step = sf.make_decode_step(model, 8, 8)
+    key = next(row for row in step.rows if row.path == "blocks/0/cached_key")
+    assert key.spec == CACHE_SPECS["fsdp+tp"] and key.rule == "data->data, model->model"
+    np.testing.assert_array_equal(sf.generate(model, prompt, 3),
+                                  sf.generate(_placed(layout), prompt, 3))  # fmt: skip
 
 
 def test_generate_reuses_its_decode_step_and_a_changed_model_needs_a_new_one(monkeypatch):
@@ -257,12 +279,15 @@ def _paths(state):
 
 def test_bad_decode_arguments_say_what_is_valid():
     model = _placed(LAYOUTS["dp"]())
-    with pytest.warns(ShardingWarning, match=r"4 cache dimension\(s\) do not divide .* kept "
-                      r"whole on every device: blocks/0/cached_key \(6, 10, 4, 16\): 6 over the "
-                      r"8 devices of \('data',\);"):  # fmt: skip
-        uneven = sf.make_decode_step(model, 6, 10)
-    assert uneven.rows[1].spec == P(None, None, None, None)  # said, and kept whole
-    assert uneven(model, BATCH[:6, :3]).shape == (6, CONFIG.vocab)
+    # 6 rows over 8 devices: the axis moves to the one dimension it divides, as a parameter's
+    # would, and the row says so; the step's logits are those of the same rows among 8
+    uneven = sf.make_decode_step(model, 6, 10)
+    key = next(row for row in uneven.rows if row.path == "blocks/0/cached_key")
+    assert key.spec == P(None, None, None, "data") and key.bytes_per_device == key.bytes_total // 8
+    (moved,) = [reason for reason in key.reasons if reason.kind == "moved"]
+    assert moved.axes == ("data",) and "moved to dim 3 (16)" in moved.detail
+    even = sf.make_decode_step(model, 8, 10)(model, BATCH[:8, :3])
+    np.testing.assert_allclose(uneven(model, BATCH[:6, :3]), even[:6], rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="max_length must be a positive integer, got 0"):
         sf.make_decode_step(model, 8, 0)
     step = sf.make_decode_step(model, 8, 10)

@@ -22,7 +22,6 @@ from substrax_flax._create import create_sharded_model as create_sharded_model
 from substrax_flax._create import get_shardings as get_shardings
 from substrax_flax._create import plan_model as plan_model
 from substrax_flax._create import shard_model as shard_model
-from substrax_flax._decode import CacheRow as CacheRow
 from substrax_flax._decode import DecodeStep as DecodeStep
 from substrax_flax._decode import make_decode_step as make_decode_step
 from substrax_flax._eval import EvalStep as EvalStep
@@ -57,7 +56,6 @@ from substrax_flax._weights import save_tensors as save_tensors
 from substrax_flax._weights import save_weights as save_weights
 
 __all__ = [
-    "CacheRow",
     "CheckpointWarning",
     "CompileRefused",
     "Checkpointer",

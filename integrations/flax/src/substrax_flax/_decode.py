@@ -14,8 +14,6 @@ updated in place. XLA partitions each step.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -25,34 +23,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from substrax import ShardingWarning, warn_user
-from substrax.mesh import partition_spec_for_names
 from substrax.spmd import use_rules
 from substrax_flax._plan import ModelPlan, model_plan, shardings_of
-from substrax_flax._state import map_variables, variables
+from substrax_flax._resolve import Resolver, VariableSharding
+from substrax_flax._state import map_variables
 
-__all__ = ["CacheRow", "DecodeStep", "make_decode_step"]
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheRow:
-    """One cache variable as planned.
-
-    Attributes:
-      path: Its path in the model.
-      shape: Its global shape.
-      dtype: Its dtype.
-      names: Its logical names (None: none given; it is replicated).
-      spec: The ``PartitionSpec`` the names resolve to.
-      bytes_per_device: What one device holds of it.
-    """
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    names: tuple[Any, ...] | None
-    spec: PartitionSpec
-    bytes_per_device: int
+__all__ = ["DecodeStep", "make_decode_step"]
 
 
 class DecodeStep:
@@ -166,47 +142,26 @@ class DecodeStep:
         return logits[:, -1].astype(jnp.float32), cache
 
 
-def _cache_rows(abstract: Any, rules: Any, mesh: jax.sharding.Mesh) -> tuple[CacheRow, ...]:
-    """Each cache variable's names resolved through ``rules``, checked against its shape.
+def _cache_rows(abstract: Any, rules: Any, mesh: Any) -> tuple[VariableSharding, ...]:
+    """Each cache variable planned as a parameter is: its names resolved by the core resolver.
 
-    A dimension that does not divide the mesh axes its name resolves to is kept whole on
-    those axes, with a :class:`~substrax.ShardingWarning` (as XLA would replicate it silently).
+    The names come from the variable's metadata (or, for an Explicit-style cache, its typed
+    spec) and are resolved through the compute ``rules`` by :class:`~substrax_flax._resolve.
+    Resolver`, as parameters are: mesh-axis names mean those axes, an unknown name raises,
+    and an axis a dimension does not divide moves to the largest dimension it divides (the
+    row's ``moved`` reason says where) or, where none does, is left out with a
+    :class:`~substrax.ShardingWarning`.
 
     Raises:
-      ValueError: If ``init_cache`` created no ``nnx.Cache`` variable.
+      ValueError: If ``init_cache`` created no ``nnx.Cache`` variable, or a name is unknown.
     """
-    sizes = dict(mesh.shape)
-    rows, whole = [], []
-    for path, variable in variables(abstract):
-        names = variable.get_metadata().get("out_sharding")
-        value = variable.get_value()
-        spec = partition_spec_for_names(rules, *names) if names else PartitionSpec()
-        entries, parts = [], 1
-        for dim, entry in zip(value.shape, tuple(spec) + (None,) * value.ndim, strict=False):
-            axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            size = math.prod(sizes[a] for a in axes)
-            if dim % size:
-                whole.append(f"{path} {value.shape}: {dim} over the {size} devices of {axes}")
-                entry, size = None, 1
-            entries.append(entry)
-            parts *= size
-        spec = PartitionSpec(*entries) if names else spec
-        nbytes = math.prod(value.shape) * value.dtype.itemsize // parts
-        rows.append(CacheRow(path, tuple(value.shape), str(value.dtype),
-                             tuple(names) if names else None, spec, nbytes))  # fmt: skip
-    if whole:
-        warn_user(
-            f"make_decode_step: {len(whole)} cache dimension(s) do not divide the mesh axes "
-            f"their logical names resolve to, and are kept whole on every device: "
-            f"{'; '.join(whole)}. A batch size or head count those devices divide splits them.",
-            ShardingWarning,
-        )
+    rows = Resolver(mesh, rules, source="the layout's compute rules").rows(abstract)
     if not rows:
         raise ValueError(
             "make_decode_step: init_cache created no nnx.Cache variable; the model must keep "
             "its keys and values in nnx.Cache variables (as nnx.MultiHeadAttention does)."
         )
-    return tuple(rows)
+    return rows
 
 
 def make_decode_step(
@@ -222,12 +177,15 @@ def make_decode_step(
     """Creates ``model``'s KV cache at its layout, and the step that decodes with it.
 
     ``model.init_cache(batch_size, max_length)`` must create ``nnx.Cache`` variables with
-    logical names (``out_sharding=`` metadata) in the names the model's activations use;
-    they are resolved through the layout's compute rules, as :func:`~substrax.spmd.constrain`
-    resolves activations: the batch over the batch axes, heads over the tensor axes. The
-    cache is created inside ``jit`` with those shardings (no device holds all of it), and
-    kept in the step (:attr:`DecodeStep.cache`, :attr:`DecodeStep.rows`); the model is left
-    unchanged. Each call appends tokens and returns the logits after the last.
+    logical names (``out_sharding=`` metadata) in the names the model's activations use, or
+    mesh axes (an Explicit-style ``PartitionSpec``). They are planned as parameters are, by
+    the same resolver, through the layout's compute rules: the batch over the batch axes,
+    heads over the tensor axes, and an axis a dimension does not divide moved to the largest
+    dimension it divides (the row's ``moved`` reason says where). The cache is created inside
+    ``jit`` with those shardings (no device holds all of it), and kept in the step
+    (:attr:`DecodeStep.cache`; :attr:`DecodeStep.rows` are report rows,
+    :class:`~substrax_flax.VariableSharding`); the model is left unchanged. Each call
+    appends tokens and returns the logits after the last.
 
     Args:
       model: A causal language model laid out by substrax, with ``init_cache``.
@@ -244,12 +202,13 @@ def make_decode_step(
 
     Raises:
       TypeError: If the model has no ``init_cache``.
-      ValueError: If ``batch_size`` or ``max_length`` is not positive, or ``init_cache``
-        creates no ``nnx.Cache`` variable.
+      ValueError: If ``batch_size`` or ``max_length`` is not positive, ``init_cache``
+        creates no ``nnx.Cache`` variable, or a cache name is neither a logical name of the
+        rules nor a mesh axis.
 
     Warns:
-      ShardingWarning: For a cache dimension that does not divide the mesh axes its names
-        resolve to (it is kept whole there).
+      ShardingWarning: For an axis no dimension of a cache variable divides (it is left out
+        there), as for parameters.
     """
     if not callable(getattr(model, "init_cache", None)):
         raise TypeError(
