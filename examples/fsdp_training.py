@@ -745,10 +745,10 @@ def train(args) -> dict:
         raise UsageError(f"nothing to do: the checkpoint is at step {start_step} >= --steps")
     state = sf.sharding_report(model).bytes_per_device
     state += sf.sharding_report(optimizer).bytes_per_device
-    # a pipeline's or a split sequence's model has no whole-sequence forward; generate runs in
-    # one process (with the decoder's KV cache)
+    # a split sequence's model has no whole-sequence forward; generate runs in one process
+    # (with the decoder's KV cache; a pipeline's stacked cache lies over the stages as its layers)
     sample = None
-    whole = not (layout.pp > 1 or layout.cp > 1)
+    whole = layout.cp == 1
     if args.sample and whole and jax.process_count() == 1:
         sample = sample_text(model, args.sample, layout.batch_degree, data.tokenizer, args.seed)
     metrics = {

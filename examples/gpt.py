@@ -235,8 +235,30 @@ class StackedGPT(nnx.Module):
         self.norm = nnx.Param(jnp.ones((config.d_model,)), out_sharding=("embed",))
         self.head = _param(rngs, (config.d_model, config.vocab), ("embed", "vocab"))
 
-    def __call__(self, tokens):
-        return self.forward(tokens)[0]
+    def __call__(self, tokens, decode: bool = False):
+        """The logits; with ``decode``, of new tokens after those in the cache (``init_cache``)."""
+        if not decode:
+            return self.forward(tokens)[0]
+
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, block):  # each layer reads and appends to its own slice of the cache
+            return block.decode(x)
+
+        x = constrain(self.embed(tokens), "data", "seq", "embed")
+        return constrain(self.logits(run(x, self.blocks)), "data", "seq", "vocab")
+
+    def init_cache(self, batch_size: int, max_length: int) -> None:
+        """The stack's key/value cache, stacked like its layers (logical axis ``layers``).
+
+        Each layer's slice is :meth:`Block.init_cache`'s; the leading ``layers`` dimension
+        goes where the layout puts the stack's (over the stages under a pipeline).
+        """
+        blocks, layers = self.blocks, self.blocks.wk.shape[0]
+        shape = (layers, batch_size, max_length, *blocks.wk.shape[2:])
+        names = ("layers", "data", "seq", "heads", "kv")
+        blocks.cached_key = nnx.Cache(jnp.zeros(shape, blocks.wk.dtype), out_sharding=names)
+        blocks.cached_value = nnx.Cache(jnp.zeros(shape, blocks.wv.dtype), out_sharding=names)
+        blocks.cache_index = nnx.Cache(jnp.zeros((layers,), jnp.int32), out_sharding=("layers",))
 
     def forward(self, tokens):
         """The logits and the blocks' summed load-balancing loss (0 without experts)."""

@@ -124,25 +124,27 @@ def test_fine_tuning_a_llama_checkpoint_with_lora_and_exporting_it(tmp_path):
     assert refused.returncode == 2 and "drop them" in refused.stderr
 
 
-PIPELINE_SIZE = [*TINY, "--layers", "4", "--steps", "4"]
+PIPELINE_SIZE = [*TINY, "--layers", "4", "--steps", "4", "--sample", "6"]
 
 
 @pytest.fixture(scope="module")
-def unpipelined_losses(tmp_path_factory):
+def unpipelined(tmp_path_factory):
     directory = tmp_path_factory.mktemp("dp")
     plain = _run(*PIPELINE_SIZE, "--strategy", "dp", "--stacked", "--mesh", "data=8",
                  tmp_path=directory)  # fmt: skip
     assert plain.returncode == 0, plain.stderr
-    return json.loads((directory / "metrics.json").read_text())["losses"]
+    return json.loads((directory / "metrics.json").read_text())
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
-def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelined_losses):
+def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelined):
+    """The losses, and the closing sample: decoded with the stack's cache over the stages."""
     pipelined = _run(*PIPELINE_SIZE, "--strategy", "pp", "--mesh", "pipe=4,data=2", "--schedule",
                      schedule, "--microbatches", "2", tmp_path=tmp_path)  # fmt: skip
     assert pipelined.returncode == 0, pipelined.stderr
-    losses = json.loads((tmp_path / "metrics.json").read_text())["losses"]
-    assert losses == pytest.approx(unpipelined_losses, rel=1e-5)
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["losses"] == pytest.approx(unpipelined["losses"], rel=1e-5)
+    assert metrics["sample"] == unpipelined["sample"] and len(metrics["sample"]) >= 6
 
 
 @pytest.mark.parametrize(

@@ -241,6 +241,32 @@ def test_a_cache_that_names_mesh_axes_is_planned_on_them_as_parameters_are():
                                   sf.generate(_placed(layout), prompt, 3))  # fmt: skip
 
 
+#: The stacked decoder's cache spec: its layers dimension where the layout puts the stack's.
+STACKED_CACHE = {
+    "fsdp": (Layout.named("fsdp", {"data": 8}), P(None, "data", None, None, None)),
+    "pp x dp": (Layout.from_degrees(pp=2, dp=4), P("pipe", "data", None, None, None)),
+    "pp x fsdp x tp": (Layout.from_degrees(pp=2, fsdp=2, tp=2),
+                       P("pipe", "fsdp", None, "model", None)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(STACKED_CACHE))
+def test_the_stacked_decoder_decodes_with_its_cache_wherever_its_layers_lie(name):
+    """StackedGPT's cache is stacked like its layers (over the stages under a pipeline): the
+    tokens are those of the whole-window forward on one device."""
+    layout, spec = STACKED_CACHE[name]
+    prompt = BATCH[:8, :4]
+    model = sf.create_sharded_model(lambda: gpt.StackedGPT(CONFIG, nnx.Rngs(0)), layout=layout)
+    step = sf.make_decode_step(model, 8, 7)
+    key = next(row for row in step.rows if row.path == "blocks/cached_key")
+    assert key.spec == spec and key.logical_names == ("layers", "data", "seq", "heads", "kv")
+    one_device = sf.create_sharded_model(
+        lambda: gpt.StackedGPT(CONFIG, nnx.Rngs(0)), layout=Layout.named("dp", {"data": 1})
+    )
+    np.testing.assert_array_equal(sf.generate(model, prompt, 3),
+                                  sf.generate(one_device, prompt, 3, cache=False))  # fmt: skip
+
+
 def test_generate_reuses_its_decode_step_and_a_changed_model_needs_a_new_one(monkeypatch):
     from substrax_flax import _generate
 
