@@ -294,8 +294,8 @@ def markdown(report: dict) -> str:
         "",
         f"### The non-finite guard (median of {report.get('guard_steps')} interleaved steps)\n",
         'The default `on_nonfinite="skip"` checks the loss, the gradients and the state the '
-        "update writes, and keeps each array as it was where a value is not finite "
-        '(elementwise, fused with the update); `"apply"` checks nothing.\n',
+        'update would write (computing the update once more, elementwise); `"apply"` checks '
+        "nothing.\n",
         "| layout | skip ms | apply ms | time ratio | GFLOP / device, skip / apply | "
         "peak MiB, skip / apply |",
         "|---|---|---|---|---|---|",

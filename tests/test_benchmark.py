@@ -95,7 +95,7 @@ def test_step_benchmark_runs_at_a_tiny_size(tmp_path):
     assert (tmp_path / "step.md").exists()
     guard = {row["layout"]: row for row in report["guard"]}
     assert list(guard) == ["FSDP 8", "FSDP 4 x DP 2"]
-    for row in guard.values():  # the check and the select add FLOPs: never fewer
+    for row in guard.values():  # the check computes the update once more: never fewer FLOPs
         assert row["skip"]["flops"] >= row["apply"]["flops"] > 0 and row["time_ratio"] > 0
     again = step.main(["--size", "tiny", "--sections", "guard", "--guard-steps", "1",
                        "--output-dir", str(tmp_path)])  # fmt: skip

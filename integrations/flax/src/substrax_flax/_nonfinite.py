@@ -1,10 +1,10 @@
 """The non-finite guard of the train steps: a NaN or inf never reaches the weights silently.
 
-Inside the jitted step, :func:`all_finite` checks the loss, every gradient and the state the
-update writes, and each array of the result is the updated one or, where the flag is false, the
-one as it was (:func:`substrax_flax._jitted.guarded_update`): a skipped step leaves the model
-and optimizer state as they were, and an applied one still updates the donated buffers in place
-(measured: the same temporary memory as an unguarded step). Outside, :class:`Guard` reads the flag
+Inside the jitted step, :func:`all_finite` checks the loss and every gradient, and the step
+runs its optimizer update inside ``lax.cond`` on that flag
+(:func:`substrax_flax._jitted.guarded_update`): a skipped step leaves the model and optimizer
+state as they were, and the taken branch still updates the donated buffers in place (measured:
+the same temporary memory as an unguarded step). Outside, :class:`Guard` reads the flag
 without stalling the pipeline of dispatched steps, and warns or raises naming the step.
 """
 
@@ -51,9 +51,9 @@ def guard_decision(states: Any, on_nonfinite: NonFinite) -> tuple[bool, str, str
     An update can overflow by itself, with a finite loss and finite gradients: adam's second
     moment squares each gradient (a float32 gradient past 1.8e19 overflows it, a float16 one
     past 256), and a large step can push bfloat16 or float16 weights past their range. So
-    under ``"skip"`` and ``"raise"`` the guard checks the state the update writes, in every
-    dtype, and keeps the state as it was where it is not finite (3 FLOPs per element of
-    each array written, fused with the update). Its cost is measured in
+    under ``"skip"`` and ``"raise"`` the guard checks the state the update would write, in
+    every dtype, computing the update a second time (elementwise, fused into the check) so
+    that nothing is committed that is not finite. Its cost is measured in
     ``benchmarks/results/step.md`` ("non-finite guard"); ``on_nonfinite="apply"`` turns the
     guard off.
 
@@ -75,8 +75,8 @@ def guard_decision(states: Any, on_nonfinite: NonFinite) -> tuple[bool, str, str
         "loss, gradients and the updated state",
         (
             f"an update can overflow by itself ({', '.join(dtypes) or 'no floating'} state); "
-            "each array it writes is checked and kept as it was if not finite (elementwise, "
-            "fused with the update; cost in benchmarks/results/step.md)"
+            "it is computed once more for the check (elementwise; cost in "
+            "benchmarks/results/step.md)"
         ),
     )
 

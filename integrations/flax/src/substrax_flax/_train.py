@@ -828,10 +828,9 @@ def make_train_step(
         (once the flag is ready, at the latest during the next call, so the host never waits
         for the device); ``"raise"`` leaves them unchanged, waits for the flag and raises
         ``FloatingPointError``; ``"apply"`` applies the update anyway and warns (for a run
-        that handles non-finite values itself, such as dynamic loss scaling). The guard
-        checks the loss, the gradients and the state the update writes, and keeps each
-        array as it was where a value is not finite: measured, it costs no temporary memory
-        and no traffic beyond all-reduced flags (benchmarks/results/step.md has its time).
+        that handles non-finite values itself, such as dynamic loss scaling). The guard runs
+        the update inside ``lax.cond``: measured, it costs no temporary memory and no
+        traffic beyond one all-reduced flag.
 
       remat: Which activations of the blocks marked with :func:`remat` the backward pass
         keeps, as the planner names it: ``"none"`` (all: no recomputation, the fastest),
