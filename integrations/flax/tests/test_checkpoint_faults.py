@@ -245,3 +245,35 @@ def test_orbax_logs_of_a_disk_refusal_are_left_to_the_one_error(tmp_path, caplog
         except (ValueError, OSError):
             log.error("_SignalingThread.run() raised an exception", exc_info=True)
     assert [str(record.exc_info[1]) for record in caplog.records] == ["other", device]
+
+
+def test_a_refused_saves_late_writes_print_nothing_and_other_unraisable_errors_do(
+    tmp_path, monkeypatch
+):
+    """A full disk closes Orbax's event loop with TensorStore writes in flight; each that
+    completes later hits the closed loop from TensorStore's thread, and Python printed it as
+    unraisable (0 to 7 tracebacks per refused save on a 3 MB tmpfs). The checkpointer's hook
+    drops exactly those; any other unraisable error reaches the hook that was there."""
+    import asyncio
+    import sys
+    import types
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: seen.append(unraisable))
+    sf.Checkpointer(tmp_path).close()
+    loop = asyncio.new_event_loop()
+    loop.close()
+    errors = []
+    for late in (lambda: loop.call_soon_threadsafe(print), lambda: loop.run_until_complete(None)):
+        try:
+            late()
+        except RuntimeError as error:
+            errors.append(error)
+    assert [str(error) for error in errors] == ["Event loop is closed"] * 2
+    for error in (*errors, ValueError("other")):
+        sys.unraisablehook(types.SimpleNamespace(exc_type=type(error), exc_value=error,
+                                                 exc_traceback=error.__traceback__,
+                                                 err_msg=None, object=None))  # fmt: skip
+    # the late completion is dropped; the same words raised elsewhere, and other errors, pass
+    assert [unraisable.exc_value for unraisable in seen][:1] == errors[1:]
+    assert len(seen) == 2 and str(seen[1].exc_value) == "other"

@@ -8,6 +8,8 @@ import errno
 import json
 import logging
 import os
+import sys
+import traceback
 import weakref
 from typing import Any
 
@@ -49,6 +51,40 @@ class _DiskRefusals(logging.Filter):
 
 
 _DISK_REFUSALS = _DiskRefusals()
+
+
+def _orphaned_completion(unraisable: Any) -> bool:
+    """Whether an unraisable error is a write finishing after its refused save closed its loop.
+
+    When the disk refuses a save, Orbax closes the save's asyncio event loop while TensorStore
+    still has writes in flight; each one that completes later calls the closed loop's
+    ``call_soon_threadsafe`` from TensorStore's own thread, and Python prints the
+    ``RuntimeError: Event loop is closed`` as unraisable (0 to 16 tracebacks for one full
+    disk, by timing). Only that error, raised there, counts.
+    """
+    error = getattr(unraisable, "exc_value", None)
+    if not isinstance(error, RuntimeError) or str(error) != "Event loop is closed":
+        return False
+    names = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
+    return names[-2:] == ["call_soon_threadsafe", "_check_closed"]
+
+
+def _drop_orphaned_completions() -> None:
+    """Wraps ``sys.unraisablehook`` (once) to drop :func:`_orphaned_completion`'s errors.
+
+    :meth:`Checkpointer.save` raises one OSError for the refused save; every other
+    unraisable error goes to the hook that was there before.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "drops_orphaned_completions", False):
+        return
+
+    def hook(unraisable: Any) -> None:
+        if not _orphaned_completion(unraisable):
+            previous(unraisable)
+
+    hook.drops_orphaned_completions = True
+    sys.unraisablehook = hook
 
 
 def _abstract(tree: Any) -> Any:
@@ -168,6 +204,7 @@ class Checkpointer:
         """
         self.directory = open_directory(directory)
         logging.getLogger("absl").addFilter(_DISK_REFUSALS)  # (once: the same filter object)
+        _drop_orphaned_completions()
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"keep must be an integer of at least 1, got {keep!r}.")
         if not isinstance(lease, (int, float)) or isinstance(lease, bool) or not lease > 0:
