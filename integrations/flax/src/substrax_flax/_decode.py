@@ -146,11 +146,11 @@ def _cache_rows(abstract: Any, rules: Any, mesh: Any) -> tuple[VariableSharding,
     """Each cache variable planned as a parameter is: its names resolved by the core resolver.
 
     The names come from the variable's metadata (or, for an Explicit-style cache, its typed
-    spec) and are resolved through the compute ``rules`` by :class:`~substrax_flax._resolve.
-    Resolver`, as parameters are: mesh-axis names mean those axes, an unknown name raises,
-    and an axis a dimension does not divide moves to the largest dimension it divides (the
-    row's ``moved`` reason says where) or, where none does, is left out with a
-    :class:`~substrax.ShardingWarning`.
+    spec) and are resolved through the compute ``rules`` by the adapter's
+    :class:`~substrax_flax._resolve.Resolver`, as parameters are: mesh-axis names mean those
+    axes, an unknown name raises, and an axis a dimension does not divide moves to the
+    largest dimension it divides (the row's ``moved`` reason says where) or, where none
+    does, is left out with a :class:`~substrax.ShardingWarning`.
 
     Raises:
       ValueError: If ``init_cache`` created no ``nnx.Cache`` variable, or a name is unknown.
