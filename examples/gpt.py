@@ -87,6 +87,10 @@ def _rms_norm(x, scale):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
 
 
+#: Logical names of the queries, keys and values, and of each layer's key/value cache.
+KV_NAMES = ("data", "seq", "heads", "kv")
+
+
 class Block(nnx.Module):
     """Pre-norm causal self-attention and MLP."""
 
@@ -137,17 +141,15 @@ class Block(nnx.Module):
         keys and values: rows over the batch axes, heads over the tensor axes.
         """
         shape = (batch_size, max_length, *self.wk.shape[1:])
-        names = ("data", "seq", "heads", "kv")
-        self.cached_key = nnx.Cache(jnp.zeros(shape, self.wk.dtype), out_sharding=names)
-        self.cached_value = nnx.Cache(jnp.zeros(shape, self.wv.dtype), out_sharding=names)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, self.wk.dtype), out_sharding=KV_NAMES)
+        self.cached_value = nnx.Cache(jnp.zeros(shape, self.wv.dtype), out_sharding=KV_NAMES)
         self.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
 
     def _attention(self, x, cached: bool):
         h = _rms_norm(x, self.attn_norm[...])
-        names = ("data", "seq", "heads", "kv")
-        q = constrain(jnp.einsum("bte,ehk->bthk", h, self.wq[...]), *names)
-        k = constrain(jnp.einsum("bte,ehk->bthk", h, self.wk[...]), *names)
-        v = constrain(jnp.einsum("bte,ehk->bthk", h, self.wv[...]), *names)
+        q = constrain(jnp.einsum("bte,ehk->bthk", h, self.wq[...]), *KV_NAMES)
+        k = constrain(jnp.einsum("bte,ehk->bthk", h, self.wk[...]), *KV_NAMES)
+        v = constrain(jnp.einsum("bte,ehk->bthk", h, self.wv[...]), *KV_NAMES)
         if cached:
             attended = self._cached(q, k, v)
         else:
@@ -255,7 +257,7 @@ class StackedGPT(nnx.Module):
         """
         blocks, layers = self.blocks, self.blocks.wk.shape[0]
         shape = (layers, batch_size, max_length, *blocks.wk.shape[2:])
-        names = ("layers", "data", "seq", "heads", "kv")
+        names = ("layers", *KV_NAMES)
         blocks.cached_key = nnx.Cache(jnp.zeros(shape, blocks.wk.dtype), out_sharding=names)
         blocks.cached_value = nnx.Cache(jnp.zeros(shape, blocks.wv.dtype), out_sharding=names)
         blocks.cache_index = nnx.Cache(jnp.zeros((layers,), jnp.int32), out_sharding=("layers",))

@@ -59,8 +59,8 @@ def _orphaned_completion(unraisable: Any) -> bool:
     When the disk refuses a save, Orbax closes the save's asyncio event loop while TensorStore
     still has writes in flight; each one that completes later calls the closed loop's
     ``call_soon_threadsafe`` from TensorStore's own thread, and Python prints the
-    ``RuntimeError: Event loop is closed`` as unraisable (0 to 16 tracebacks for one full
-    disk, by timing). Only that error, raised there, counts.
+    ``RuntimeError: Event loop is closed`` as unraisable (0 to 7 tracebacks for one save on
+    a full 3 MB tmpfs, by timing). Only that error, raised there, counts.
     """
     error = getattr(unraisable, "exc_value", None)
     if not isinstance(error, RuntimeError) or str(error) != "Event loop is closed":
