@@ -241,6 +241,18 @@ def test_a_cache_that_names_mesh_axes_is_planned_on_them_as_parameters_are():
                                   sf.generate(_placed(layout), prompt, 3))  # fmt: skip
 
 
+def test_a_model_written_for_auto_axes_decodes_on_a_jax_make_mesh_mesh_as_on_one_device():
+    """jax.make_mesh makes Explicit axes; the decode step takes the train step's Auto twin."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    model = sf.create_sharded_model(lambda: gpt.GPT(CONFIG, nnx.Rngs(0)), mesh,
+                                    layout=Layout.named("fsdp+tp", mesh))  # fmt: skip
+    step = sf.make_decode_step(model, 8, 9)
+    assert step.mesh_decision.value == "Auto twin of the Explicit mesh"
+    prompt = BATCH[:8, :4]
+    np.testing.assert_array_equal(sf.generate(model, prompt, 5),
+                                  _one_device_generation(prompt, 5, 0.0, None, seed=0))  # fmt: skip
+
+
 #: The stacked decoder's cache spec: its layers dimension where the layout puts the stack's.
 STACKED_CACHE = {
     "fsdp": (Layout.named("fsdp", {"data": 8}), P(None, "data", None, None, None)),
@@ -265,6 +277,24 @@ def test_the_stacked_decoder_decodes_with_its_cache_wherever_its_layers_lie(name
     )
     np.testing.assert_array_equal(sf.generate(model, prompt, 3),
                                   sf.generate(one_device, prompt, 3, cache=False))  # fmt: skip
+
+
+@dataclasses.dataclass
+class _PlainConfig:  # eq without frozen: unhashable, as published models' configs are
+    width: int = 64
+
+
+def test_a_model_holding_a_plain_dataclass_config_generates_and_reuses_its_steps(monkeypatch):
+    from substrax_flax import _generate
+
+    model = _placed(LAYOUTS["fsdp"]())
+    model.settings = _PlainConfig()  # hash(nnx.graphdef(model)) now raises
+    prompt = BATCH[:8, :4]
+    first = [sf.generate(model, prompt, 3, cache=cache) for cache in (None, False)]
+    monkeypatch.setattr(_generate, "make_decode_step", None)  # a second build would fail
+    monkeypatch.setattr(_generate, "make_eval_step", None)
+    for cache, want in zip((None, False), first, strict=True):
+        np.testing.assert_array_equal(sf.generate(model, prompt, 3, cache=cache), want)
 
 
 def test_generate_reuses_its_decode_step_and_a_changed_model_needs_a_new_one(monkeypatch):

@@ -24,9 +24,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from substrax.spmd import use_rules
+from substrax_flax._jitted import rehome
 from substrax_flax._plan import ModelPlan, model_plan, shardings_of
 from substrax_flax._resolve import Resolver, VariableSharding
 from substrax_flax._state import map_variables
+from substrax_flax._step_plan import step_mesh
 
 __all__ = ["DecodeStep", "make_decode_step"]
 
@@ -50,10 +52,13 @@ class DecodeStep:
           logits_fn: ``logits_fn(model, tokens) -> logits`` with the cache.
         """
         self.batch_size, self.max_length, self.logits_fn = batch_size, max_length, logits_fn
-        self.mesh, self.rules = plan.mesh, plan.compute_rules
+        # the train step's mesh: a model written for Auto axes on an Explicit mesh runs on its
+        # Auto twin (mesh_decision says which, and why)
+        self.mesh, self.mesh_decision = step_mesh(plan)
+        self.rules = plan.compute_rules
         graphdef, state = nnx.split(model, nnx.Not(nnx.Cache))
         self._source = graphdef
-        self._state_sh = shardings_of(plan.rows, state, plan.mesh)
+        self._state_sh = shardings_of(plan.rows, state, self.mesh)
         make, self._graphdef = self._maker(graphdef, batch_size, max_length)
         abstract = jax.eval_shape(make, state)
         self.rows = _cache_rows(abstract, self.rules, self.mesh)
@@ -92,7 +97,7 @@ class DecodeStep:
                 "The model's structure changed since its decode step was made (a mode switched, "
                 "a variable added): make a new one with make_decode_step."
             )
-        return state
+        return rehome(state, self.mesh)
 
     def __call__(self, model: nnx.Module, tokens: Any) -> jax.Array:
         """Appends ``tokens`` to the cache and returns the logits after the last of them.
@@ -185,7 +190,9 @@ def make_decode_step(
     ``jit`` with those shardings (no device holds all of it), and kept in the step
     (:attr:`DecodeStep.cache`; :attr:`DecodeStep.rows` are report rows,
     :class:`~substrax_flax.VariableSharding`); the model is left unchanged. Each call
-    appends tokens and returns the logits after the last.
+    appends tokens and returns the logits after the last. The step runs on the train step's
+    mesh: a model written for Auto axes placed on a mesh with Explicit axes
+    (``jax.make_mesh``) decodes on its Auto twin (``step.mesh_decision`` says so).
 
     Args:
       model: A causal language model laid out by substrax, with ``init_cache``.

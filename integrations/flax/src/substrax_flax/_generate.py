@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from substrax_flax._cache import equal
 from substrax_flax._decode import make_decode_step
 from substrax_flax._eval import make_eval_step
 
@@ -155,8 +156,16 @@ _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _reused(model: nnx.Module, key: tuple, make: Callable) -> Any:
-    """The step ``make()`` built for ``model`` under ``key`` before, or a new one."""
-    steps = _STEPS.setdefault(model, {})
-    if key not in steps:
-        steps[key] = make()
-    return steps[key]
+    """The step ``make()`` built for ``model`` under ``key`` before, or a new one.
+
+    Keys are compared by equality, never hashed, as the train step's programs are
+    (:mod:`substrax_flax._cache`): the model's graph definition in them may hold a plain
+    dataclass config, which cannot be hashed.
+    """
+    steps = _STEPS.setdefault(model, [])
+    for stored, step in steps:
+        if equal(stored, key):
+            return step
+    step = make()
+    steps.append((key, step))
+    return step
