@@ -228,3 +228,11 @@ def test_step_profile_times_the_collectives_of_both_steps():
     for row in result.values():
         assert row["collectives_ms"] > 0 and row["largest_collectives"]
         assert all(op.startswith("all-reduce") for op, _ in row["largest_collectives"])
+
+
+def test_step_variants_time_each_default_against_flax():
+    import step_variants
+
+    ratios = step_variants.main(["--size", "tiny", "--steps", "1", "--layout", "TP 4 x DP 2"])
+    assert list(ratios) == [*step_variants.VARIANTS, "flax"] and ratios["flax"] == 1.0
+    assert all(ratio > 0 for ratio in ratios.values())  # times are measured, never asserted

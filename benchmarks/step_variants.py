@@ -1,0 +1,81 @@
+"""What of the default step's time against Flax's recipe is the guard, donation or the path.
+
+Runs, interleaved on one layout, Flax's recipe and substrax's step with and without each of
+its defaults that Flax's recipe lacks: the non-finite guard (``on_nonfinite="apply"`` turns
+it off), donation (``donate=False``) and the manual region (``data_parallel="xla"``), and
+prints each one's median step time over Flax's. docs/benchmarks.md quotes a run::
+
+    .venv/bin/python benchmarks/step_variants.py --layout "TP 4 x DP 2" --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
+
+import gpt  # noqa: E402
+from layouts import CASES, SIZES, FlaxRecipe, Substrax  # noqa: E402
+
+import substrax_flax as sf  # noqa: E402
+from substrax.mesh import DeviceMeshManager  # noqa: E402
+
+#: Label -> make_train_step's options (the default step first).
+VARIANTS = {
+    "default": {},
+    "no guard": {"on_nonfinite": "apply"},
+    "no guard, undonated": {"on_nonfinite": "apply", "donate": False},
+    "undonated": {"donate": False},
+    "xla's step, no guard": {"data_parallel": "xla", "on_nonfinite": "apply"},
+}
+
+
+def _runner(config, mesh, layout, options):
+    runner = Substrax(config, mesh, layout)
+    runner.step_fn = sf.make_train_step(gpt.loss_fn, **options)
+    return runner
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layout", choices=list(CASES), default="TP 4 x DP 2")
+    parser.add_argument("--steps", type=int, default=50, help="interleaved steps of each")
+    parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    args = parser.parse_args(argv)
+    layout, shape = CASES[args.layout]
+    mesh = DeviceMeshManager.create_device_mesh(shape)
+    config = SIZES[args.size]
+    runners = {name: _runner(config, mesh, layout, options) for name, options in VARIANTS.items()}
+    runners["flax"] = FlaxRecipe(config, mesh, layout)
+    times = {name: [] for name in runners}
+    for runner in runners.values():  # compiled, and a few steps to settle
+        batch = jax.device_put(gpt.batch_at(0, 16, config.seq), runner.data_sharding)
+        for _ in range(3):
+            jax.block_until_ready(runner.step(batch))
+    order = list(runners.items())
+    for i in range(args.steps):
+        batch = gpt.batch_at(i + 1, 16, config.seq)
+        for name, runner in order if i % 2 else order[::-1]:  # alternating order
+            placed = jax.device_put(batch, runner.data_sharding)
+            start = time.perf_counter()
+            jax.block_until_ready(runner.step(placed))
+            times[name].append(time.perf_counter() - start)
+    flax = statistics.median(times["flax"])
+    ratios = {name: statistics.median(t) / flax for name, t in times.items()}
+    print(f"{args.layout}, median of {args.steps} interleaved steps, Flax's recipe "
+          f"{flax * 1e3:.0f} ms:")  # fmt: skip
+    for name, ratio in ratios.items():
+        print(f"  {name:<24} {ratio:.3f}x Flax's time")
+    return ratios
+
+
+if __name__ == "__main__":
+    main()
