@@ -1,5 +1,6 @@
 """The planner: exact parameter counts and shards, checked against XLA, ranking and the CLI."""
 
+import dataclasses
 import json
 import math
 import re
@@ -21,6 +22,7 @@ from substrax.planner import (
     Workload,
     architecture,
     evaluate,
+    layouts,
     main,
     plan,
     profile_of,
@@ -305,7 +307,7 @@ def test_units():
 def test_command_line_writes_json(tmp_path, capsys):
     out = tmp_path / "plan.json"
     status = plan_cli.main(["--model", "llama3-70b", "--devices", "512", "--memory", "80GB",
-                            "--batch-tokens", "4M", "--seq", "8192", "--microbatches", "16",
+                            "--batch-tokens", "4Mi", "--seq", "8192", "--microbatches", "16",
                             "--json", str(out)])  # fmt: skip
     assert status == 0
     report = json.loads(out.read_text())
@@ -332,7 +334,9 @@ def test_planner_benchmark_runs(tmp_path):
 
     rows = planner_benchmark.main(["--repeats", "1", "--output-dir", str(tmp_path)])
     fixed, searched = rows["llama3-405b on 4096, fixed"], rows["llama3-405b on 4096, searched"]
-    assert fixed["candidates"] == searched["candidates"] > 200
+    # a fixed count of 16 keeps the layouts of <= 128 replicas; none of them fits without
+    # context parallelism, so the fixed sweep adds the context-parallel ones
+    assert fixed["candidates"] > searched["candidates"] > 200
     assert (tmp_path / "planner.json").exists()
 
 
@@ -443,9 +447,32 @@ def test_microbatches_divide_the_replicas_sequences():
     for c in result.candidates:
         rows = 72 // c.layout.batch_degree
         assert rows % c.workload.microbatches == 0, c.layout.label
-        if c.layout.pp > 1:  # a pipeline takes the most: fewer only add bubble
-            assert c.workload.microbatches == max(m for m in (1, 2, 4, 8, 16, 32, 64)
-                                                  if rows % m == 0)  # fmt: skip
+        if c.layout.pp > 1:  # a pipeline takes the most, any divisor: fewer add bubble
+            assert c.workload.microbatches == max(m for m in range(1, 129) if rows % m == 0)
+    odd = [c for c in result.candidates if c.layout.pp > 1 and c.workload.microbatches % 9 == 0]
+    assert odd  # 72 sequences: 9, 18 or 36 per replica, each its own microbatch
+
+
+def test_a_fixed_microbatch_count_keeps_the_layouts_whose_replicas_it_divides():
+    work = Workload(batch_tokens=72 * 8192, seq=8192, remat="selective", microbatches=3)
+    result = plan("llama3-8b", 64, HARDWARE["h100"], work)
+    rows = {c.layout.label: 72 // c.layout.batch_degree for c in result.candidates}
+    assert rows and all(r % 3 == 0 for r in rows.values()), rows
+    everything = plan("llama3-8b", 64, HARDWARE["h100"], dataclasses.replace(work, microbatches=1))
+    assert len(everything.candidates) > len(result.candidates)  # 8 rows of dp 8 x fsdp 1: gone
+    with pytest.raises(
+        ValueError,
+        match=r"microbatches=5 divides no layout's sequences per "
+        r"replica \(the batch's 72 sequences give \[1, 2, ",
+    ):
+        plan("llama3-8b", 64, HARDWARE["h100"], dataclasses.replace(work, microbatches=5))
+
+
+def test_tensor_parallel_groups_stay_within_a_host():
+    found = layouts(48, architecture("llama3-8b"), devices_per_host=8)
+    assert {x.tp for x in found} == {1, 2, 4, 8}  # 3 and 6 divide 48, not a host of 8
+    assert {x.tp for x in layouts(48, architecture("llama3-8b"), devices_per_host=6)} == {
+        1, 2, 3, 6}  # fmt: skip
 
 
 def test_when_nothing_fits_the_first_is_the_one_that_needs_the_least_memory():

@@ -27,18 +27,26 @@ import dataclasses
 import itertools
 import math
 import statistics
+from collections.abc import Sequence
 
 from substrax.layout import Layout
 from substrax.planner._architectures import TransformerConfig, architecture, transformer_leaves
 from substrax.planner._efficiency import Efficiency
 from substrax.planner._estimate import Candidate, Hardware, Workload, evaluate
 from substrax.planner._hardware import HARDWARE
+from substrax.planner._rank import plan
 
-__all__ = ["PUBLISHED", "PublishedRun", "fit", "ratios", "summary"]
+__all__ = ["PUBLISHED", "PublishedRun", "fit", "rank", "ratios", "summary"]
 
 _TORCHTITAN = "torchtitan docs/performance.md (Llama 3, H100)"
 _ASYNC_TP = "torchtitan async-TP benchmark, vanilla TP row"
 _MEGATRON = "Megatron-LM README, weak scaling on H100"
+
+#: What each framework's layouts are made of: torchtitan's FSDP2 (HSDP: replicas of FSDP
+#: groups), tensor, pipeline and context parallelism; Megatron-LM's data parallelism with
+#: its distributed optimizer (ZeRO), tensor, pipeline and context parallelism.
+_TORCHTITAN_LAYOUTS = ("dp", "fsdp", "tp", "pp", "cp")
+_MEGATRON_LAYOUTS = ("dp", "zero", "tp", "pp", "cp")
 
 
 def _gpt(layers: int, width: int, heads: int) -> TransformerConfig:
@@ -68,6 +76,8 @@ class PublishedRun:
       schedule: The pipeline's schedule.
       chunks: Its chunks of layers per stage.
       reserved_gib: Device memory the source reports in use, GiB, when it does.
+      strategies: What its framework could have chosen (:data:`~substrax.planner.STRATEGIES`
+        names): the candidates its published layout is ranked among.
     """
 
     name: str
@@ -85,6 +95,7 @@ class PublishedRun:
     schedule: str = "zb-h1"
     chunks: int = 1
     reserved_gib: float = 0.0
+    strategies: tuple[str, ...] = ()
 
     @property
     def layout(self) -> Layout:
@@ -124,29 +135,36 @@ class PublishedRun:
 PUBLISHED = (
     PublishedRun("Llama 3 8B, fsdp 8", _TORCHTITAN, architecture("llama3-8b"), {"fsdp": 8},
                  16, 8192, "selective", memory_gb=96, tokens_per_device_s=5762,
-                 reserved_gib=82.4),
+                 reserved_gib=82.4,
+                 strategies=_TORCHTITAN_LAYOUTS),
     PublishedRun("Llama 3 8B, fsdp 128", _TORCHTITAN, architecture("llama3-8b"),
                  {"fsdp": 128}, 256, 8192, "selective", memory_gb=96,
-                 tokens_per_device_s=5605, reserved_gib=67.0),
+                 tokens_per_device_s=5605, reserved_gib=67.0,
+                 strategies=_TORCHTITAN_LAYOUTS),
     PublishedRun("Llama 3 8B, fsdp 8 x tp 8", _ASYNC_TP, architecture("llama3-8b"),
-                 {"fsdp": 8, "tp": 8}, 96, 8192, "selective", tokens_per_device_s=4378),
+                 {"fsdp": 8, "tp": 8}, 96, 8192, "selective", tokens_per_device_s=4378,
+                 strategies=_TORCHTITAN_LAYOUTS),
     PublishedRun("Llama 3 70B, fsdp 32 x tp 8", _TORCHTITAN, architecture("llama3-70b"),
-                 {"fsdp": 32, "tp": 8}, 512, 8192, "full", tokens_per_device_s=597.3),
+                 {"fsdp": 32, "tp": 8}, 512, 8192, "full", tokens_per_device_s=597.3,
+                 strategies=_TORCHTITAN_LAYOUTS),
     PublishedRun("Llama 3 405B, fsdp 16 x tp 8", _TORCHTITAN, architecture("llama3-405b"),
-                 {"fsdp": 16, "tp": 8}, 32, 8192, "full", tokens_per_device_s=109),
+                 {"fsdp": 16, "tp": 8}, 32, 8192, "full", tokens_per_device_s=109,
+                 strategies=_TORCHTITAN_LAYOUTS),
     PublishedRun("GPT 7.1B, tp 2 x dp 48", _MEGATRON, _gpt(30, 4096, 32),
                  {"tp": 2, "dp": 48, "zero": 1}, 192, 4096, "selective", "bf16",
-                 model_tflops=465.9,
-                 microbatches=4),
+                 model_tflops=465.9, microbatches=4, strategies=_MEGATRON_LAYOUTS),
     PublishedRun("GPT 70B, tp 8 x pp 2 x dp 48", _MEGATRON, _gpt(84, 8192, 64),
                  {"tp": 8, "pp": 2, "dp": 48, "zero": 1}, 384, 4096, "selective", "bf16",
-                 model_tflops=419.7, microbatches=8, schedule="interleaved", chunks=2),
+                 model_tflops=419.7, microbatches=8, schedule="interleaved", chunks=2,
+                 strategies=_MEGATRON_LAYOUTS),
     PublishedRun("GPT 177B, tp 8 x pp 6 x dp 48", _MEGATRON, _gpt(96, 12288, 96),
                  {"tp": 8, "pp": 6, "dp": 48, "zero": 1}, 1152, 4096, "selective", "bf16",
-                 model_tflops=432.8, microbatches=24, schedule="interleaved", chunks=2),
+                 model_tflops=432.8, microbatches=24, schedule="interleaved", chunks=2,
+                 strategies=_MEGATRON_LAYOUTS),
     PublishedRun("GPT 462B, tp 8 x pp 16 x dp 48", _MEGATRON, _gpt(112, 18432, 144),
                  {"tp": 8, "pp": 16, "dp": 48, "zero": 1}, 3072, 4096, "selective", "bf16",
-                 model_tflops=459.9, microbatches=64, schedule="interleaved", chunks=7),
+                 model_tflops=459.9, microbatches=64, schedule="interleaved", chunks=7,
+                 strategies=_MEGATRON_LAYOUTS),
 )  # fmt: skip
 """The calibration set: the issue's published runs, with their sources."""
 
@@ -156,6 +174,38 @@ def estimate(run: PublishedRun, efficiency: Efficiency | None = None) -> Candida
     config = run.config
     return evaluate(config, transformer_leaves(config), run.layout, run.workload,
                     run.hardware(efficiency))  # fmt: skip
+
+
+def rank(run: PublishedRun, strategies: Sequence[str] | None = None) -> dict:
+    """Where the planner ranks ``run``'s published layout among its own candidates.
+
+    The planner searches the layouts of ``run``'s devices that ``strategies`` allow (default:
+    its framework's, ``run.strategies``) with the run's model, batch, remat policy and
+    pipeline schedule, and the microbatches searched: a count only divides the batch of the
+    layout it was published for (Megatron's microbatches of one sequence are the most the
+    search tries on a pipeline).
+
+    Args:
+      run: The published run.
+      strategies: The strategies to search, or None for the run's framework's.
+
+    Returns:
+      ``{"rank", "candidates", "pick", "pick_over_published"}``: the published layout's
+      1-based rank (0 when it is not among them), the candidate count, the planner's pick
+      and the pick's estimated time over the published layout's.
+    """
+    workload = dataclasses.replace(run.workload, microbatches=None)
+    result = plan(run.config, run.layout.devices, run.hardware(), workload,
+                  strategies=strategies or run.strategies)  # fmt: skip
+    labels = [c.layout.label for c in result.candidates]
+    index = labels.index(run.layout.label) if run.layout.label in labels else None
+    mine = estimate(run) if index is None else result.candidates[index]
+    return {
+        "rank": 0 if index is None else index + 1,
+        "candidates": len(labels),
+        "pick": result.best.layout.label,
+        "pick_over_published": result.best.time_s / mine.time_s,
+    }
 
 
 def ratios(efficiency: Efficiency | None = None) -> list[float]:

@@ -894,7 +894,7 @@ def _bandwidth(axis: str, layout: Layout, hw: Hardware) -> float:
     parts = axis.split("+")
     fast = axis == "model" or (
         all(p in degrees for p in parts)
-        and layout.tp * math.prod(degrees[p] for p in parts) <= hw.devices_per_host
+        and hw.devices_per_host % (layout.tp * math.prod(degrees[p] for p in parts)) == 0
     )
     return hw.intra_host_bandwidth if fast else hw.inter_host_bandwidth
 

@@ -27,7 +27,8 @@ def layouts(
 ) -> list[Layout]:
     """Every layout of ``devices`` that the strategies allow.
 
-    Tensor parallelism stays within a host, pipelines have at most one stage per layer, and every
+    Tensor parallelism stays within a host (its degree divides ``devices_per_host``: a group
+    of 6 on hosts of 8 would span two hosts), pipelines have at most one stage per layer, and every
     size divides the device count. Expert parallelism divides a mixture of experts' experts;
     context parallelism needs ``seq`` and leaves each device at least
     :data:`MIN_CONTEXT_TOKENS` tokens in ``2 x cp`` whole chunks. Each is a
@@ -38,7 +39,7 @@ def layouts(
     Args:
       devices: The device count.
       config: The architecture (its layer count bounds the pipeline, its experts ep).
-      devices_per_host: The largest tensor-parallel degree.
+      devices_per_host: Devices per host; tensor-parallel degrees divide it.
       strategies: Which of ``dp``, ``fsdp``, ``tp``, ``pp``, ``cp`` and ``ep`` may exceed
         1, and whether layouts with replicas (and no fsdp, cp or ep) also come as ``zero`` 1
         and 2 (optimizer state, and gradients, sharded over the replicas).
@@ -62,7 +63,7 @@ def layouts(
     def allowed(strategy: str, degree: int) -> bool:
         return degree == 1 or strategy in strategies
 
-    tps = [d for d in divisors if d <= devices_per_host and allowed("tp", d)]
+    tps = [d for d in divisors if devices_per_host % d == 0 and allowed("tp", d)]
     pps = [d for d in divisors if d <= config.layers and allowed("pp", d)]
     eps = [d for d in divisors if allowed("ep", d) and (d == 1 or _divides(d, config.experts))]
     cps = [d for d in divisors if allowed("cp", d) and (d == 1 or _splits(seq, d))]

@@ -130,7 +130,8 @@ def plan(
         most; one that keeps this much only for a layout within :data:`SAME_TIMES` that
         keeps more (estimates are estimates; fragmentation and buffers are not modelled).
 
-    Layouts with more data-parallel devices than the batch has sequences are left out, and
+    Layouts with more data-parallel devices than the batch has sequences are left out, so are
+    those whose replicas' sequences a fixed ``workload.microbatches`` does not divide, and
     context-parallel ones are estimated only when no layout without context parallelism fits.
     Candidates that fit come first, then by estimated time when the hardware's speeds are
     known, else by FLOPs per device over the pipeline's busy fraction; on a near-tie the one
@@ -142,8 +143,9 @@ def plan(
     busy fraction; then less recomputation, fewer microbatches, ``"keep"``), or the one with
     the smallest peak when none fits.
     Microbatches are searched among the :data:`MICROBATCH_CHOICES` that divide the sequences
-    of one data-parallel replica; a pipeline tries only the most of them (fewer only add
-    bubble, larger microbatches to hold and more bytes per tick).
+    of one data-parallel replica; a pipeline tries only the most: the largest divisor of
+    those sequences up to the largest choice (fewer only add bubble, larger microbatches to
+    hold and more bytes per tick).
 
     Returns:
       The :class:`Plan`.
@@ -151,7 +153,8 @@ def plan(
     Raises:
       TypeError: If ``hardware`` or ``workload`` is of another type.
       ValueError: For an unknown architecture, a non-positive device count, no layout (or
-        none that splits the batch), or a ``headroom`` outside ``[0, 1)``.
+        none that splits the batch, or none whose replicas' sequences a fixed
+        ``workload.microbatches`` divides), or a ``headroom`` outside ``[0, 1)``.
     """
     if not 0 <= headroom < 1:
         raise ValueError(f"headroom is a share of device memory in [0, 1), got {headroom!r}.")
@@ -181,6 +184,7 @@ def plan(
             f"has sequences ({workload.batch}); use a larger batch, or allow tp/pp in "
             "strategies."
         )
+    feasible = _divided(feasible, workload)
     timed = hardware.flops > 0
 
     def estimated(context: bool) -> list[Candidate]:
@@ -198,6 +202,31 @@ def plan(
     why = _prefer_headroom(candidates, margin) if timed else ""
     total = sum(math.prod(leaf.shape) for leaf in leaves)
     return Plan(name, devices, total, tuple(candidates), why or _why(candidates, timed))
+
+
+def _rows(workload: Workload, layout) -> int:
+    """Sequences of one data-parallel replica."""
+    return max(workload.batch // layout.batch_degree, 1)
+
+
+def _divided(layouts_: list, workload: Workload) -> list:
+    """The layouts whose replicas' sequences a fixed microbatch count divides.
+
+    Raises:
+      ValueError: If it divides none of them.
+    """
+    micro = workload.microbatches
+    if not micro:  # searched (None) or none (0)
+        return layouts_
+    kept = [o for o in layouts_ if _rows(workload, o) % micro == 0]
+    if not kept:
+        counts = sorted({_rows(workload, o) for o in layouts_})
+        raise ValueError(
+            f"microbatches={micro} divides no layout's sequences per replica (the batch's "
+            f"{workload.batch} sequences give {counts[:8]}{' ...' if len(counts) > 8 else ''}); "
+            "use a divisor of one of them, or microbatches=None to search."
+        )
+    return kept
 
 
 def _prefer_headroom(candidates: list[Candidate], margin: float) -> str:
@@ -259,10 +288,14 @@ def _settings(workload: Workload, layout, layers: int) -> list[Workload]:
     """The workloads to try on ``layout``: ``workload`` with each open choice filled in."""
     remats = REMAT if workload.remat is None else (workload.remat,)
     if workload.microbatches is None:  # microbatches that divide the replica's sequences
-        rows = max(workload.batch // layout.batch_degree, 1)
+        rows = _rows(workload, layout)
         micros = tuple(m for m in MICROBATCH_CHOICES if m <= rows and rows % m == 0) or (1,)
         if layout.pp > 1:  # more microbatches: less bubble, smaller ones held, fewer bytes
-            micros = micros[-1:]  # passed per tick; the most dominates, so only it is tried
+            # passed per tick; the most dominates, so only it is tried: the largest divisor
+            # of the replica's sequences up to the largest choice (24 for 24 sequences, as
+            # Megatron's microbatches of one sequence)
+            top = max(MICROBATCH_CHOICES)
+            micros = (max(m for m in range(1, min(rows, top) + 1) if rows % m == 0),)
     else:
         micros = (workload.microbatches,)
     gathers = (workload.gather,) if workload.gather is not None else (
