@@ -337,6 +337,8 @@ def test_planner_benchmark_runs(tmp_path):
     # a fixed count of 16 keeps the layouts of <= 128 replicas; none of them fits without
     # context parallelism, so the fixed sweep adds the context-parallel ones
     assert fixed["candidates"] > searched["candidates"] > 200
+    command = rows["command line, llama3-405b on 4096"]  # a fresh process's CPU seconds
+    assert command["cpu_s"] > command["import_cpu_s"] > 0
     assert (tmp_path / "planner.json").exists()
 
 

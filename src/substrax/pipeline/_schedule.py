@@ -153,7 +153,7 @@ class Schedule:
         """
         if self.split:
             slots = _simulate(self.name, self.num_stages, self.num_microbatches, self.repeats)[1]
-            return list(slots)
+            return [ScheduleSlot(*slot) for slot in slots]
         stages, micro = self.num_stages, self.num_microbatches
         return [
             ScheduleSlot(tick, stage, "forward", (tick - stage) % micro, (tick - stage) // micro)
@@ -236,21 +236,6 @@ class Schedule:
         return _tables(self.name, self.num_stages, self.num_microbatches, self.repeats)
 
 
-def _room(name: str, stages: int, stage: int, repeats: int, held: int, open_: int) -> bool:
-    """Whether stage ``stage`` may start another forward.
-
-    ``held``: chunks of microbatches whose forward ran and weight op has not (their residuals
-    are stashed); ``open_``: those whose backward has not run either. 1F1B holds at most
-    ``S - s``; interleaved Megatron's ``2 (S - s - 1) + (v - 1) S + 1`` chunks; ZB-H1 keeps
-    1F1B's ``S - s`` open and holds at most ``S + 1`` (its deferred weight ops fill the tail).
-    """
-    if name == "zb-h1":
-        return open_ < stages - stage and held < stages + 1
-    if name == "interleaved":
-        return held < 2 * (stages - stage - 1) + (repeats - 1) * stages + 1
-    return held < stages - stage
-
-
 def _order(name: str, stages: int, micro: int, repeats: int, stage: int, op: str) -> list:
     """The order a stage runs its forwards (or backwards) in: ``[(microbatch, chunk)]``.
 
@@ -268,73 +253,98 @@ def _simulate(name: str, stages: int, micro: int, repeats: int):
     """``(ticks, slots, most held, most waiting)`` of a split schedule.
 
     Each stage runs its preferred ready op. Forwards and backwards run in their stage's
-    :func:`_order`, within :func:`_room`; a weight op may run once its backward has. 1F1B
+    :func:`_order`, within :func:`_room_limit`; a weight op may run once its backward has. 1F1B
     prefers weight, then backward, then forward (a weight op straight after its backward);
     interleaved and ZB-H1 prefer backward, then forward, then weight (the weight ops fill the
-    bubbles).
+    bubbles). ``slots`` are ``(tick, stage, op, microbatch, chunk)`` tuples in tick order
+    (:meth:`Schedule.table` makes them :class:`ScheduleSlot` objects): the planner simulates
+    hundreds of schedules and reads only their counts.
     """
-    last = stages * repeats - 1
-    done: dict[tuple[str, int, int], int] = {}
+    virtual = stages * repeats
+    last, never = virtual - 1, 1 << 62
+    # the tick each op of (microbatch m, virtual stage k) ran, at m * virtual + k
+    forward_at, backward_at = [never] * (micro * virtual), [never] * (micro * virtual)
     held, open_ = [0] * stages, [0] * stages  # forward done and weight (backward) not
-    queues = {
-        (stage, op): collections.deque(
-            (m, c * stages + stage) for m, c in _order(name, stages, micro, repeats, stage, op)
-        )
-        for stage in range(stages)
-        for op in ("forward", "backward")
-    }
+    forwards = [_keys(name, stages, micro, repeats, stage, "forward") for stage in range(stages)]
+    backwards = [_keys(name, stages, micro, repeats, stage, "backward") for stage in range(stages)]
+    next_f, next_b = [0] * stages, [0] * stages
     # weight ops in their backward's order: the oldest is the first that may be ready
     weights = [collections.deque() for _ in range(stages)]
-    rank = (
-        ("weight", "backward", "forward") if name == "1f1b" else ("backward", "forward", "weight")
-    )
-    slots, tick, total, most, waiting = [], 0, 3 * micro * (last + 1), 0, 0
+    weight_first = name == "1f1b"
+    rooms = [_room_limit(name, stages, stage, repeats) for stage in range(stages)]
+    zb = name == "zb-h1"
+    # the most held and waiting grow only where a forward and a backward run: kept there
+    slots, tick, total, most, waiting = [], 0, 3 * micro * virtual, 0, 0
     while len(slots) < total:
-        chosen = []
         for stage in range(stages):
-            for op in rank:
-                if op == "weight":
-                    first = weights[stage][0] if weights[stage] else None
-                    item = first if first and done[("backward", *first)] < tick else None
-                else:
-                    queue = queues[(stage, op)]
-                    item = queue[0] if queue and _ready(op, *queue[0], tick, done, last) else None
-                    if op == "forward" and not _room(
-                        name, stages, stage, repeats, held[stage], open_[stage]
-                    ):
-                        item = None
-                if item is not None:
-                    chosen.append((stage, op, item))
-                    break
+            queue = weights[stage]
+            weight = queue[0] if queue and backward_at[queue[0]] < tick else None
+            if weight is not None and weight_first:
+                _run_weight(slots, tick, stage, weight, queue, held, virtual, stages)
+                continue
+            i = next_b[stage]
+            if i < len(backwards[stage]):
+                key = backwards[stage][i]
+                k = key % virtual
+                if forward_at[key] < tick and (k == last or backward_at[key + 1] < tick):
+                    backward_at[key] = tick
+                    next_b[stage] = i + 1
+                    open_[stage] -= 1
+                    queue.append(key)
+                    waiting = max(waiting, len(queue))
+                    slots.append((tick, stage, "backward", key // virtual, k // stages))
+                    continue
+            i = next_f[stage]
+            if i < len(forwards[stage]) and (
+                open_[stage] < stages - stage and held[stage] < rooms[stage]
+                if zb
+                else held[stage] < rooms[stage]
+            ):
+                key = forwards[stage][i]
+                k = key % virtual
+                if k == 0 or forward_at[key - 1] < tick:
+                    forward_at[key] = tick
+                    next_f[stage] = i + 1
+                    held[stage] += 1
+                    most = max(most, held[stage])
+                    open_[stage] += 1
+                    slots.append((tick, stage, "forward", key // virtual, k // stages))
+                    continue
+            if weight is not None:
+                _run_weight(slots, tick, stage, weight, queue, held, virtual, stages)
         if tick > 4 * total + 8:
             raise AssertionError(f"schedule {name!r} deadlocked at tick {tick}")
-        for stage, op, (m, k) in chosen:
-            done[(op, m, k)] = tick
-            if op == "weight":
-                weights[stage].popleft()
-                held[stage] -= 1
-            else:
-                queues[(stage, op)].popleft()
-                held[stage] += op == "forward"
-                open_[stage] += {"forward": 1, "backward": -1}[op]
-                if op == "backward":
-                    weights[stage].append((m, k))
-            slots.append(ScheduleSlot(tick, stage, op, m, k // stages))
-        most = max(most, *held)
-        waiting = max(waiting, *(len(w) for w in weights))
         tick += 1
     return tick, tuple(slots), most, waiting
 
 
-def _ready(op: str, m: int, k: int, tick: int, done: dict, last: int) -> bool:
-    """Whether op ``op`` of microbatch ``m`` on virtual stage ``k`` can run at ``tick``."""
-    if op == "forward":
-        return k == 0 or done.get(("forward", m, k - 1), tick) < tick
-    if op == "backward":
-        if done.get(("forward", m, k), tick) >= tick:
-            return False
-        return k == last or done.get(("backward", m, k + 1), tick) < tick
-    return done.get(("backward", m, k), tick) < tick
+def _run_weight(slots, tick, stage, key, queue, held, virtual, stages) -> None:
+    """Runs the oldest waiting weight op of ``stage`` at ``tick``."""
+    queue.popleft()
+    held[stage] -= 1
+    slots.append((tick, stage, "weight", key // virtual, key % virtual // stages))
+
+
+def _keys(name: str, stages: int, micro: int, repeats: int, stage: int, op: str) -> list[int]:
+    """:func:`_order` of a stage as ``microbatch * virtual stages + virtual stage`` keys."""
+    virtual = stages * repeats
+    return [m * virtual + c * stages + stage for m, c in _order(name, stages, micro, repeats,
+                                                                 stage, op)]  # fmt: skip
+
+
+def _room_limit(name: str, stages: int, stage: int, repeats: int) -> int:
+    """The most chunks ``stage`` may hold before its next forward, in chunks of microbatches.
+
+    ``held`` counts the chunks whose forward ran and weight op has not (their residuals are
+    stashed). 1F1B holds at most ``S - s``; interleaved Megatron's ``2 (S - s - 1) + (v - 1)
+    S + 1`` chunks; ZB-H1 at most ``S + 1`` (its deferred weight ops fill the tail) and keeps
+    1F1B's ``S - s`` open (forward run, backward not), which :func:`_simulate` checks.
+    """
+    if name == "zb-h1":
+        return stages + 1
+    if name == "interleaved":
+        return 2 * (stages - stage - 1) + (repeats - 1) * stages + 1
+    return stages - stage
 
 
 class _Slots:
@@ -354,7 +364,8 @@ class _Slots:
 
 @functools.cache
 def _tables(name: str, stages: int, micro: int, repeats: int) -> Tables:
-    ticks, slots, _, _ = _simulate(name, stages, micro, repeats)
+    ticks, raw, _, _ = _simulate(name, stages, micro, repeats)
+    slots = [ScheduleSlot(*slot) for slot in raw]
     last = stages * repeats - 1
     when = {(s.op, s.microbatch, s.repeat * stages + s.stage): s.tick for s in slots}
     shape = (ticks, stages)
