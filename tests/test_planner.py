@@ -429,7 +429,10 @@ def test_a_near_tie_goes_to_the_layout_that_keeps_the_most_memory_free(tokens, m
     goes first; where it keeps enough, only a tie at the same time (0.5%) that keeps more."""
     import dataclasses
 
-    hardware = dataclasses.replace(HARDWARE["h100"], memory_bytes=memory_gb * 10**9)
+    # without remat offload (no host link), so that the fastest at 32 GB is short of memory
+    hardware = dataclasses.replace(
+        HARDWARE["h100"], memory_bytes=memory_gb * 10**9, host_bandwidth=0.0
+    )
     work = Workload(batch_tokens=tokens, seq=8192, remat=None, microbatches=None, gather=None)
     result = plan("llama3-8b", 64, hardware, work)
     fitting = [c for c in result.candidates if c.fits]
@@ -628,6 +631,7 @@ COMPILED_PEAKS = [
     ("llama3-8b", 32, 2**20, ("fsdp",), "none", 4, "regather", "fsdp 32", 72.855),
     ("llama3-8b", 32, 2**20, ("fsdp",), "selective", 4, "regather", "fsdp 32", 34.822),
     ("llama3-8b", 32, 2**20, ("fsdp",), "full", 4, "regather", "fsdp 32", 13.845),
+    ("llama3-8b", 32, 2**20, ("fsdp",), "offload", 4, "regather", "fsdp 32", 15.833),
     ("llama3-8b", 32, 2**20, STRATEGIES, None, None, None, "zero2 dp 16 x tp 2", 67.313),
     ("llama3-70b", 128, 2**21, STRATEGIES, None, None, None, "fsdp 32 x tp 4", 54.36),
     ("mixtral-8x7b", 64, 2**21, STRATEGIES, None, None, None, "fsdp 16 x tp 4", 60.146),
@@ -643,3 +647,44 @@ def test_the_peak_is_within_5_percent_of_the_tpu_compilers(run):
     best = plan(model, devices, HARDWARE["tpu-v5p"], work, strategies=strategies).best
     assert best.layout.label == label
     assert best.bytes_per_device["peak"] / 2**30 == pytest.approx(compiled, rel=0.05)
+    if remat == "offload":  # XLA:TPU kept 20,401,094,656 bytes in pinned host memory
+        assert best.bytes_per_device["host"] == 20_401_094_656
+
+
+def test_remat_offload_keeps_fulls_device_memory_at_selectives_compute():
+    layout = Layout.from_degrees(fsdp=64)
+    config = architecture("llama3-8b")
+    leaves = transformer_leaves(config)
+    work = Workload(batch_tokens=64 * 8192, seq=8192, microbatches=1)
+    h100 = HARDWARE["h100"]
+    runs = {
+        r: evaluate(config, leaves, layout, dataclasses.replace(work, remat=r), h100)
+        for r in ("selective", "offload", "full")
+    }
+    device = {r: c.bytes_per_device["activations"] for r, c in runs.items()}
+    assert device["full"] < device["offload"] < device["selective"]
+    assert runs["offload"].flops_per_device == runs["selective"].flops_per_device
+    assert runs["offload"].flops_per_device < runs["full"].flops_per_device
+    host = runs["offload"].bytes_per_device["host"]  # selective's products, less full's input
+    assert host == pytest.approx(device["selective"] - device["full"], rel=0.35)
+    assert "host" not in runs["selective"].bytes_per_device
+    peak = runs["offload"].bytes_per_device
+    assert peak["peak"] == sum(v for k, v in peak.items() if k not in ("peak", "host"))
+    # out after the forward pass, back for the backward pass: over the host link, overlapped
+    assert runs["offload"].traffic_bytes_per_step["host/offload"] == 2 * host
+    # selective's compute; its transfers share the overlap with FSDP's gathers (on an H100 host
+    # both cross the GPU's PCIe link): here 0.64 s of them with 0.95 s of gathers exceed the
+    # compute, so offload is slower than full remat at one sequence of 8B per device
+    times = {r: c.time_breakdown for r, c in runs.items()}
+    assert times["offload"]["compute"] == times["selective"]["compute"] < times["full"]["compute"]
+    transfers = 2 * host / h100.host_bandwidth
+    exposed = times["offload"]["exposed/overlapped"] - times["selective"]["exposed/overlapped"]
+    assert 0 < exposed <= transfers
+    # an unknown host link: not searched, and a named offload says its transfers are untimed
+    unknown = dataclasses.replace(h100, host_bandwidth=0.0)
+    free = Workload(batch_tokens=64 * 8192, seq=8192, remat=None, microbatches=None)
+    assert {c.workload.remat for c in plan(config, 64, h100, free).candidates} >= {"offload"}
+    assert "offload" not in {c.workload.remat for c in plan(config, 64, unknown, free).candidates}
+    named = evaluate(config, leaves, layout, dataclasses.replace(work, remat="offload"), unknown)
+    assert any("transfers are not in the time" in w for w in named.warnings)
+    assert not any("offload" in w for w in runs["offload"].warnings)

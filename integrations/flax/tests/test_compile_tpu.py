@@ -278,3 +278,23 @@ def test_the_default_step_gathers_a_stack_one_layer_at_a_time():
                 if r.path.startswith("blocks"))  # fmt: skip
     assert report.plan.path == "manual"
     assert report.step.temporaries < 1.25 * stack
+
+
+def test_remat_offload_moves_the_saved_products_to_the_hosts_memory():
+    """XLA:TPU keeps remat "offload"'s products in pinned host memory (memory space S(5)),
+    where "selective" keeps them on the chip (XLA:CPU keeps both on the device:
+    test_remat.py). Measured here: 38.8 MB of temporaries under selective, 32.6 MB on the
+    chip and 16.8 MB on the host under offload, 19.4 MB under full."""
+    config = dataclasses.replace(TINY, mlp=256, layers=8, seq=512)
+    rows = jax.ShapeDtypeStruct((16, config.seq + 1), jnp.int32)
+
+    def compiled(remat):
+        return sf.compile_for(lambda: gpt.StackedGPT(config, nnx.Rngs(0)), gpt.optimizer(),
+                              gpt.loss_fn, rows, target="v5p:2x2x2", layout="fsdp",
+                              remat=remat)  # fmt: skip
+
+    step = {remat: compiled(remat) for remat in ("selective", "offload")}
+    selective, offload = step["selective"].step, step["offload"].step
+    assert selective.host_temporaries == 0 < offload.host_temporaries
+    assert offload.temporaries < selective.temporaries
+    assert "S(5)" in step["offload"].hlo and "S(5)" not in step["selective"].hlo

@@ -236,7 +236,9 @@ def test_a_pp_x_fsdp_layout_trains_from_create_sharded_model_like_the_flat_step(
 def test_remat_takes_the_names_the_flat_step_takes(reference):
     mesh = DeviceMeshManager.create_device_mesh({"pipe": 4, "data": 2})
     rules = MeshRules(data="data").extend(layers="pipe", **NAMES)
-    with pytest.raises(ValueError, match=r"remat must be one of \('none', 'selective', 'full'\)"):
+    with pytest.raises(
+        ValueError, match=r"remat must be one of \('none', 'selective', 'offload', 'full'\)"
+    ):
         sf.make_train_step(
             sf.Stages(embed, block, head, stack="blocks"), mesh, rules, microbatches=4, remat="some"
         )

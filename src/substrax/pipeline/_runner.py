@@ -100,8 +100,9 @@ class Pipeline:
             the virtual stages per device for ``"interleaved"`` (1 otherwise).
           remat: Which of a stage's activations the backward pass keeps, a name of
             :data:`substrax.spmd.REMAT` as every substrax step takes it: ``"none"`` (all),
-            ``"selective"`` (the products with the weights; the rest is recomputed) or
-            ``"full"`` (the stage's input: the stage is recomputed). True is ``"full"``,
+            ``"selective"`` (the products with the weights; the rest is recomputed),
+            ``"offload"`` (those products, in the host's memory) or ``"full"`` (the
+            stage's input: the stage is recomputed). True is ``"full"``,
             False ``"none"``. The split schedules apply it per layer, and recompute in both
             halves of the backward (input and weight gradients) what it leaves out.
           batch_axes: Mesh axes that split each microbatch (data parallelism).

@@ -133,7 +133,10 @@ def _leaf_table(candidate, workload) -> str:
 
 
 def _breakdown(candidate, searched: list[str], what: str = "chosen") -> str:
-    parts = ", ".join(f"{k} {_gib(v)}" for k, v in candidate.bytes_per_device.items())
+    parts = ", ".join(
+        f"{k} {_gib(v)}" + (" (in the host's memory, not in the peak)" if k == "host" else "")
+        for k, v in candidate.bytes_per_device.items()
+    )
     work = candidate.workload
     setting = f"remat {work.remat}, {work.microbatches} microbatches, gather {work.gather}"
     if candidate.layout.pp > 1:
@@ -232,9 +235,12 @@ def _inputs(args, result, hardware, workload, speeds: str) -> list[str]:
     ]
     if hardware.flops:
         intra, inter = hardware.intra_host_bandwidth / 1e9, hardware.inter_host_bandwidth / 1e9
+        host = (f"{hardware.host_bandwidth / 1e9:,.0f} GB/s" if hardware.host_bandwidth
+                else "unknown (remat offload not searched)")  # fmt: skip
         lines.append(
             f"  speeds: {hardware.flops / 1e12:,.0f} TFLOP/s, {intra:,.0f} GB/s within a host "
-            f"of {hardware.devices_per_host}, {inter:,.0f} GB/s across hosts: {speeds}"
+            f"of {hardware.devices_per_host}, {inter:,.0f} GB/s across hosts, {host} to host "
+            f"memory: {speeds}"
         )
     else:
         lines.append("  speeds: none given, so layouts are ranked by FLOPs, not time")
@@ -280,7 +286,7 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
         source.add_argument("--factory", help="module:function building your model")
     parser.add_argument("--devices", required=True)
     parser.add_argument(
-        "--hardware", choices=sorted(HARDWARE), help="a named device: fills the next five"
+        "--hardware", choices=sorted(HARDWARE), help="a named device: fills the next six"
     )
     parser.add_argument("--memory", help="per device, e.g. 80GB or 96GiB")
     parser.add_argument("--batch-tokens", required=True, help="tokens per step, e.g. 4M")
@@ -289,6 +295,10 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
     parser.add_argument("--flops", default=None, help="peak FLOP/s per device, e.g. 989T")
     parser.add_argument("--intra-host-bandwidth", default=None, help="bytes/s, e.g. 450GB")
     parser.add_argument("--inter-host-bandwidth", default=None, help="bytes/s, e.g. 50GB")
+    parser.add_argument(
+        "--host-bandwidth", default=None,
+        help="bytes/s each way to the host's memory (remat offload), e.g. 64GB",
+    )  # fmt: skip
     parser.add_argument(
         "--precision", default="bf16", choices=sorted(PRECISION_BYTES),
         help="as make_train_step(precision=...) names it; mixed: f32 master weights, bf16 "
@@ -370,7 +380,7 @@ def _hardware(args) -> tuple[Hardware, str]:
     else:  # speeds as given, the rest of the default profile (its memory is --memory's)
         base = dataclasses.replace(
             HARDWARE[DEFAULT_PROFILE], flops=0.0, intra_host_bandwidth=0.0,
-            inter_host_bandwidth=0.0,
+            inter_host_bandwidth=0.0, host_bandwidth=0.0,
         )  # fmt: skip
     if args.memory is None and args.hardware is None:
         raise ValueError(
@@ -392,6 +402,9 @@ def _hardware(args) -> tuple[Hardware, str]:
         ),
         inter_host_bandwidth=given(
             args.inter_host_bandwidth, base.inter_host_bandwidth, lambda t: _optional(t, True)
+        ),
+        host_bandwidth=given(
+            args.host_bandwidth, base.host_bandwidth, lambda t: _optional(t, True)
         ),
     ), speeds
 

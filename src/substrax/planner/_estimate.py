@@ -152,6 +152,10 @@ class Hardware:
       flash_attention: Whether attention runs as a flash kernel (cuDNN, splash): no score
         square is stored, and a causal mask skips half the products. True for the named GPU
         and TPU profiles; False (XLA's plain attention, as on XLA:CPU) by default.
+      host_bandwidth: Bytes/s per device, each way, between the device and its host's memory
+        (remat ``"offload"``'s transfers). 0: unknown; :func:`plan` then does not search
+        ``"offload"``, and a workload that names it is estimated without the transfers'
+        time (its candidate warns).
     """
 
     memory_bytes: int
@@ -162,6 +166,7 @@ class Hardware:
     blocked_experts: bool = False
     efficiency: Efficiency = ROOFLINE
     flash_attention: bool = False
+    host_bandwidth: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.memory_bytes > 0:
@@ -170,7 +175,7 @@ class Hardware:
             raise ValueError(
                 f"devices_per_host must be a positive integer, got {self.devices_per_host!r}."
             )
-        for name in ("flops", "intra_host_bandwidth", "inter_host_bandwidth"):
+        for name in ("flops", "intra_host_bandwidth", "inter_host_bandwidth", "host_bandwidth"):
             if getattr(self, name) < 0:
                 raise ValueError(
                     f"{name} must not be negative (0: unknown), got {getattr(self, name)!r}."
@@ -355,7 +360,9 @@ def _activations(
     whose backward pass runs holds its gradients' buffers besides, about its own ``"none"``
     activations once more; under ``"full"`` remat XLA:TPU runs it after the loss's backward
     pass, whose buffers (:func:`_vocabulary`, the logits) were the larger at every size
-    measured, so it adds nothing to the peak. Context parallelism divides the sequence (ring
+    measured, so it adds nothing to the peak. Under ``"offload"`` the device keeps what
+    ``"full"`` keeps and :data:`OFFLOAD_IN_TRANSIT` layers' offloaded products in transit
+    (:func:`_offloaded` counts the host's share). Context parallelism divides the sequence (ring
     attention holds one key/value block at a time, so the score term shrinks with the
     square). A mixture of experts replaces the MLP's part with its own
     (:func:`_expert_activations`).
@@ -367,19 +374,78 @@ def _activations(
     flash = hw is not None and hw.flash_attention
     remat = w.remat or "none"
     square = 0 if flash or remat != "none" else 5 * a * s / (h * t)
-    moe = (_expert_activations(c, w, layout, act, hw) * 2 / act) / h if c.experts else None
     split = t if w.sequence_parallel else 1
 
     def per_token(policy: str) -> float:
-        wide, heads, mlp = _kept(c, policy)
-        experts = moe is not None and policy != "full"  # their part replaces the MLP's own
-        return wide / split + heads / t + (moe if experts else mlp / t)
+        return _per_token(c, w, layout, act, hw, policy)
 
     layer, whole = per_token(remat) + square, per_token("none")
     # a deferred weight op keeps its layers' output cotangents as well (s b h each)
     per_layer_all = layer * s * b * h * in_flight + s * b * h / split * waiting
     transient = 0.0 if remat == "full" else whole * s * b * h
+    if remat == "offload":  # products of OFFLOAD_IN_TRANSIT layers on the way out or back
+        transient = OFFLOAD_IN_TRANSIT * (per_token("selective") - layer) * s * b * h
     return (per_layer_all * math.ceil(c.layers / layout.pp) + transient) * act / 2
+
+
+#: Layers whose offloaded products remat ``"offload"`` holds on the device at its peak (on
+#: their way to the host or back): XLA:TPU's Llama 3 8B step (fsdp 32, 4 microbatches of 8192
+#: tokens, ``v5p-64``) held 3.3 layers' worth beyond ``"full"``'s 13.85 GiB; its host bytes
+#: equal :func:`_offloaded`'s exactly.
+OFFLOAD_IN_TRANSIT = 3
+
+
+def _per_token(c, w: Workload, layout: Layout, act: int, hw, policy: str) -> float:
+    """A layer's bytes kept per token per ``h`` on one device (2-byte units) under ``policy``."""
+    wide, heads, mlp = _kept(c, policy)
+    t = layout.tp
+    split = t if w.sequence_parallel else 1
+    if c.experts and policy not in ("full", "offload"):  # the experts' part replaces the MLP's
+        mlp = _expert_activations(c, w, layout, act, hw) * 2 / act / c.d_model * t
+    return wide / split + heads / t + mlp / t
+
+
+def _offload_warning(host: float, hw: Hardware) -> tuple[str, ...]:
+    """A candidate's warning when its offloaded bytes' transfers cannot be timed."""
+    if not host or hw.host_bandwidth or not hw.flops:
+        return ()
+    return (
+        f"remat 'offload' keeps {host / 2**30:.2f} GiB per device in the host's memory; the "
+        "link's bandwidth is unknown (Hardware.host_bandwidth=0, --host-bandwidth), so the "
+        "transfers are not in the time.",
+    )
+
+
+def _microbatch_passes(layout: Layout, w: Workload, schedule: Schedule | None) -> float:
+    """How many times a step's layers run per microbatch held: offloads per :func:`_offloaded`.
+
+    The schedule holds ``in_flight`` microbatches' products at once out of ``micro``.
+    """
+    micro = w.microbatches or (layout.pp if layout.pp > 1 else 1)
+    in_flight, _ = _held(schedule)
+    return micro / in_flight
+
+
+def _offloaded(c: TransformerConfig, w: Workload, layout: Layout, act: int,
+               schedule: Schedule | None, hw: Hardware | None = None) -> float:  # fmt: skip
+    """Bytes remat ``"offload"`` keeps in the host's memory per device (0 for the others).
+
+    ``"selective"``'s saved products beyond what ``"full"`` keeps (the layer's input), for
+    each layer of each microbatch the schedule holds. On XLA:TPU a step of 8 layers (a
+    128-wide decoder at 512 tokens, ``v5p:2x2x2``) kept 33.5 MB on the host, where
+    ``"selective"`` kept 36.9 MB more than ``"full"`` on the device; the device held 6.1 MB
+    (1.3 layers' worth) more than under ``"full"``; see :data:`OFFLOAD_IN_TRANSIT`.
+    """
+    if (w.remat or "none") != "offload":
+        return 0.0
+    rows = w.batch / layout.batch_degree
+    micro = w.microbatches or (layout.pp if layout.pp > 1 else 1)
+    in_flight, _ = _held(schedule)
+    per_token = _per_token(c, w, layout, act, hw, "selective") - _per_token(
+        c, w, layout, act, hw, "full"
+    )
+    tokens = rows / micro * w.seq / layout.cp
+    return per_token * tokens * c.d_model * in_flight * math.ceil(c.layers / layout.pp) * act / 2
 
 
 def _kept(c: TransformerConfig, remat: str) -> tuple[float, float, float]:
@@ -402,7 +468,7 @@ def _kept(c: TransformerConfig, remat: str) -> tuple[float, float, float]:
     q = c.heads * c.head_dim / c.d_model
     kv = c.kv_heads * c.head_dim / c.d_model
     f = c.ffn / c.d_model
-    if remat == "full":
+    if remat in ("full", "offload"):  # offload moves selective's products to the host
         return 2.0, 0.0, 0.0
     if remat == "selective":
         return 4.0, 2 * q + 4 * kv, (4 if c.gated else 2) * f
@@ -652,15 +718,21 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
         * (4 + width),  # float32 logits and their gradient
     }
     memory["peak"] = sum(memory.values())
+    host = _offloaded(config, workload, layout, width, schedule, hardware)
+    if host:  # in the host's memory, not the device's: not in the peak
+        memory["host"] = host
     state = (per_device * width, dense * width, head * width, shared * width)
     traffic = _traffic(config, workload, layout, state, width, schedule)
+    if host:  # out after the forward pass, back for the backward pass, per microbatch
+        traffic["host/offload"] = 2 * host * _microbatch_passes(layout, workload, schedule)
     tokens = workload.batch * workload.seq
     flops = _flops_per_token(config, leaves, workload.seq) * tokens
     attention = _attention_flops_per_token(config, workload.seq) * tokens
     if workload.remat == "full":  # the forward pass again: 8 of 6
         flops *= 8 / 6
         attention *= 8 / 6
-    elif workload.remat == "selective":  # attention's forward again (scores, softmax, values)
+    elif workload.remat in ("selective", "offload"):  # attention's forward again (scores,
+        # softmax, values)
         flops += attention / 3
         attention *= 4 / 3
     flops += _dispatch_flops(config, leaves, workload, layout, hardware) * tokens
@@ -680,7 +752,7 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
         bubble=bubble,
         headroom_bytes=hardware.memory_bytes - memory["peak"],
         fits=memory["peak"] <= hardware.memory_bytes,
-        warnings=pre.warnings,
+        warnings=pre.warnings + _offload_warning(host, hardware),
         workload=workload,
         time_breakdown=breakdown,
         hardware=hardware,
@@ -889,7 +961,12 @@ def _time(flops, attention, traffic, bubble, pre: Prepared, hw: Hardware) -> dic
 
 
 def _bandwidth(axis: str, layout: Layout, hw: Hardware) -> float:
-    """Bytes/s of the links an axis's collectives run on: within a host or across hosts."""
+    """Bytes/s of the links an axis's collectives run on: within a host or across hosts.
+
+    ``"host"`` is the link to the host's memory (remat ``"offload"``).
+    """
+    if axis == "host":
+        return hw.host_bandwidth
     degrees = {"fsdp": layout.fsdp, "context": layout.cp, "expert": layout.ep}
     parts = axis.split("+")
     fast = axis == "model" or (

@@ -5,7 +5,8 @@ Figures are the vendors' published numbers; bandwidths are per device and per di
 
 - H100 SXM (NVIDIA H100 Tensor Core GPU datasheet): 80 GB HBM3; 989 TFLOP/s dense BF16
   (1,979 with sparsity); NVLink 900 GB/s bidirectional -> 450 GB/s; 8 GPUs per NVLink domain;
-  across hosts one 400 Gb/s NDR InfiniBand port per GPU -> 50 GB/s.
+  across hosts one 400 Gb/s NDR InfiniBand port per GPU -> 50 GB/s; to the host's memory
+  PCIe Gen5 x16, 128 GB/s bidirectional -> 64 GB/s (remat ``"offload"``).
 - H200 SXM (NVIDIA H200 Tensor Core GPU datasheet): 141 GB HBM3e; the H100's 989 TFLOP/s
   dense BF16 and 900 GB/s NVLink; 400 Gb/s per GPU across hosts.
 - TPU v5p (Google Cloud TPU v5p documentation): 95 GB HBM2e; 459 TFLOP/s BF16; inter-chip
@@ -19,7 +20,9 @@ Figures are the vendors' published numbers; bandwidths are per device and per di
   3,200 Gb/s per chip -> 200 GB/s per direction; 4 chips per host in multi-host slices.
 
 Each profile runs attention as a flash kernel and carries the calibrated efficiencies
-(:data:`substrax.planner._efficiency.CALIBRATED`, fitted on H100 runs).
+(:data:`substrax.planner._efficiency.CALIBRATED`, fitted on H100 runs). The TPU profiles leave
+the host link's bandwidth unknown (no figure in those documents), so :func:`~substrax.planner.plan`
+does not search remat ``"offload"`` on them; ``--host-bandwidth`` sets one.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ _H100 = Hardware(
     inter_host_bandwidth=50e9,
     efficiency=CALIBRATED,
     flash_attention=True,
+    host_bandwidth=64e9,
 )
 
 HARDWARE: dict[str, Hardware] = {

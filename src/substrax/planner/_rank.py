@@ -95,7 +95,7 @@ class Plan:
         if any(c.fits for c in self.candidates):
             return None
         least = min(self.candidates, key=lambda c: c.bytes_per_device["peak"])
-        parts = {k: v for k, v in least.bytes_per_device.items() if k != "peak"}
+        parts = {k: v for k, v in least.bytes_per_device.items() if k not in ("peak", "host")}
         biggest = max(parts, key=parts.get)
         return (
             f"No layout of {self.model} fits on {self.devices} devices: the smallest peak is "
@@ -284,9 +284,14 @@ def _why(candidates: list[Candidate], timed: bool) -> str:
             f"busy fraction; {second.layout.label} is next (no speeds: no times).")  # fmt: skip
 
 
-def _settings(workload: Workload, layout, layers: int) -> list[Workload]:
-    """The workloads to try on ``layout``: ``workload`` with each open choice filled in."""
+def _settings(workload: Workload, layout, layers: int, hardware: Hardware) -> list[Workload]:
+    """The workloads to try on ``layout``: ``workload`` with each open choice filled in.
+
+    Remat ``"offload"`` is tried only where the host link's bandwidth is known.
+    """
     remats = REMAT if workload.remat is None else (workload.remat,)
+    if workload.remat is None and not hardware.host_bandwidth:
+        remats = tuple(r for r in remats if r != "offload")
     if workload.microbatches is None:  # microbatches that divide the replica's sequences
         rows = _rows(workload, layout)
         micros = tuple(m for m in MICROBATCH_CHOICES if m <= rows and rows % m == 0) or (1,)
@@ -336,7 +341,8 @@ def _cheapest(config, leaves, layout, workload, hardware, timed: bool) -> Candid
     """The cheapest setting of ``layout`` that fits, else the one with the smallest peak."""
     pre = prepare(config, leaves, layout)
     options = [
-        evaluate_prepared(pre, w, hardware) for w in _settings(workload, layout, config.layers)
+        evaluate_prepared(pre, w, hardware)
+        for w in _settings(workload, layout, config.layers, hardware)
     ]
     fitting = [c for c in options if c.fits]
     if not fitting:

@@ -6,6 +6,13 @@ A policy says which activations of a recomputed block are kept for the backward 
 - ``"selective"``: keep the outputs of matrix products with the weights, recompute the rest:
   element-wise work, norms, and attention's scores and probabilities (batched products) --
   jax's ``dots_with_no_batch_dims_saveable``;
+- ``"offload"``: ``"selective"``'s saved products, moved to the host's memory (pinned host)
+  after the forward pass and brought back for the backward pass -- jax's
+  ``offload_dot_with_no_batch_dims``. The device keeps what ``"full"`` keeps plus the
+  transfers in flight, and recomputes what ``"selective"`` recomputes; the cost is the
+  transfers (over PCIe on a GPU host, the host link on a TPU), which XLA overlaps with
+  compute. XLA:TPU and XLA:GPU move them; XLA:CPU has no separate host memory and keeps them
+  on the device, as ``"selective"`` does (same values, same program);
 - ``"full"``: keep nothing inside the block: only its input is saved, and the whole block is
   recomputed in the backward pass.
 
@@ -23,8 +30,8 @@ import jax
 
 __all__ = ["REMAT", "checkpoint_policy"]
 
-REMAT = ("none", "selective", "full")
-"""Remat policies, from most memory (and no recomputation) to least."""
+REMAT = ("none", "selective", "offload", "full")
+"""Remat policies, from most device memory (and no recomputation) to least."""
 
 
 def checkpoint_policy(remat: str, *, never_save: Sequence[str] = ()) -> Callable[..., Any] | None:
@@ -49,7 +56,10 @@ def checkpoint_policy(remat: str, *, never_save: Sequence[str] = ()) -> Callable
         return policies.nothing_saveable
     if remat == "none":
         return policies.save_anything_except_these_names(*never_save) if never_save else None
-    base = policies.dots_with_no_batch_dims_saveable
+    if remat == "offload":
+        base = policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    else:
+        base = policies.dots_with_no_batch_dims_saveable
     if not never_save:
         return base
     excluded = set(never_save)

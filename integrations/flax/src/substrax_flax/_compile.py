@@ -74,6 +74,8 @@ class ProgramMemory:
       aliased: Outputs written into donated inputs' buffers.
       temporaries: Its scratch buffers.
       peak: Arguments + outputs - aliased + temporaries (:func:`substrax.hlo.peak_bytes`).
+      host_temporaries: Its scratch buffers in the host's memory: the activations that remat
+        ``"offload"`` moves there (0 on XLA:CPU, which keeps them on the device).
     """
 
     arguments: int
@@ -82,6 +84,7 @@ class ProgramMemory:
     aliased: int
     temporaries: int
     peak: int
+    host_temporaries: int = 0
 
     @classmethod
     def of(cls, compiled: Any) -> ProgramMemory:
@@ -98,7 +101,7 @@ class ProgramMemory:
             int(memory.argument_size_in_bytes), argument_bytes(compiled.as_text()),
             int(memory.output_size_in_bytes),
             int(memory.alias_size_in_bytes), int(memory.temp_size_in_bytes),
-            int(peak_bytes(memory)),
+            int(peak_bytes(memory)), int(getattr(memory, "host_temp_size_in_bytes", 0) or 0),
         )  # fmt: skip
 
 

@@ -179,7 +179,7 @@ class PipelineTrainStep(JittedStep):
           rules: The rules, for a model substrax did not place.
           layout: The layout, for a model substrax did not place.
           microbatches: Microbatches per batch.
-          remat: ``"none"``, ``"selective"`` or ``"full"``.
+          remat: One of :data:`substrax.spmd.REMAT`.
           batch_axes: Mesh axes of the batch (None: the plan's batch axes but the stage axis).
           on_nonfinite: ``"skip"``, ``"raise"`` or ``"apply"`` (see :func:`make_train_step`).
           precision: The mixed-precision policy.

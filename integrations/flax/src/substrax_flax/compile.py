@@ -94,7 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--loss", help="module:function, loss_fn(model, batch)")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--precision", choices=("f32", "mixed", "bf16"), default="f32")
-    parser.add_argument("--remat", choices=("none", "selective", "full"), default="none")
+    parser.add_argument(  # substrax.spmd.REMAT, not imported before JAX_PLATFORMS is set
+        "--remat", choices=("none", "selective", "offload", "full"), default="none"
+    )
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--pipeline", help="module:embed,module:layer,module:head (layout pp)")
     parser.add_argument("--stack", default="blocks", help="the pipeline's stacked attribute")

@@ -326,7 +326,8 @@ def validate(
       twin's layout (with ``"data_parallel"``, the path its default step takes), and each
       figure an ``(estimate, compiled)`` pair per device; the compiled step is donated, as
       substrax runs it. For a target, ``"target"``, ``"layout"`` and ``"data_parallel"``
-      replace ``"twin"``, with ``"compile_seconds"``; where the compiler refuses the
+      replace ``"twin"``, with ``"compile_seconds"`` and ``"host_bytes"`` (remat
+      ``"offload"``'s share in the host's memory); where the compiler refuses the
       candidate (it needs more memory than the chip has), it has ``"refused"`` (the
       compiler's words) and the estimated peak beside None instead of the figures.
 
@@ -411,7 +412,7 @@ def _validate_layout(
         ),
         "flops": (estimate.flops_per_device, compiled_flops(compiled)),
         "traffic_bytes": (
-            sum(estimate.traffic_bytes_per_step.values()),
+            _collective_bytes(estimate),
             sum(kind["bytes"] for kind in traffic.values()),
         ),
         "peak_bytes": (planned["peak"], peak_bytes(memory)),
@@ -467,10 +468,16 @@ def _validate_on_target(config: TransformerConfig, candidate: Any, target: str) 
             report.step.argument_data,
         ),
         "flops": (candidate.flops_per_device, report.flops),
-        "traffic_bytes": (sum(candidate.traffic_bytes_per_step.values()), report.traffic_bytes),
+        "traffic_bytes": (_collective_bytes(candidate), report.traffic_bytes),
         "peak_bytes": (planned["peak"], report.step.peak),
+        "host_bytes": (planned.get("host", 0.0), report.step.host_temporaries),
         "compile_seconds": report.compile_seconds,
     }
+
+
+def _collective_bytes(candidate) -> float:
+    """The candidate's collective bytes per step: its traffic but remat offload's host copies."""
+    return sum(v for k, v in candidate.traffic_bytes_per_step.items() if not k.startswith("host/"))
 
 
 def _flash_block(seq: int) -> int:
