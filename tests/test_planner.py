@@ -688,3 +688,12 @@ def test_remat_offload_keeps_fulls_device_memory_at_selectives_compute():
     named = evaluate(config, leaves, layout, dataclasses.replace(work, remat="offload"), unknown)
     assert any("transfers are not in the time" in w for w in named.warnings)
     assert not any("offload" in w for w in runs["offload"].warnings)
+    # the host's memory bounds it: a host short of its bytes does not fit it
+    assert runs["offload"].fits and h100.host_memory_bytes > host
+    small = dataclasses.replace(h100, host_memory_bytes=int(host) - 1)
+    cramped = evaluate(config, leaves, layout, dataclasses.replace(work, remat="offload"), small)
+    assert not cramped.fits and cramped.bytes_per_device["peak"] < small.memory_bytes
+    tiny = dataclasses.replace(small, memory_bytes=16 * 10**9)
+    only = Workload(batch_tokens=64 * 8192, seq=8192, remat="offload", microbatches=1)
+    message = plan(config, 64, tiny, only, strategies=("fsdp",)).no_fit_message()
+    assert "in the host's memory, more than its" in message, message

@@ -286,7 +286,7 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
         source.add_argument("--factory", help="module:function building your model")
     parser.add_argument("--devices", required=True)
     parser.add_argument(
-        "--hardware", choices=sorted(HARDWARE), help="a named device: fills the next six"
+        "--hardware", choices=sorted(HARDWARE), help="a named device: fills the next seven"
     )
     parser.add_argument("--memory", help="per device, e.g. 80GB or 96GiB")
     parser.add_argument("--batch-tokens", required=True, help="tokens per step, e.g. 4M")
@@ -298,6 +298,10 @@ def _parser(prog: str, factories: bool) -> argparse.ArgumentParser:
     parser.add_argument(
         "--host-bandwidth", default=None,
         help="bytes/s each way to the host's memory (remat offload), e.g. 64GB",
+    )  # fmt: skip
+    parser.add_argument(
+        "--host-memory", default=None,
+        help="the host's memory per device for remat offload's bytes, e.g. 250GB (0: unchecked)",
     )  # fmt: skip
     parser.add_argument(
         "--precision", default="bf16", choices=sorted(PRECISION_BYTES),
@@ -380,7 +384,7 @@ def _hardware(args) -> tuple[Hardware, str]:
     else:  # speeds as given, the rest of the default profile (its memory is --memory's)
         base = dataclasses.replace(
             HARDWARE[DEFAULT_PROFILE], flops=0.0, intra_host_bandwidth=0.0,
-            inter_host_bandwidth=0.0, host_bandwidth=0.0,
+            inter_host_bandwidth=0.0, host_bandwidth=0.0, host_memory_bytes=0,
         )  # fmt: skip
     if args.memory is None and args.hardware is None:
         raise ValueError(
@@ -405,6 +409,9 @@ def _hardware(args) -> tuple[Hardware, str]:
         ),
         host_bandwidth=given(
             args.host_bandwidth, base.host_bandwidth, lambda t: _optional(t, True)
+        ),
+        host_memory_bytes=given(
+            args.host_memory, base.host_memory_bytes, lambda t: int(_optional(t, True))
         ),
     ), speeds
 

@@ -156,6 +156,8 @@ class Hardware:
         (remat ``"offload"``'s transfers). 0: unknown; :func:`plan` then does not search
         ``"offload"``, and a workload that names it is estimated without the transfers'
         time (its candidate warns).
+      host_memory_bytes: The host's memory per device, for remat ``"offload"``'s bytes: a
+        candidate whose offloaded bytes exceed it does not fit. 0: unknown, not checked.
     """
 
     memory_bytes: int
@@ -167,6 +169,7 @@ class Hardware:
     efficiency: Efficiency = ROOFLINE
     flash_attention: bool = False
     host_bandwidth: float = 0.0
+    host_memory_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.memory_bytes > 0:
@@ -175,7 +178,8 @@ class Hardware:
             raise ValueError(
                 f"devices_per_host must be a positive integer, got {self.devices_per_host!r}."
             )
-        for name in ("flops", "intra_host_bandwidth", "inter_host_bandwidth", "host_bandwidth"):
+        for name in ("flops", "intra_host_bandwidth", "inter_host_bandwidth", "host_bandwidth",
+                     "host_memory_bytes"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(
                     f"{name} must not be negative (0: unknown), got {getattr(self, name)!r}."
@@ -751,7 +755,8 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
         time_s=sum(breakdown.values()),
         bubble=bubble,
         headroom_bytes=hardware.memory_bytes - memory["peak"],
-        fits=memory["peak"] <= hardware.memory_bytes,
+        fits=memory["peak"] <= hardware.memory_bytes
+        and not (hardware.host_memory_bytes and host > hardware.host_memory_bytes),
         warnings=pre.warnings + _offload_warning(host, hardware),
         workload=workload,
         time_breakdown=breakdown,

@@ -6,7 +6,8 @@ Figures are the vendors' published numbers; bandwidths are per device and per di
 - H100 SXM (NVIDIA H100 Tensor Core GPU datasheet): 80 GB HBM3; 989 TFLOP/s dense BF16
   (1,979 with sparsity); NVLink 900 GB/s bidirectional -> 450 GB/s; 8 GPUs per NVLink domain;
   across hosts one 400 Gb/s NDR InfiniBand port per GPU -> 50 GB/s; to the host's memory
-  PCIe Gen5 x16, 128 GB/s bidirectional -> 64 GB/s (remat ``"offload"``).
+  PCIe Gen5 x16, 128 GB/s bidirectional -> 64 GB/s, and the host's memory (NVIDIA DGX H100
+  datasheet: 2 TB of system memory for 8 GPUs) -> 250 GB per GPU (remat ``"offload"``).
 - H200 SXM (NVIDIA H200 Tensor Core GPU datasheet): 141 GB HBM3e; the H100's 989 TFLOP/s
   dense BF16 and 900 GB/s NVLink; 400 Gb/s per GPU across hosts.
 - TPU v5p (Google Cloud TPU v5p documentation): 95 GB HBM2e; 459 TFLOP/s BF16; inter-chip
@@ -43,6 +44,7 @@ _H100 = Hardware(
     efficiency=CALIBRATED,
     flash_attention=True,
     host_bandwidth=64e9,
+    host_memory_bytes=250 * 10**9,
 )
 
 HARDWARE: dict[str, Hardware] = {

@@ -97,10 +97,18 @@ class Plan:
         least = min(self.candidates, key=lambda c: c.bytes_per_device["peak"])
         parts = {k: v for k, v in least.bytes_per_device.items() if k not in ("peak", "host")}
         biggest = max(parts, key=parts.get)
+        host = least.bytes_per_device.get("host", 0.0)
+        room = least.hardware.host_memory_bytes if least.hardware is not None else 0
+        beyond = (
+            f"; remat offload keeps {host / 2**30:.1f} GiB per device in the host's memory, "
+            f"more than its {room / 2**30:.1f} GiB"
+            if room and host > room
+            else ""
+        )
         return (
             f"No layout of {self.model} fits on {self.devices} devices: the smallest peak is "
             f"{least.bytes_per_device['peak'] / 2**30:.1f} GiB per device ({least.layout.label}), "
-            f"dominated by {biggest} ({parts[biggest] / 2**30:.1f} GiB)."
+            f"dominated by {biggest} ({parts[biggest] / 2**30:.1f} GiB){beyond}."
         )
 
 
