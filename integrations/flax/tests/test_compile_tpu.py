@@ -298,3 +298,6 @@ def test_remat_offload_moves_the_saved_products_to_the_hosts_memory():
     assert selective.host_temporaries == 0 < offload.host_temporaries
     assert offload.temporaries < selective.temporaries
     assert "S(5)" in step["offload"].hlo and "S(5)" not in step["selective"].hlo
+    host = offload.host_temporaries / 2**20
+    assert f"; in host memory {host:,.1f} (remat offload)" in step["offload"].summary()
+    assert "in host memory" not in step["selective"].summary()

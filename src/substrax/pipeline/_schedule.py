@@ -328,8 +328,8 @@ def _run_weight(slots, tick, stage, key, queue, held, virtual, stages) -> None:
 def _keys(name: str, stages: int, micro: int, repeats: int, stage: int, op: str) -> list[int]:
     """:func:`_order` of a stage as ``microbatch * virtual stages + virtual stage`` keys."""
     virtual = stages * repeats
-    return [m * virtual + c * stages + stage for m, c in _order(name, stages, micro, repeats,
-                                                                 stage, op)]  # fmt: skip
+    order = _order(name, stages, micro, repeats, stage, op)
+    return [m * virtual + c * stages + stage for m, c in order]
 
 
 def _room_limit(name: str, stages: int, stage: int, repeats: int) -> int:

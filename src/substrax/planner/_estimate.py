@@ -735,9 +735,8 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
     if workload.remat == "full":  # the forward pass again: 8 of 6
         flops *= 8 / 6
         attention *= 8 / 6
-    elif workload.remat in ("selective", "offload"):  # attention's forward again (scores,
-        # softmax, values)
-        flops += attention / 3
+    elif workload.remat in ("selective", "offload"):  # attention's forward again
+        flops += attention / 3  # (scores, softmax, values)
         attention *= 4 / 3
     flops += _dispatch_flops(config, leaves, workload, layout, hardware) * tokens
     flops /= layout.devices

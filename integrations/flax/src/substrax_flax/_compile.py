@@ -151,6 +151,12 @@ class TargetReport:
         """Whether the step's peak fits the chip's HBM."""
         return self.step.peak <= self.memory_bytes
 
+    def _host(self) -> str:
+        """The step's bytes in host memory (remat offload), in the summary's words, or ""."""
+        if not self.step.host_temporaries:
+            return ""
+        return f"; in host memory {self.step.host_temporaries / _MIB:,.1f} (remat offload)"
+
     def summary(self) -> str:
         """The report as text: memory against HBM, collectives, FLOPs, then the step's decisions.
 
@@ -168,7 +174,7 @@ class TargetReport:
             f"({'fits' if self.fits else 'DOES NOT FIT'}): arguments "
             f"{self.step.arguments / _MIB:,.1f}, outputs {self.step.outputs / _MIB:,.1f} "
             f"({self.step.aliased / _MIB:,.1f} donated), temporaries "
-            f"{self.step.temporaries / _MIB:,.1f}",
+            f"{self.step.temporaries / _MIB:,.1f}{self._host()}",
             f"  FLOPs: {self.flops / 1e12:,.3f} TFLOP per chip per step",
             f"  collectives: {self.traffic_bytes / _MIB:,.1f} MiB per chip per step",
         ]
