@@ -55,13 +55,8 @@ class Efficiency:
             if not 0 <= share <= 1:
                 raise ValueError(f"Efficiency.exposed[{axis!r}] must be in [0, 1], got {share!r}.")
 
-    def __hash__(self) -> int:  # kept: the planner hashes the hardware once per link lookup
-        try:
-            return self.__dict__["_hash"]
-        except KeyError:
-            value = hash((self.matmul, self.attention, tuple(sorted(self.exposed.items()))))
-            self.__dict__["_hash"] = value
-            return value
+    def __hash__(self) -> int:
+        return hash((self.matmul, self.attention, tuple(sorted(self.exposed.items()))))
 
 
 ROOFLINE = Efficiency()

@@ -226,7 +226,8 @@ class Candidate:
       bytes_per_device: ``params``, ``grads``, ``optimizer`` (exact), ``activations``,
         ``gathered``, ``unreduced``, ``logits`` (closed forms) and their sum ``peak``.
       traffic_bytes_per_step: Bytes each device moves per step, keyed ``"axis/kind"`` (such
-        as ``"fsdp/all-gather"``).
+        as ``"fsdp/all-gather"``); under remat ``"offload"`` also ``"host/offload"``, the
+        copies to the host's memory and back, which are no collective.
       flops_per_device: FLOPs per device per step.
       time_s: Estimated step time: :attr:`time_breakdown`'s sum (0 without hardware speeds).
       bubble: Pipeline idle fraction (0 without a pipeline).
@@ -420,28 +421,22 @@ def _offload_warning(host: float, hw: Hardware) -> tuple[str, ...]:
     )
 
 
-def _microbatch_passes(layout: Layout, w: Workload, schedule: Schedule | None) -> float:
-    """How many times a step's layers run per microbatch held: offloads per :func:`_offloaded`.
+def _offloaded(
+    c: TransformerConfig, w: Workload, layout: Layout, act: int, schedule: Schedule | None,
+    hw: Hardware | None = None,
+) -> tuple[float, float]:  # fmt: skip
+    """Remat ``"offload"``'s bytes per device: ``(held in the host's memory, copied per step)``.
 
-    The schedule holds ``in_flight`` microbatches' products at once out of ``micro``.
-    """
-    micro = w.microbatches or (layout.pp if layout.pp > 1 else 1)
-    in_flight, _ = _held(schedule)
-    return micro / in_flight
-
-
-def _offloaded(c: TransformerConfig, w: Workload, layout: Layout, act: int,
-               schedule: Schedule | None, hw: Hardware | None = None) -> float:  # fmt: skip
-    """Bytes remat ``"offload"`` keeps in the host's memory per device (0 for the others).
-
-    ``"selective"``'s saved products beyond what ``"full"`` keeps (the layer's input), for
-    each layer of each microbatch the schedule holds. On XLA:TPU a step of 8 layers (a
-    128-wide decoder at 512 tokens, ``v5p:2x2x2``) kept 33.5 MB on the host, where
-    ``"selective"`` kept 36.9 MB more than ``"full"`` on the device; the device held 6.1 MB
-    (1.3 layers' worth) more than under ``"full"``; see :data:`OFFLOAD_IN_TRANSIT`.
+    ``"selective"``'s saved products beyond what ``"full"`` keeps (the layer's input): held
+    for each layer of each microbatch the schedule holds at once, and copied out after the
+    forward pass and back for the backward pass for every microbatch (zeros for the other
+    policies). On XLA:TPU a step of 8 layers (a 128-wide decoder at 512 tokens,
+    ``v5p:2x2x2``) kept 33.5 MB on the host, where ``"selective"`` kept 36.9 MB more than
+    ``"full"`` on the device; the device held 6.1 MB (1.3 layers' worth) more than under
+    ``"full"``; see :data:`OFFLOAD_IN_TRANSIT`.
     """
     if (w.remat or "none") != "offload":
-        return 0.0
+        return 0.0, 0.0
     rows = w.batch / layout.batch_degree
     micro = w.microbatches or (layout.pp if layout.pp > 1 else 1)
     in_flight, _ = _held(schedule)
@@ -449,7 +444,8 @@ def _offloaded(c: TransformerConfig, w: Workload, layout: Layout, act: int,
         c, w, layout, act, hw, "full"
     )
     tokens = rows / micro * w.seq / layout.cp
-    return per_token * tokens * c.d_model * in_flight * math.ceil(c.layers / layout.pp) * act / 2
+    microbatch = per_token * tokens * c.d_model * math.ceil(c.layers / layout.pp) * act / 2
+    return microbatch * in_flight, 2 * microbatch * micro
 
 
 def _kept(c: TransformerConfig, remat: str) -> tuple[float, float, float]:
@@ -722,13 +718,13 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
         * (4 + width),  # float32 logits and their gradient
     }
     memory["peak"] = sum(memory.values())
-    host = _offloaded(config, workload, layout, width, schedule, hardware)
+    host, copied = _offloaded(config, workload, layout, width, schedule, hardware)
     if host:  # in the host's memory, not the device's: not in the peak
         memory["host"] = host
     state = (per_device * width, dense * width, head * width, shared * width)
     traffic = _traffic(config, workload, layout, state, width, schedule)
-    if host:  # out after the forward pass, back for the backward pass, per microbatch
-        traffic["host/offload"] = 2 * host * _microbatch_passes(layout, workload, schedule)
+    if copied:
+        traffic["host/offload"] = copied
     tokens = workload.batch * workload.seq
     flops = _flops_per_token(config, leaves, workload.seq) * tokens
     attention = _attention_flops_per_token(config, workload.seq) * tokens

@@ -12,7 +12,7 @@ A policy says which activations of a recomputed block are kept for the backward 
   transfers in flight, and recomputes what ``"selective"`` recomputes; the cost is the
   transfers (over PCIe on a GPU host, the host link on a TPU), which XLA overlaps with
   compute. XLA:TPU and XLA:GPU move them; XLA:CPU has no separate host memory and keeps them
-  on the device, as ``"selective"`` does (same values, same program);
+  on the device, as ``"selective"`` does (same values and temporaries);
 - ``"full"``: keep nothing inside the block: only its input is saved, and the whole block is
   recomputed in the backward pass.
 
