@@ -301,3 +301,4 @@ def test_remat_offload_moves_the_saved_products_to_the_hosts_memory():
     host = offload.host_temporaries / 2**20
     assert f"; in host memory {host:,.1f} (remat offload)" in step["offload"].summary()
     assert "in host memory" not in step["selective"].summary()
+    assert "remat         offload: as asked\n" in str(step["offload"].plan)  # TPU: no note

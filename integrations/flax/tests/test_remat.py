@@ -32,7 +32,7 @@ def runs():
         temp = step.lower(model, optimizer, batch).compile().memory_analysis().temp_size_in_bytes
         loss = float(step(model, optimizer, batch)["loss"])
         updated = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model))]
-        results[remat] = (temp, loss, updated)
+        results[remat] = (temp, loss, updated, str(step.plan))
         for o, leaves in zip(objects, start, strict=True):  # the next policy starts here too
             nnx.update(o, jax.tree.unflatten(jax.tree.structure(nnx.state(o)), leaves))
     return results
@@ -53,6 +53,9 @@ def test_each_policy_keeps_less_for_the_backward_pass(runs):
     # XLA:CPU has no separate host memory: offload's products stay, as selective's do
     # (XLA:TPU moves them: test_compile_tpu.py)
     assert temp["offload"] == temp["selective"]
+    # and the step's plan says so, before tracing, from the mesh's platform
+    assert "XLA:CPU has no separate host memory" in runs["offload"][3]
+    assert "host memory" not in runs["selective"][3]
 
 
 def test_remat_without_marked_blocks_says_nothing_is_recomputed():

@@ -53,6 +53,7 @@ __all__ = [
     "choose_path",
     "pipeline_plan",
     "region_stages",
+    "remat_decision",
     "scatter_decision",
     "step_mesh",
 ]
@@ -190,6 +191,21 @@ def region_stages(mesh: jax.sharding.Mesh, region: tuple[str, ...]) -> tuple[int
     """
     platform = mesh.devices.flat[0].platform
     return scatter_stages(dict(mesh.shape), region, platform) if region else None
+
+
+def remat_decision(remat: str, mesh: jax.sharding.Mesh, how: str = "as asked") -> Decision:
+    """The plan's remat line: the policy, and where the mesh's platform does not honour all of it.
+
+    Remat ``"offload"`` on XLA:CPU keeps the products on the device (no separate host
+    memory): the step is ``"selective"``'s there, and the line says so.
+    """
+    platform = mesh.devices.flat[0].platform
+    if remat == "offload" and platform == "cpu":
+        how += (
+            "; XLA:CPU has no separate host memory, so the products stay on the device "
+            "(the memory of 'selective')"
+        )
+    return Decision("remat", remat, how)
 
 
 def scatter_decision(
@@ -544,9 +560,9 @@ def pipeline_plan(
     decisions = (
         Decision("path", "pipeline", f"the layer stack {stack!r} runs as a pipeline"),
         *(Decision(*line) for line in settings),
-        Decision("remat", pipeline.remat,
-                 "as asked, per layer: both halves of the split backward recompute what it "
-                 "leaves out" if pipeline.timetable.split else "as asked, per stage"),
+        remat_decision(pipeline.remat, plan.mesh,
+                       "as asked, per layer: both halves of the split backward recompute what it "
+                       "leaves out" if pipeline.timetable.split else "as asked, per stage"),
         Decision("batch axes", str(tuple(batch_axes)), "split each microbatch"),
         Decision("fsdp", repr(fsdp) if fsdp else "none",
                  "each stage gathers its layers once and reduce-scatters their gradients"

@@ -55,6 +55,7 @@ from substrax_flax._step_plan import (
     param_steps,
     precision_name,
     region_stages,
+    remat_decision,
     scatter_decision,
     step_mesh,
 )
@@ -287,7 +288,7 @@ class TrainStep(JittedStep):
                      "manual over the batch axes of size > 1 (expert axes stay with XLA)"
                      if region else "XLA partitions the whole step"),
             Decision("precision", precision_name(self.precision), "as asked"),
-            Decision("remat", self.remat, "as asked"),
+            remat_decision(self.remat, mesh),
             Decision("microbatches", str(self.microbatches), "as asked"),
             Decision("gather", self.gather,
                      _gather_reason(self.gather, self.microbatches, path.name)),
