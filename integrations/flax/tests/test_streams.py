@@ -80,13 +80,13 @@ TINY = gpt.Config(vocab=128, d_model=32, heads=4, mlp=64, layers=2, seq=16, drop
 BATCH = gpt.batch_at(0, 16, TINY.seq)
 
 
-def _losses(layout=None, microbatches=1, config=TINY, steps=3):
+def _losses(layout=None, microbatches=1, config=TINY, steps=3, remat="none"):
     factory = lambda: gpt.GPT(config, nnx.Rngs(0))  # noqa: E731
     model = (
         _one_device(factory) if layout is None else sf.create_sharded_model(factory, layout=layout)
     )
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2))
-    step = sf.make_train_step(gpt.loss_fn, microbatches=microbatches)
+    step = sf.make_train_step(gpt.loss_fn, microbatches=microbatches, remat=remat)
     path = step.plan_for(model, optimizer, BATCH).path
     return [float(step(model, optimizer, BATCH)["loss"]) for _ in range(steps)], path
 
@@ -100,14 +100,16 @@ def one_device_losses():
 
 
 @pytest.mark.parametrize(
-    ("name", "axes", "microbatches"),
-    [("dp", {"data": 8}, 1), ("fsdp", {"data": 8}, 1), ("fsdp+tp", {"data": 4, "model": 2}, 1),
-     ("zero1", {"data": 8}, 1), ("fsdp", {"data": 4}, 2)],
-    ids=["dp", "fsdp", "fsdp+tp", "zero1", "fsdp-accumulated"],
+    ("name", "axes", "microbatches", "remat"),
+    [("dp", {"data": 8}, 1, "none"), ("fsdp", {"data": 8}, 1, "none"),
+     ("fsdp+tp", {"data": 4, "model": 2}, 1, "none"), ("zero1", {"data": 8}, 1, "none"),
+     ("fsdp", {"data": 4}, 2, "none"), ("fsdp+tp", {"data": 4, "model": 2}, 1, "offload")],
+    ids=["dp", "fsdp", "fsdp+tp", "zero1", "fsdp-accumulated", "fsdp+tp-offload"],
 )  # fmt: skip
 def test_a_decoder_with_dropout_trains_as_on_one_device(one_device_losses, name, axes,
-                                                        microbatches):  # fmt: skip
-    losses, path = _losses(Layout.named(name, axes), microbatches)
+                                                        microbatches, remat):  # fmt: skip
+    """Recomputed blocks (remat offload) draw the same masks again in the backward pass."""
+    losses, path = _losses(Layout.named(name, axes), microbatches, remat=remat)
     assert path == "manual"
     np.testing.assert_allclose(losses, one_device_losses, rtol=1e-5)
 
