@@ -13,6 +13,7 @@ from flax import nnx
 
 import substrax_flax as sf
 from substrax.mesh import DeviceMeshManager, MeshRules
+from substrax_flax._nonfinite import all_finite
 
 RULES = MeshRules(data="data", embed="data")
 
@@ -171,3 +172,25 @@ def test_the_last_call_of_a_run_is_reported_at_exit(tmp_path):
     assert "NonFiniteWarning: Step 2 (call 2 of this train step) has a non-finite loss" in (
         out.stderr
     )
+
+
+#: Eight arrays in three shapes, as a model's parameters and their moments come.
+_SHAPES = [(16, 4), (4,), (16, 4), (8, 8), (4,), (16, 4), (8, 8), (4,)]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("where", range(len(_SHAPES)))
+def test_the_check_finds_one_bad_value_in_any_array_of_a_shared_shape(bad, where):
+    arrays = [jnp.ones(shape) for shape in _SHAPES]
+    assert bool(jax.jit(all_finite)(arrays))
+    arrays[where] = arrays[where].at[(0,) * arrays[where].ndim].set(bad)
+    assert not bool(jax.jit(all_finite)(arrays))
+
+
+def test_the_compiled_check_reduces_each_distinct_shape_once():
+    """A kernel per distinct shape, not per array: launches, not bytes, cost on small arrays."""
+    arrays = [jnp.ones(shape) for shape in _SHAPES]
+    text = jax.jit(all_finite).lower(arrays).compile().as_text()
+    reductions = re.findall(r"= pred\[\] reduce\(", text)  # fused or not, one per shape group
+    fusions = re.findall(r"^\s*%\S+ = pred\[\] fusion\(", text, re.MULTILINE)
+    assert len(reductions) + len(fusions) <= len(set(_SHAPES)) + 1, text

@@ -38,11 +38,22 @@ class NonFiniteWarning(RuntimeWarning):
 
 
 def all_finite(*trees: Any) -> jax.Array:
-    """A scalar: whether every floating-point value in ``trees`` is finite."""
+    """A scalar: whether every floating-point value in ``trees`` is finite.
+
+    Arrays of one shape are checked together (``isfinite(a) & isfinite(b) & ...``, one
+    reduction), so the compiled check is one kernel per distinct shape, not one per array:
+    a kernel costs a launch on every device whatever its size (on XLA:CPU, measured in
+    ``benchmarks/results/step.md``'s guard rows), and fused, each group's producers (the
+    update computed for the check) run in that one kernel.
+    """
     leaves = [x for x in jax.tree.leaves(trees) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not leaves:
         return jnp.array(True)
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    groups: dict[tuple[int, ...], jax.Array] = {}
+    for x in leaves:
+        finite = jnp.isfinite(x)
+        groups[x.shape] = finite if x.shape not in groups else groups[x.shape] & finite
+    return jnp.all(jnp.stack([jnp.all(group) for group in groups.values()]))
 
 
 def guard_decision(states: Any, on_nonfinite: NonFinite) -> tuple[bool, str, str]:
