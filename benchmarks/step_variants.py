@@ -2,8 +2,10 @@
 
 Runs, interleaved on one layout, Flax's recipe and substrax's step with and without each of
 its defaults that Flax's recipe lacks: the non-finite guard (``on_nonfinite="apply"`` turns
-it off), donation (``donate=False``) and the manual region (``data_parallel="xla"``), and
-prints each one's median step time over Flax's. docs/benchmarks.md quotes a run::
+it off), donation (``donate=False``) and the manual region (``data_parallel="xla"``); and
+Flax's recipe donating as substrax's step does. Prints each one's median step time over
+Flax's and the kernels its compiled program launches (fusions, in every computation: on
+XLA:CPU each costs a launch on every device whatever its size). docs/benchmarks.md quotes a run::
 
     .venv/bin/python benchmarks/step_variants.py --layout "TP 4 x DP 2" --steps 50
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
 import statistics
 import sys
 import time
@@ -44,6 +47,11 @@ def _runner(config, mesh, layout, options):
     return runner
 
 
+def kernels(hlo_text: str) -> int:
+    """The fusions in a compiled program's text, in every computation (a branch's included)."""
+    return len(re.findall(r"^\s*%\S+ = .*? fusion\(", hlo_text, re.MULTILINE))
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=list(CASES), default="TP 4 x DP 2")
@@ -54,10 +62,13 @@ def main(argv=None) -> dict:
     mesh = DeviceMeshManager.create_device_mesh(shape)
     config = SIZES[args.size]
     runners = {name: _runner(config, mesh, layout, options) for name, options in VARIANTS.items()}
+    runners["flax, donated"] = FlaxRecipe(config, mesh, layout, donate=True)
     runners["flax"] = FlaxRecipe(config, mesh, layout)
     times = {name: [] for name in runners}
-    for runner in runners.values():  # compiled, and a few steps to settle
+    counts = {}
+    for name, runner in runners.items():  # compiled, and a few steps to settle
         batch = jax.device_put(gpt.batch_at(0, 16, config.seq), runner.data_sharding)
+        counts[name] = kernels(runner.lower_step(batch).compile().as_text())
         for _ in range(3):
             jax.block_until_ready(runner.step(batch))
     order = list(runners.items())
@@ -73,8 +84,8 @@ def main(argv=None) -> dict:
     print(f"{args.layout}, median of {args.steps} interleaved steps, Flax's recipe "
           f"{flax * 1e3:.0f} ms:")  # fmt: skip
     for name, ratio in ratios.items():
-        print(f"  {name:<24} {ratio:.3f}x Flax's time")
-    return ratios
+        print(f"  {name:<24} {ratio:.3f}x Flax's time, {counts[name]:5d} kernels")
+    return {"ratios": ratios, "kernels": counts}
 
 
 if __name__ == "__main__":

@@ -233,6 +233,10 @@ def test_step_profile_times_the_collectives_of_both_steps():
 def test_step_variants_time_each_default_against_flax():
     import step_variants
 
-    ratios = step_variants.main(["--size", "tiny", "--steps", "1", "--layout", "TP 4 x DP 2"])
-    assert list(ratios) == [*step_variants.VARIANTS, "flax"] and ratios["flax"] == 1.0
+    report = step_variants.main(["--size", "tiny", "--steps", "1", "--layout", "TP 4 x DP 2"])
+    ratios, kernels = report["ratios"], report["kernels"]
+    assert list(ratios) == [*step_variants.VARIANTS, "flax, donated", "flax"]
+    assert ratios["flax"] == 1.0
     assert all(ratio > 0 for ratio in ratios.values())  # times are measured, never asserted
+    # the guard's check and its branch are kernels of their own; donation adds none
+    assert kernels["default"] > kernels["no guard"] == kernels["no guard, undonated"] > 0

@@ -194,3 +194,15 @@ def test_the_compiled_check_reduces_each_distinct_shape_once():
     reductions = re.findall(r"= pred\[\] reduce\(", text)  # fused or not, one per shape group
     fusions = re.findall(r"^\s*%\S+ = pred\[\] fusion\(", text, re.MULTILINE)
     assert len(reductions) + len(fusions) <= len(set(_SHAPES)) + 1, text
+
+
+def test_arrays_of_one_shape_sharded_differently_on_explicit_axes_are_checked_apart():
+    """``&`` on them would be a sharding error under Explicit axes (as in the guide's models)."""
+    mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
+    bad = np.ones((32, 16), np.float32)
+    bad[3, 5] = np.nan
+    rows = jax.device_put(np.ones((32, 16), np.float32), jax.NamedSharding(mesh, jax.P("model")))
+    for cols in (np.ones((32, 16), np.float32), bad):
+        cols = jax.device_put(cols, jax.NamedSharding(mesh, jax.P(None, "model")))
+        with jax.set_mesh(mesh):
+            assert bool(jax.jit(all_finite)([rows, cols])) == bool(np.isfinite(cols).all())

@@ -40,19 +40,20 @@ class NonFiniteWarning(RuntimeWarning):
 def all_finite(*trees: Any) -> jax.Array:
     """A scalar: whether every floating-point value in ``trees`` is finite.
 
-    Arrays of one shape are checked together (``isfinite(a) & isfinite(b) & ...``, one
-    reduction), so the compiled check is one kernel per distinct shape, not one per array:
-    a kernel costs a launch on every device whatever its size (on XLA:CPU, measured in
-    ``benchmarks/results/step.md``'s guard rows), and fused, each group's producers (the
-    update computed for the check) run in that one kernel.
+    Arrays of one shape and one sharding type are checked together (``isfinite(a) &
+    isfinite(b) & ...``, one reduction), so the compiled check is one kernel per distinct
+    shape, not one per array: a kernel costs a launch on every device whatever its size (on
+    XLA:CPU, ``benchmarks/step_variants.py`` counts them), and fused, each group's producers
+    (the update computed for the check) run in that one kernel. Explicit mesh axes keep
+    arrays sharded differently apart, as ``&`` on them would be a sharding error.
     """
     leaves = [x for x in jax.tree.leaves(trees) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not leaves:
         return jnp.array(True)
-    groups: dict[tuple[int, ...], jax.Array] = {}
+    groups: dict[Any, jax.Array] = {}
     for x in leaves:
-        finite = jnp.isfinite(x)
-        groups[x.shape] = finite if x.shape not in groups else groups[x.shape] & finite
+        key, finite = (x.shape, jax.typeof(x).sharding), jnp.isfinite(x)
+        groups[key] = finite if key not in groups else groups[key] & finite
     return jnp.all(jnp.stack([jnp.all(group) for group in groups.values()]))
 
 
