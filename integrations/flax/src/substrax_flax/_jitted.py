@@ -114,17 +114,19 @@ def optimizer_shardings(optimizer: nnx.Optimizer, plan: ModelPlan) -> Any:
 
 
 def guarded_update(
-    model_def, opt_def, model_state, opt_state, rest, grads, finite, on_nonfinite: NonFinite,
+    model_def, opt_def, model_state, opt_state, rest, grads, loss, on_nonfinite: NonFinite,
     check_state: bool = False,
 ) -> tuple[Any, Any, jax.Array]:  # fmt: skip
-    """The model and optimizer states after the update, or as they were when not ``finite``.
+    """The model and optimizer states after the update, or as they were if a value is not finite.
 
     ``rest`` (the new non-differentiated state: batch statistics, rng counts) or None is part
     of the update. The update runs inside ``lax.cond``, so a skipped step does no update work
     and, on the taken branch, the donated buffers are still updated in place.
-    ``on_nonfinite="apply"`` updates unconditionally. With ``check_state`` the state the update
-    would write must be finite too: it is computed once for that check (its reduction only,
-    nothing kept), then again in the taken branch.
+    ``on_nonfinite="apply"`` updates unconditionally (the flag is still reported). ``loss``
+    and ``grads`` are checked; with ``check_state`` the state the update would write too,
+    computed once for the check (its reduction only, nothing kept), then again in the taken
+    branch. It is one check (:func:`~substrax_flax._nonfinite.all_finite`), so a gradient,
+    its parameter's new value and its moments are reduced in one kernel.
 
     Computing the update once and selecting ``where(finite, updated, as it was)`` per array
     was measured and not kept: faster on 8 simulated CPU devices (TP 4 x DP 2: 1.16x against
@@ -148,11 +150,13 @@ def guarded_update(
     def keep(model_state, opt_state, rest, grads):
         return model_state, opt_state
 
+    if on_nonfinite == "apply" or not check_state:
+        finite = all_finite(loss, grads)
+    else:  # on copies: merging the states and updating mutates their Variables
+        copies = jax.tree.map(lambda x: x, (model_state, opt_state, rest, grads))
+        finite = all_finite(loss, grads, update(*copies))
     if on_nonfinite == "apply":
         return (*update(model_state, opt_state, rest, grads), finite)
-    if check_state:  # on copies: merging the states and updating mutates their Variables
-        copies = jax.tree.map(lambda x: x, (model_state, opt_state, rest, grads))
-        finite = finite & all_finite(update(*copies))
     new = jax.lax.cond(finite, update, keep, model_state, opt_state, rest, grads)
     return (*new, finite)
 
@@ -195,9 +199,8 @@ def apply_update(
       ``(new model state, new optimizer state, metrics)``, each state in its planned
       sharding; the metrics are ``{"loss", "finite"}`` plus the aux.
     """
-    finite = all_finite(update.loss, update.grads)
     new_model, new_opt, finite = guarded_update(
-        model_def, opt_def, model_state, opt_state, update.rest, update.grads, finite,
+        model_def, opt_def, model_state, opt_state, update.rest, update.grads, update.loss,
         on_nonfinite, check_state,
     )  # fmt: skip
     metrics = {"loss": update.loss, "finite": finite, **aux_metrics(update.aux)}
