@@ -294,8 +294,9 @@ def markdown(report: dict) -> str:
         "",
         f"### The non-finite guard (median of {report.get('guard_steps')} interleaved steps)\n",
         'The default `on_nonfinite="skip"` checks the loss, the gradients and the state the '
-        'update would write (computing the update once more, elementwise); `"apply"` checks '
-        "nothing.\n",
+        "update would write in one check (computing the update once more, elementwise) and "
+        'skips an update that is not finite; `"apply"` checks the loss and the gradients for '
+        "its `finite` metric and applies every update.\n",
         "| layout | skip ms | apply ms | time ratio | GFLOP / device, skip / apply | "
         "peak MiB, skip / apply |",
         "|---|---|---|---|---|---|",
