@@ -295,10 +295,10 @@ def _simulate(name: str, stages: int, micro: int, repeats: int):
                     slots.append((tick, stage, "backward", key // virtual, k // stages))
                     continue
             i = next_f[stage]
-            if i < len(forwards[stage]) and (
-                open_[stage] < stages - stage and held[stage] < rooms[stage]
-                if zb
-                else held[stage] < rooms[stage]
+            if (
+                i < len(forwards[stage])
+                and held[stage] < rooms[stage]
+                and (not zb or open_[stage] < stages - stage)
             ):
                 key = forwards[stage][i]
                 k = key % virtual

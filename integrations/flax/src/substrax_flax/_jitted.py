@@ -150,13 +150,13 @@ def guarded_update(
     def keep(model_state, opt_state, rest, grads):
         return model_state, opt_state
 
-    if on_nonfinite == "apply" or not check_state:
-        finite = all_finite(loss, grads)
-    else:  # on copies: merging the states and updating mutates their Variables
-        copies = jax.tree.map(lambda x: x, (model_state, opt_state, rest, grads))
-        finite = all_finite(loss, grads, update(*copies))
     if on_nonfinite == "apply":
-        return (*update(model_state, opt_state, rest, grads), finite)
+        return (*update(model_state, opt_state, rest, grads), all_finite(loss, grads))
+    checked = (loss, grads)
+    if check_state:  # on copies: merging the states and updating mutates their Variables
+        copies = jax.tree.map(lambda x: x, (model_state, opt_state, rest, grads))
+        checked += (update(*copies),)
+    finite = all_finite(*checked)
     new = jax.lax.cond(finite, update, keep, model_state, opt_state, rest, grads)
     return (*new, finite)
 
