@@ -37,7 +37,7 @@ class NonFiniteWarning(RuntimeWarning):
     """A training step saw a non-finite loss or gradient (and skipped its update)."""
 
 
-def all_finite(*trees: Any) -> jax.Array:
+def all_finite(*trees: Any, together: bool = True) -> jax.Array:
     """A scalar: whether every floating-point value in ``trees`` is finite.
 
     Arrays of one shape and one sharding type are checked together (``isfinite(a) &
@@ -46,10 +46,17 @@ def all_finite(*trees: Any) -> jax.Array:
     XLA:CPU, ``benchmarks/step_variants.py`` counts them), and fused, each group's producers
     (the update computed for the check) run in that one kernel. Explicit mesh axes keep
     arrays sharded differently apart, as ``&`` on them would be a sharding error.
+
+    With ``together=False`` each array is checked on its own: for a flag nothing waits on
+    (the unguarded step's metric), so that no array is kept until the last of its shape is
+    computed (XLA:TPU kept the gradients so: ``test_compile_tpu.py``,
+    ``test_the_unguarded_steps_finite_flag_is_checked_array_by_array``).
     """
     leaves = [x for x in jax.tree.leaves(trees) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not leaves:
         return jnp.array(True)
+    if not together:
+        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     groups: dict[Any, jax.Array] = {}
     for x in leaves:
         key, finite = (x.shape, jax.typeof(x).sharding), jnp.isfinite(x)
