@@ -282,14 +282,14 @@ def test_the_default_step_gathers_a_stack_one_layer_at_a_time():
 
 
 #: An 8-layer stacked decoder at 512 tokens: big enough for XLA:TPU's memory choices to show.
-STACKED = dataclasses.replace(TINY, mlp=256, layers=8, seq=512)
+LONG_STACK = dataclasses.replace(TINY, mlp=256, layers=8, seq=512)
 
 
 @functools.cache
 def _stacked(remat: str, on_nonfinite: str = "skip"):
     """The stacked decoder's step compiled for ``v5p:2x2x2`` under fsdp (shared by tests)."""
-    rows = jax.ShapeDtypeStruct((16, STACKED.seq + 1), jnp.int32)
-    return sf.compile_for(lambda: gpt.StackedGPT(STACKED, nnx.Rngs(0)), gpt.optimizer(),
+    rows = jax.ShapeDtypeStruct((16, LONG_STACK.seq + 1), jnp.int32)
+    return sf.compile_for(lambda: gpt.StackedGPT(LONG_STACK, nnx.Rngs(0)), gpt.optimizer(),
                           gpt.loss_fn, rows, target="v5p:2x2x2", layout="fsdp", remat=remat,
                           on_nonfinite=on_nonfinite)  # fmt: skip
 
