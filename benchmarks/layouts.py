@@ -47,6 +47,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 
 import gpt
+from allocator import minor_faults
 
 import substrax_flax as sf
 from substrax.hlo import KINDS, peak_bytes, traffic_by_kind
@@ -242,7 +243,7 @@ def _shardings(runner) -> list:
 def measure(config, label, layout, mesh_shape, steps, batch_size):
     mesh = DeviceMeshManager.create_device_mesh(mesh_shape)
     n = mesh.devices.size
-    results, losses, times = {}, {}, {}
+    results, losses, times, faults_per_step = {}, {}, {}, {}
     runners = []
     classes = (Substrax, SubstraxXla, FlaxRecipe) if layout in WITH_XLA else (Substrax, FlaxRecipe)
     for cls in classes:
@@ -261,6 +262,7 @@ def measure(config, label, layout, mesh_shape, steps, batch_size):
             "time_to_first_step_s": first_step,
         }
         losses[runner.name], times[runner.name] = [float(loss)], []
+        faults_per_step[runner.name] = []
         runners.append(runner)
     rows = runners[0].plan.rows
     for runner in runners:
@@ -272,15 +274,19 @@ def measure(config, label, layout, mesh_shape, steps, batch_size):
         batch = gpt.batch_at(i, batch_size, config.seq)
         for runner in runners if i % 2 else runners[::-1]:  # interleave, alternating order
             placed = jax.device_put(batch, runner.data_sharding)
-            start = time.perf_counter()
+            faults, start = minor_faults(), time.perf_counter()
             loss = jax.block_until_ready(runner.step(placed))
             times[runner.name].append(time.perf_counter() - start)
+            faults_per_step[runner.name].append(minor_faults() - faults)
             losses[runner.name].append(float(loss))
     param_bytes = sum(row.bytes_total for row in rows)
     for runner in runners:
         results[runner.name]["shardings_stable"] = runner.initial_shardings == _shardings(runner)
     for name in results:
         results[name]["median_step_s"] = statistics.median(times[name]) if times[name] else None
+        results[name]["median_page_faults"] = (
+            statistics.median(faults_per_step[name]) if faults_per_step[name] else None
+        )
         results[name]["losses"] = losses[name]
     return {
         "layout": label,

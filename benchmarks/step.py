@@ -13,8 +13,10 @@ On the example decoder over 8 simulated devices, with the default ``make_train_s
 * **against Flax**: FSDP 4 x DP 2 and TP 4 x DP 2, the default step side by side with Flax's
   own recipe (``layouts.measure``: interleaved steps, alternating order): median step times and
   their ratio, the compiled step's traffic against the limit (FSDP 4 x DP 2: one all-gather and
-  one reduce-scatter over the FSDP axis, one all-reduce of the shard over the data axis) and
-  its peak;
+  one reduce-scatter over the FSDP axis, one all-reduce of the shard over the data axis), its
+  peak, and the minor page faults each step takes; under glibc's default allocator settings or,
+  with ``--allocator kept``, with freed memory kept as accelerators' pools keep it
+  (:mod:`allocator`); each allocator's rows are kept apart in ``step.json``;
 * **paths**: FSDP over 8 with the default step, for the decoder as benchmarked, with two
   ``nnx.Dropout(0.1)`` per block, and each on a ``jax.make_mesh`` mesh (Explicit axes): the
   path the step plan names, the compiled step's traffic against the bound of 1.05 x (one
@@ -25,8 +27,9 @@ On the example decoder over 8 simulated devices, with the default ``make_train_s
   steps, the compiled FLOPs and peak.
 
 Run: ``python benchmarks/step.py [--size tiny] [--steps 100] [--flax-steps 40]
-[--guard-steps 40] [--sections guard ...] [--output-dir DIR]``; writes ``step.json`` and
-``step.md`` (with ``--sections``, the other sections are kept from the existing ``step.json``).
+[--guard-steps 40] [--sections guard ...] [--allocator glibc|kept] [--output-dir DIR]``;
+writes ``step.json`` and ``step.md`` (with ``--sections``, the other sections are kept from
+the existing ``step.json``).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import pathlib
 import time
 
 import numpy as np
+from allocator import keep_freed_memory
 from flax import nnx
 from layouts import (  # layouts puts examples/ on the path
     CASES,
@@ -147,6 +151,8 @@ def flax_rows(config, batch_size, steps) -> list[dict]:
             "limit_bytes": measured["theory_traffic_bytes"],
             "peak_bytes": ours["peak_bytes"],
             "flax_peak_bytes": flax["peak_bytes"],
+            "page_faults": ours["median_page_faults"],
+            "flax_page_faults": flax["median_page_faults"],
             "max_loss_difference": measured["max_loss_difference"],
         })  # fmt: skip
     return rows
@@ -264,15 +270,25 @@ def markdown(report: dict) -> str:
     lines += [
         "",
         f"### Against Flax's recipe (median of {report.get('flax_steps')} interleaved steps)\n",
-        "| layout | substrax ms | Flax ms | ratio | traffic MiB, substrax / Flax (limit) | "
+        "`glibc`: the C library's default allocator settings, under which XLA:CPU's temporary "
+        "buffers are handed back to the system after each call and faulted in again; `kept`: "
+        "freed memory kept for the next call, as accelerators' memory pools keep it "
+        "(`--allocator kept`, `benchmarks/allocator.py`).\n",
+        "| layout | allocator | substrax ms | Flax ms | ratio | page faults per step, "
+        "substrax / Flax | traffic MiB, substrax / Flax (limit) | "
         "peak MiB, substrax / Flax | largest loss difference |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in report.get("against_flax", []):
+    by_allocator = report.get("against_flax", {})
+    for allocator, row in sorted(
+        ((allocator, row) for allocator, rows in by_allocator.items() for row in rows),
+        key=lambda item: (AGAINST_FLAX.index(item[1]["layout"]), ALLOCATORS.index(item[0])),
+    ):
         limit = "-" if row["limit_bytes"] is None else f"{row['limit_bytes'] / MIB:.1f}"
         lines.append(
-            f"| {row['layout']} | {row['substrax_step_s'] * 1e3:.0f} | "
+            f"| {row['layout']} | {allocator} | {row['substrax_step_s'] * 1e3:.0f} | "
             f"{row['flax_step_s'] * 1e3:.0f} | {row['time_ratio']:.2f} | "
+            f"{row['page_faults']:,.0f} / {row['flax_page_faults']:,.0f} | "
             f"{row['traffic_bytes'] / MIB:.1f} / {row['flax_traffic_bytes'] / MIB:.1f} "
             f"({limit}) | {row['peak_bytes'] / MIB:.1f} / {row['flax_peak_bytes'] / MIB:.1f} | "
             f"{row['max_loss_difference']:.1e} |"
@@ -296,7 +312,8 @@ def markdown(report: dict) -> str:
         'The default `on_nonfinite="skip"` checks the loss, the gradients and the state the '
         "update would write in one check (computing the update once more, elementwise) and "
         'skips an update that is not finite; `"apply"` checks the loss and the gradients for '
-        "its `finite` metric and applies every update.\n",
+        "its `finite` metric and applies every update; "
+        f"allocator: `{report.get('guard_allocator', 'glibc')}`.\n",
         "| layout | skip ms | apply ms | time ratio | GFLOP / device, skip / apply | "
         "peak MiB, skip / apply |",
         "|---|---|---|---|---|---|",
@@ -322,6 +339,8 @@ def markdown(report: dict) -> str:
 
 
 SECTIONS = ("precision", "accumulation", "flax", "paths", "guard")
+#: ``--allocator``'s choices: glibc's defaults, or freed memory kept (:mod:`allocator`).
+ALLOCATORS = ("glibc", "kept")
 
 
 def main(argv=None) -> dict:
@@ -341,8 +360,12 @@ def main(argv=None) -> dict:
                         help="leave out the paths section")  # fmt: skip
     parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=list(SECTIONS),
                         help="measure these; keep the rest from step.json")  # fmt: skip
+    parser.add_argument("--allocator", choices=ALLOCATORS, default="glibc",
+                        help="kept: glibc keeps freed memory, for this whole process")  # fmt: skip
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks"))
     args = parser.parse_args(argv)
+    if args.allocator == "kept":
+        keep_freed_memory()
     config = SIZES[args.size]
     previous = args.output_dir / "step.json"
     report = json.loads(previous.read_text()) if set(args.sections) != set(SECTIONS) else {}
@@ -363,7 +386,9 @@ def main(argv=None) -> dict:
         )
     if "flax" in args.sections:
         report["flax_steps"] = args.flax_steps
-        report["against_flax"] = (
+        by_allocator = report.get("against_flax")
+        report["against_flax"] = by_allocator if isinstance(by_allocator, dict) else {}
+        report["against_flax"][args.allocator] = (
             flax_rows(config, args.batch_size, args.flax_steps) if args.flax_steps else []
         )
     if "paths" in args.sections:
@@ -371,6 +396,7 @@ def main(argv=None) -> dict:
     if "guard" in args.sections:
         report["guard_steps"] = args.guard_steps
         report["guard_date"] = time.strftime("%Y-%m-%d")
+        report["guard_allocator"] = args.allocator
         report["guard"] = guard_rows(config, args.batch_size, args.guard_steps)
     write_results(args.output_dir, "step", report, markdown(report))
     return report

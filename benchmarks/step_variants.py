@@ -5,9 +5,12 @@ its defaults that Flax's recipe lacks: the non-finite guard (``on_nonfinite="app
 it off), donation (``donate=False``) and the manual region (``data_parallel="xla"``); and
 Flax's recipe donating as substrax's step does. Prints each one's median step time over
 Flax's and the kernels its compiled program launches (fusions, in every computation: on
-XLA:CPU each costs a launch on every device whatever its size). docs/benchmarks.md quotes a run::
+XLA:CPU each costs a launch on every device whatever its size) and the minor page faults a
+step takes (``--allocator kept`` keeps freed memory, as accelerators' pools do: see
+:mod:`allocator`). docs/benchmarks.md quotes runs::
 
     .venv/bin/python benchmarks/step_variants.py --layout "TP 4 x DP 2" --steps 50
+    .venv/bin/python benchmarks/step_variants.py --layout "TP 4 x DP 2" --steps 50 --allocator kept
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 
 import gpt  # noqa: E402
+from allocator import keep_freed_memory, minor_faults  # noqa: E402
 from layouts import CASES, SIZES, FlaxRecipe, Substrax  # noqa: E402
 
 import substrax_flax as sf  # noqa: E402
@@ -57,7 +61,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--layout", choices=list(CASES), default="TP 4 x DP 2")
     parser.add_argument("--steps", type=int, default=50, help="interleaved steps of each")
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
+    parser.add_argument("--allocator", choices=("glibc", "kept"), default="glibc",
+                        help="kept: glibc keeps freed memory, for this whole process")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.allocator == "kept":
+        keep_freed_memory()
     layout, shape = CASES[args.layout]
     mesh = DeviceMeshManager.create_device_mesh(shape)
     config = SIZES[args.size]
@@ -65,6 +73,7 @@ def main(argv=None) -> dict:
     runners["flax, donated"] = FlaxRecipe(config, mesh, layout, donate=True)
     runners["flax"] = FlaxRecipe(config, mesh, layout)
     times = {name: [] for name in runners}
+    faults = {name: [] for name in runners}
     counts = {}
     for name, runner in runners.items():  # compiled, and a few steps to settle
         batch = jax.device_put(gpt.batch_at(0, 16, config.seq), runner.data_sharding)
@@ -76,16 +85,19 @@ def main(argv=None) -> dict:
         batch = gpt.batch_at(i + 1, 16, config.seq)
         for name, runner in order if i % 2 else order[::-1]:  # alternating order
             placed = jax.device_put(batch, runner.data_sharding)
-            start = time.perf_counter()
+            before, start = minor_faults(), time.perf_counter()
             jax.block_until_ready(runner.step(placed))
             times[name].append(time.perf_counter() - start)
+            faults[name].append(minor_faults() - before)
     flax = statistics.median(times["flax"])
     ratios = {name: statistics.median(t) / flax for name, t in times.items()}
-    print(f"{args.layout}, median of {args.steps} interleaved steps, Flax's recipe "
-          f"{flax * 1e3:.0f} ms:")  # fmt: skip
+    page_faults = {name: statistics.median(f) for name, f in faults.items()}
+    print(f"{args.layout}, median of {args.steps} interleaved steps, allocator "
+          f"{args.allocator}, Flax's recipe {flax * 1e3:.0f} ms:")  # fmt: skip
     for name, ratio in ratios.items():
-        print(f"  {name:<24} {ratio:.3f}x Flax's time, {counts[name]:5d} kernels")
-    return {"ratios": ratios, "kernels": counts}
+        print(f"  {name:<24} {ratio:.3f}x Flax's time, {counts[name]:5d} kernels, "
+              f"{page_faults[name]:8,.0f} page faults per step")  # fmt: skip
+    return {"ratios": ratios, "kernels": counts, "page_faults": page_faults}
 
 
 if __name__ == "__main__":
