@@ -23,6 +23,7 @@ specs: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/layouts.py --output-dir benchmarks/results
 	$(PY) benchmarks/step.py --output-dir benchmarks/results
+	$(PY) benchmarks/step.py --sections flax --allocator kept --output-dir benchmarks/results
 	$(PY) benchmarks/remat.py --output-dir benchmarks/results
 	$(PY) benchmarks/context.py --output-dir benchmarks/results --plot docs/images/context_memory.png
 	$(PY) benchmarks/experts.py --output-dir benchmarks/results --plot docs/images/experts_routing.png
