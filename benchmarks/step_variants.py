@@ -56,6 +56,17 @@ def kernels(hlo_text: str) -> int:
     return len(re.findall(r"^\s*%\S+ = .*? fusion\(", hlo_text, re.MULTILINE))
 
 
+def plain_dots(hlo_text: str) -> int:
+    """The dots XLA:CPU left outside its fusions (YNNPACK's among them), in every computation.
+
+    In the manual region XLA's algebraic simplifier folds jax's transpose of each weight
+    gradient into its dot (no all-reduce stands between them there, as one does in XLA's
+    partitioned step), giving a dot whose left operand contracts its first dimension, which
+    XLA:CPU's YNNPACK fusions do not take (docs/benchmarks.md).
+    """
+    return len(re.findall(r"^\s*%\S+ = \S+ dot\(", hlo_text, re.MULTILINE))
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", choices=list(CASES), default="TP 4 x DP 2")
@@ -74,10 +85,11 @@ def main(argv=None) -> dict:
     runners["flax"] = FlaxRecipe(config, mesh, layout)
     times = {name: [] for name in runners}
     faults = {name: [] for name in runners}
-    counts = {}
+    counts, dots = {}, {}
     for name, runner in runners.items():  # compiled, and a few steps to settle
         batch = jax.device_put(gpt.batch_at(0, 16, config.seq), runner.data_sharding)
-        counts[name] = kernels(runner.lower_step(batch).compile().as_text())
+        text = runner.lower_step(batch).compile().as_text()
+        counts[name], dots[name] = kernels(text), plain_dots(text)
         for _ in range(3):
             jax.block_until_ready(runner.step(batch))
     order = list(runners.items())
@@ -95,9 +107,10 @@ def main(argv=None) -> dict:
     print(f"{args.layout}, median of {args.steps} interleaved steps, allocator "
           f"{args.allocator}, Flax's recipe {flax * 1e3:.0f} ms:")  # fmt: skip
     for name, ratio in ratios.items():
-        print(f"  {name:<24} {ratio:.3f}x Flax's time, {counts[name]:5d} kernels, "
-              f"{page_faults[name]:8,.0f} page faults per step")  # fmt: skip
-    return {"ratios": ratios, "kernels": counts, "page_faults": page_faults}
+        faults = page_faults[name]
+        print(f"  {name:<24} {ratio:.3f}x Flax's time, {counts[name]:5d} kernels "
+              f"({dots[name]} plain dots), {faults:,.0f} page faults per step")  # fmt: skip
+    return {"ratios": ratios, "kernels": counts, "plain_dots": dots, "page_faults": page_faults}
 
 
 if __name__ == "__main__":

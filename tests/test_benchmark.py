@@ -245,6 +245,9 @@ def test_step_variants_time_each_default_against_flax():
     # the guard's check and its branch are kernels of their own; donation adds none
     assert kernels["default"] > kernels["no guard"] == kernels["no guard, undonated"] > 0
     assert set(report["page_faults"]) == set(ratios)
+    # the manual region's weight gradients are dots XLA:CPU's YNNPACK fusions do not take
+    dots = report["plain_dots"]
+    assert dots["default"] == dots["no guard"] > dots["xla's step, no guard"] == dots["flax"]
     assert all(faults >= 0 for faults in report["page_faults"].values())
 
 
@@ -283,3 +286,14 @@ def test_keeping_freed_memory_spares_xla_cpus_temporaries_their_page_faults():
     glibc, kept = map(float, result.stdout.split())
     assert glibc > 2048  # the 8 devices' 8 MB temporaries: 16,384 pages, at least 1/8 faulted
     assert kept < glibc / 2, (glibc, kept)
+
+
+def test_a_gradient_inside_a_region_leaves_its_weight_gradient_dots_plain():
+    """docs/benchmarks.md's account of the manual region's dots, on a two-matmul model."""
+    import region_dots
+
+    result = region_dots.main(["--tokens", "8", "--d-model", "64", "--steps", "1"])
+    assert list(result) == ["dp 2 x replicated", "dp 2 x tp 4"]
+    for row in result.values():  # the two weight gradients; XLA's partitioned gradient, none
+        assert row["region"]["plain_dots"] == 2 and row["xla"]["plain_dots"] == 0, row
+        assert row["time_ratio"] > 0  # measured, never asserted
