@@ -44,8 +44,8 @@ def _mallopt():
 def keep_freed_memory() -> None:
     """From now on, glibc keeps freed memory for the next allocation, as accelerator pools do.
 
-    It is for a benchmark's own process and cannot be undone: glibc's default mmap threshold
-    adapts to the sizes freed, and once set it no longer does, so setting the documented
+    It is for a benchmark's own process and cannot be undone: setting any of these turns
+    off glibc's mmap threshold that adapts to the sizes freed, so setting the documented
     defaults back would not restore how the process allocated before.
 
     Raises:
@@ -54,4 +54,7 @@ def keep_freed_memory() -> None:
     mallopt = _mallopt()
     for param, value in KEPT.items():
         if mallopt(param, value) != 1:
-            raise RuntimeError(f"mallopt({param}, {value}) refused the value")
+            name = {M_TRIM_THRESHOLD: "M_TRIM_THRESHOLD", M_TOP_PAD: "M_TOP_PAD"}.get(
+                param, "M_MMAP_MAX"
+            )
+            raise RuntimeError(f"glibc's mallopt refused {name} = {value}")
