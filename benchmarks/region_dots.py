@@ -1,12 +1,13 @@
 """Why a gradient taken inside ``shard_map`` runs slower on XLA:CPU: its weight-gradient dots.
 
-A two-matmul model (``tanh(x @ w1) @ w2``) on 8 simulated devices, its gradient taken two
-ways over a batch split on ``data``: by XLA's partitioning of ``jax.grad`` (what Flax's recipe
-and ``data_parallel="xla"`` compile) and inside a ``shard_map`` region over ``data`` (the
-manual step's way). Inside the region no all-reduce stands between jax's transpose of each
-weight gradient and its dot, so XLA's algebraic simplifier folds the two into one dot whose
-left operand contracts its first dimension; XLA:CPU's YNNPACK fusions do not take that dot,
-and it runs as a plain one. Prints each program's plain dots and median time::
+A two-matmul model (``tanh(x @ w1) @ w2``) on 8 simulated devices, its gradient taken two ways
+over a batch split on ``data``: by XLA's partitioning of ``jax.grad`` (what Flax's recipe and
+``data_parallel="xla"`` compile) and inside a ``shard_map`` region over ``data`` (the manual
+step's way). XLA writes each weight gradient as a dot followed by a transpose (its dot
+canonicalisation); inside the region no all-reduce stands between the two, so its algebraic
+simplifier folds them into one dot whose left operand contracts its first dimension; XLA:CPU's
+YNNPACK fusions do not take that dot, and it runs as a plain one. Prints each program's plain
+dots and median time::
 
     .venv/bin/python benchmarks/region_dots.py
 """

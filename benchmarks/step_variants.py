@@ -59,10 +59,11 @@ def kernels(hlo_text: str) -> int:
 def plain_dots(hlo_text: str) -> int:
     """The dots XLA:CPU left outside its fusions (YNNPACK's among them), in every computation.
 
-    In the manual region XLA's algebraic simplifier folds jax's transpose of each weight
-    gradient into its dot (no all-reduce stands between them there, as one does in XLA's
-    partitioned step), giving a dot whose left operand contracts its first dimension, which
-    XLA:CPU's YNNPACK fusions do not take (docs/benchmarks.md).
+    In the manual region XLA's algebraic simplifier folds the transpose its dot
+    canonicalisation puts after each weight gradient's dot into the dot (no all-reduce stands
+    between them there, as one does in XLA's partitioned step), giving a dot whose left
+    operand contracts its first dimension, which XLA:CPU's YNNPACK fusions do not take
+    (docs/benchmarks.md).
     """
     return len(re.findall(r"^\s*%\S+ = \S+ dot\(", hlo_text, re.MULTILINE))
 
