@@ -15,6 +15,11 @@ import ctypes
 import ctypes.util
 import resource
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
 
 #: glibc's ``mallopt`` parameters (malloc.h).
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
@@ -25,9 +30,32 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_MAX = -1, -2, -4
 KEPT = {M_MMAP_MAX: 0, M_TRIM_THRESHOLD: 1 << 30, M_TOP_PAD: 64 << 20}
 
 
+#: ``--allocator``'s choices: glibc's defaults, or freed memory kept (:func:`use`).
+CHOICES = ("glibc", "kept")
+
+
 def minor_faults() -> int:
     """This process's minor page faults so far (``getrusage``'s ``ru_minflt``)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def timed(fn: Callable[..., Any], *args: Any) -> tuple[Any, float, int]:
+    """``fn(*args)``, blocked on: its result, wall seconds and the minor page faults it took."""
+    faults, start = minor_faults(), time.perf_counter()
+    result = jax.block_until_ready(fn(*args))
+    return result, time.perf_counter() - start, minor_faults() - faults
+
+
+def use(choice: str) -> None:
+    """Sets up ``--allocator``'s ``choice`` for this process: ``"kept"`` keeps freed memory.
+
+    Raises:
+      ValueError: If ``choice`` is not one of :data:`CHOICES`.
+    """
+    if choice not in CHOICES:
+        raise ValueError(f"Unknown allocator {choice!r}; choose one of {', '.join(CHOICES)}")
+    if choice == "kept":
+        keep_freed_memory()
 
 
 def _mallopt():

@@ -47,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 
 import gpt
-from allocator import minor_faults
+from allocator import timed
 
 import substrax_flax as sf
 from substrax.hlo import KINDS, peak_bytes, traffic_by_kind
@@ -274,10 +274,9 @@ def measure(config, label, layout, mesh_shape, steps, batch_size):
         batch = gpt.batch_at(i, batch_size, config.seq)
         for runner in runners if i % 2 else runners[::-1]:  # interleave, alternating order
             placed = jax.device_put(batch, runner.data_sharding)
-            faults, start = minor_faults(), time.perf_counter()
-            loss = jax.block_until_ready(runner.step(placed))
-            times[runner.name].append(time.perf_counter() - start)
-            faults_per_step[runner.name].append(minor_faults() - faults)
+            loss, seconds, faults = timed(runner.step, placed)
+            times[runner.name].append(seconds)
+            faults_per_step[runner.name].append(faults)
             losses[runner.name].append(float(loss))
     param_bytes = sum(row.bytes_total for row in rows)
     for runner in runners:

@@ -49,8 +49,8 @@ import json
 import pathlib
 import time
 
+import allocator
 import numpy as np
-from allocator import keep_freed_memory
 from flax import nnx
 from layouts import (  # layouts puts examples/ on the path
     CASES,
@@ -280,13 +280,13 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     by_allocator = report.get("against_flax", {})
-    for allocator, row in sorted(
-        ((allocator, row) for allocator, rows in by_allocator.items() for row in rows),
-        key=lambda item: (AGAINST_FLAX.index(item[1]["layout"]), ALLOCATORS.index(item[0])),
+    for kind, row in sorted(
+        ((kind, row) for kind, rows in by_allocator.items() for row in rows),
+        key=lambda item: (AGAINST_FLAX.index(item[1]["layout"]), allocator.CHOICES.index(item[0])),
     ):
         limit = "-" if row["limit_bytes"] is None else f"{row['limit_bytes'] / MIB:.1f}"
         lines.append(
-            f"| {row['layout']} | {allocator} | {row['substrax_step_s'] * 1e3:.0f} | "
+            f"| {row['layout']} | {kind} | {row['substrax_step_s'] * 1e3:.0f} | "
             f"{row['flax_step_s'] * 1e3:.0f} | {row['time_ratio']:.2f} | "
             f"{row['page_faults']:,.0f} / {row['flax_page_faults']:,.0f} | "
             f"{row['traffic_bytes'] / MIB:.1f} / {row['flax_traffic_bytes'] / MIB:.1f} "
@@ -339,8 +339,6 @@ def markdown(report: dict) -> str:
 
 
 SECTIONS = ("precision", "accumulation", "flax", "paths", "guard")
-#: ``--allocator``'s choices: glibc's defaults, or freed memory kept (:mod:`allocator`).
-ALLOCATORS = ("glibc", "kept")
 
 
 def main(argv=None) -> dict:
@@ -360,12 +358,11 @@ def main(argv=None) -> dict:
                         help="leave out the paths section")  # fmt: skip
     parser.add_argument("--sections", nargs="*", choices=SECTIONS, default=list(SECTIONS),
                         help="measure these; keep the rest from step.json")  # fmt: skip
-    parser.add_argument("--allocator", choices=ALLOCATORS, default="glibc",
+    parser.add_argument("--allocator", choices=allocator.CHOICES, default="glibc",
                         help="kept: glibc keeps freed memory, for this whole process")  # fmt: skip
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks"))
     args = parser.parse_args(argv)
-    if args.allocator == "kept":
-        keep_freed_memory()
+    allocator.use(args.allocator)
     config = SIZES[args.size]
     previous = args.output_dir / "step.json"
     report = json.loads(previous.read_text()) if set(args.sections) != set(SECTIONS) else {}

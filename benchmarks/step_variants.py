@@ -20,7 +20,6 @@ import pathlib
 import re
 import statistics
 import sys
-import time
 
 import jax
 
@@ -28,8 +27,8 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 
+import allocator  # noqa: E402
 import gpt  # noqa: E402
-from allocator import keep_freed_memory, minor_faults  # noqa: E402
 from layouts import CASES, SIZES, FlaxRecipe, Substrax  # noqa: E402
 
 import substrax_flax as sf  # noqa: E402
@@ -73,11 +72,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--layout", choices=list(CASES), default="TP 4 x DP 2")
     parser.add_argument("--steps", type=int, default=50, help="interleaved steps of each")
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
-    parser.add_argument("--allocator", choices=("glibc", "kept"), default="glibc",
+    parser.add_argument("--allocator", choices=allocator.CHOICES, default="glibc",
                         help="kept: glibc keeps freed memory, for this whole process")  # fmt: skip
     args = parser.parse_args(argv)
-    if args.allocator == "kept":
-        keep_freed_memory()
+    allocator.use(args.allocator)
     layout, shape = CASES[args.layout]
     mesh = DeviceMeshManager.create_device_mesh(shape)
     config = SIZES[args.size]
@@ -98,19 +96,17 @@ def main(argv=None) -> dict:
         batch = gpt.batch_at(i + 1, 16, config.seq)
         for name, runner in order if i % 2 else order[::-1]:  # alternating order
             placed = jax.device_put(batch, runner.data_sharding)
-            before, start = minor_faults(), time.perf_counter()
-            jax.block_until_ready(runner.step(placed))
-            times[name].append(time.perf_counter() - start)
-            faults[name].append(minor_faults() - before)
+            _, seconds, taken = allocator.timed(runner.step, placed)
+            times[name].append(seconds)
+            faults[name].append(taken)
     flax = statistics.median(times["flax"])
     ratios = {name: statistics.median(t) / flax for name, t in times.items()}
     page_faults = {name: statistics.median(f) for name, f in faults.items()}
     print(f"{args.layout}, median of {args.steps} interleaved steps, allocator "
           f"{args.allocator}, Flax's recipe {flax * 1e3:.0f} ms:")  # fmt: skip
     for name, ratio in ratios.items():
-        faults = page_faults[name]
         print(f"  {name:<24} {ratio:.3f}x Flax's time, {counts[name]:5d} kernels "
-              f"({dots[name]} plain dots), {faults:,.0f} page faults per step")  # fmt: skip
+              f"({dots[name]} plain dots), {page_faults[name]:,.0f} page faults")  # fmt: skip
     return {"ratios": ratios, "kernels": counts, "plain_dots": dots, "page_faults": page_faults}
 
 
