@@ -55,11 +55,9 @@ def all_finite(*trees: Any, together: bool = True) -> jax.Array:
     leaves = [x for x in jax.tree.leaves(trees) if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not leaves:
         return jnp.array(True)
-    if not together:
-        return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
     groups: dict[Any, jax.Array] = {}
-    for x in leaves:
-        key, finite = (x.shape, jax.typeof(x).sharding), jnp.isfinite(x)
+    for i, x in enumerate(leaves):
+        key, finite = (x.shape, jax.typeof(x).sharding) if together else i, jnp.isfinite(x)
         groups[key] = finite if key not in groups else groups[key] & finite
     return jnp.all(jnp.stack([jnp.all(group) for group in groups.values()]))
 
