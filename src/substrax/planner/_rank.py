@@ -148,8 +148,9 @@ def plan(
     ``gather`` (on FSDP layouts) and pipeline schedule (with its chunks) are ``workload``'s,
     or, where it leaves them None, searched: per layout, the cheapest setting that fits (by
     estimated time when the hardware's speeds are known, else by FLOPs over the pipeline's
-    busy fraction; then less recomputation, fewer microbatches, ``"keep"``), or the one with
-    the smallest peak when none fits.
+    busy fraction, times within :data:`SAME_TIMES` counting as equal; then less
+    recomputation, fewer microbatches, ``"keep"``, the smaller peak), or the one with the
+    smallest peak when none fits.
     Microbatches are searched among the :data:`MICROBATCH_CHOICES` that divide the sequences
     of one data-parallel replica; a pipeline tries only the most: the largest divisor of
     those sequences up to the largest choice (fewer only add bubble, larger microbatches to
@@ -346,7 +347,12 @@ def _schedules(workload: Workload, layout, layers: int, micro: int) -> list[tupl
 
 
 def _cheapest(config, leaves, layout, workload, hardware, timed: bool) -> Candidate:
-    """The cheapest setting of ``layout`` that fits, else the one with the smallest peak."""
+    """The cheapest setting of ``layout`` that fits, else the one with the smallest peak.
+
+    Settings whose estimated time (or work) is within :data:`SAME_TIMES` of the fastest count
+    as equally fast; among them less recomputation, fewer microbatches, the earlier
+    :data:`~substrax.planner._estimate.GATHER` choice and the smaller peak decide.
+    """
     pre = prepare(config, leaves, layout)
     options = [
         evaluate_prepared(pre, w, hardware)
@@ -355,8 +361,11 @@ def _cheapest(config, leaves, layout, workload, hardware, timed: bool) -> Candid
     fitting = [c for c in options if c.fits]
     if not fitting:
         return min(options, key=lambda c: c.bytes_per_device["peak"])
-
-    return min(fitting, key=lambda c: _cost(c, timed))
+    # Settings within SAME_TIMES of the fastest take the same time, in effect: the rest of the
+    # cost decides (a float's last digit must not buy 8 microbatches with the model gathered).
+    fastest = min(_cost(c, timed)[0] for c in fitting)
+    same = [c for c in fitting if _cost(c, timed)[0] <= fastest * (1 + SAME_TIMES)]
+    return min(same, key=lambda c: _cost(c, timed)[1:])
 
 
 def _cost(c: Candidate, timed: bool) -> tuple:
