@@ -56,7 +56,8 @@ def test_the_command_line_prints_the_spread_and_explains_the_time(capsys):
 BELOW = {
     # torchtitan's async-TP benchmark ran vanilla TP 8 to measure TP, not to be fastest: its
     # own FSDP rows train the same model 1.28x faster per GPU (5,605-5,762 against 4,378
-    # tokens/s), and the planner's pick is FSDP (dp 8 x fsdp 8, 0.82x the time)
+    # tokens/s; 1.49-1.52x with torch.compile on both, 6,514-6,667), and the planner's pick
+    # is FSDP (dp 8 x fsdp 8, 0.82x the time)
     "Llama 3 8B, fsdp 8 x tp 8",
     # TP 8 is charged 95% of its all-reduces (the fit, pulled by the row above); the
     # planner's FSDP picks are estimated 7.5% faster (fsdp 128 x tp 2), unmeasured
