@@ -82,6 +82,8 @@ def test_state_bytes_equal_the_plan_and_the_compiled_arguments(fsdp):
     # in the chip's layouts each shard is padded to whole (8, 128) tiles: small shards grow
     assert fsdp.step.arguments >= fsdp.step.argument_data
     assert fsdp.step.aliased >= fsdp.step.arguments - fsdp.step.arguments // 8  # donated
+    # the compiler's heap simulation: the arguments and some of the temporaries live at once
+    assert fsdp.step.arguments < fsdp.step.heap_peak <= fsdp.step.peak
     assert fsdp.init.argument_data == 0 and fsdp.init.outputs >= params // n
     assert fsdp.fits and fsdp.memory_bytes == 95 * 10**9
 
@@ -214,6 +216,8 @@ def test_planner_candidate_compiled_at_its_size_for_the_target():
     # peaks are within 5% (tests/test_planner.py's COMPILED_PEAKS)
     estimate, compiled = result["peak_bytes"]
     assert compiled == pytest.approx(estimate, rel=0.10)
+    assert result["heap_peak_bytes"][0] == estimate
+    assert result["arguments_bytes"][1] < result["heap_peak_bytes"][1] <= compiled
     # The planner counts the gradient's reduce-scatter; XLA:TPU reduces the whole gradient
     # over 8 chips of a 2x2x2 torus (an all-reduce's bytes): docs/planning.md.
     estimate, compiled = result["traffic_bytes"]
