@@ -365,7 +365,7 @@ def test_the_planner_searches_remat_and_microbatches_when_left_open():
 
 def test_settings_that_take_the_same_time_go_to_fewer_microbatches_and_the_smaller_peak():
     """torchtitan's 70B layout: 1 and 8 microbatches differ by a rounding error in time, but
-    8 with the model kept gathered double the peak; the search must not pick them for it."""
+    8, with the model kept gathered, double the peak; the search must not pick 8 for it."""
     work = Workload(batch_tokens=512 * 8192, seq=8192, remat="full", microbatches=None,
                     sequence_parallel=True)  # fmt: skip
     layout, h100 = Layout.from_degrees(fsdp=32, tp=8), HARDWARE["h100"]
