@@ -8,6 +8,7 @@ compiler reports (memory per chip, collectives, FLOPs) is what that slice would 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
@@ -243,7 +244,9 @@ def compile_for(
     made abstract (nothing is created, here or anywhere), given its optimizer abstractly, and
     the init (:meth:`ModelPlan.compile_init`) and the step are compiled by the real TPU
     compiler (``libtpu``; see :mod:`substrax.target`). The step is the one training would
-    run: its plan is made for the target's platform and mesh, not this machine's.
+    run: its plan is made for the target's platform and mesh, not this machine's. An init
+    already compiled for the target (the same program: the same model and layout, as when
+    comparing step options) is reused.
 
     Args:
       factory: A function of no arguments that builds the model (run abstractly only).
@@ -279,7 +282,7 @@ def compile_for(
     step = _step_of(step, step_options)
     plan = plan_model(factory, mesh, layout=layout)
     label = plan.layout.label if plan.layout is not None else str(dict(mesh.shape))
-    init = _compile(target, plan.compile_init, label, "sharded init", None)
+    init = _compile(target, lambda: _compiled_init(target, plan), label, "sharded init", None)
     model = plan.abstract_model()
     optimizer = create_sharded_optimizer(model, tx)
     shapes = jax.tree.map(_shape_of, batch)
@@ -304,6 +307,28 @@ def compile_for(
         compile_seconds=time.perf_counter() - start,
         hlo=text,
     )
+
+
+#: The inits :func:`compile_for` compiled last, by target, device order and program text.
+_INITS: collections.OrderedDict[tuple[str, tuple[int, ...], str], Any] = collections.OrderedDict()
+_KEPT_INITS = 4
+
+
+def _compiled_init(target: CompileTarget, plan: Any) -> Any:
+    """``plan``'s init compiled for ``target``, once per program.
+
+    The init depends on the model and its layout only, so a sweep over step options (remat,
+    microbatches, the guard) for one model compiles it once; the last :data:`_KEPT_INITS`
+    are kept (an executable compiled for a slice it is not on holds no device memory).
+    """
+    lowered = plan._lower_init()
+    key = (target.name, tuple(d.id for d in plan.mesh.devices.flat), lowered.as_text())
+    if key not in _INITS:
+        _INITS[key] = lowered.compile()
+        while len(_INITS) > _KEPT_INITS:
+            _INITS.popitem(last=False)
+    _INITS.move_to_end(key)
+    return _INITS[key]
 
 
 def _target_mesh(

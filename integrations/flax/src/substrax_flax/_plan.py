@@ -359,9 +359,13 @@ class ModelPlan:
         Raises:
           ValueError: For a plan made from a live model.
         """
+        return self._lower_init().compile()
+
+    def _lower_init(self) -> jax.stages.Lowered:
+        """The init lowered for this plan's mesh (:meth:`compile_init` compiles it)."""
         self._need_factory()
         with self._mesh_context():
-            return self._values.lower().compile()
+            return self._values.lower()
 
     def create(self) -> nnx.Module:
         """Runs the init and assembles the model, which remembers this plan.
