@@ -32,6 +32,18 @@ def tiny():
     return gpt.GPT(TINY, nnx.Rngs(0))
 
 
+MOE = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=2, seq=16, moe_experts=4)
+
+
+@functools.cache
+def _named_layout(layout: str, sizes: tuple[tuple[str, int], ...], config: gpt.Config):
+    """``config``'s decoder under a named layout on ``v5p:2x2x2`` (shared by tests)."""
+    tokens = jax.ShapeDtypeStruct((16, config.seq), jnp.int32)
+    return sf.compile_for(lambda: gpt.GPT(config, nnx.Rngs(0)), gpt.optimizer(), gpt.loss_fn,
+                          {"inputs": tokens, "targets": tokens}, target="v5p:2x2x2",
+                          layout=layout, axis_sizes=dict(sizes))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def fsdp():
     return sf.compile_for(tiny, gpt.optimizer(), gpt.loss_fn, ROWS, target="v5p:2x2x2",
@@ -99,12 +111,21 @@ def test_report_prints_and_serialises_what_the_compiler_said(fsdp):
     assert traffic_by_axes(fsdp.hlo, {"data": 8}, trips=True) == fsdp.collectives
 
 
-def test_pipeline_layout_compiles_with_its_permutes_over_the_stages():
+@functools.cache
+def _pipelined(schedule: str, repeats: int):
+    """A 4-layer stacked decoder's pipelined step (pipe 2 x data 4, 4 microbatches) compiled
+    for ``v5p:2x2x2`` (shared by tests)."""
     target = CompileTarget.parse("v5p:2x2x2")
     mesh = target.make_mesh({"pipe": 2, "data": 4})
-    step = sf.make_train_step(STAGES, mesh, microbatches=4)
-    report = sf.compile_for(lambda: gpt.StackedGPT(TINY, nnx.Rngs(0)), gpt.optimizer(), step,
-                            ROWS, target=target, layout="pp", mesh=mesh)  # fmt: skip
+    config = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=4, seq=16)
+    stages = dataclasses.replace(STAGES, schedule=schedule, repeats=repeats)
+    step = sf.make_train_step(stages, mesh, microbatches=4)
+    return sf.compile_for(lambda: gpt.StackedGPT(config, nnx.Rngs(0)), gpt.optimizer(), step,
+                          ROWS, target=target, layout="pp", mesh=mesh)  # fmt: skip
+
+
+def test_pipeline_layout_compiles_with_its_permutes_over_the_stages():
+    report = _pipelined("gpipe", 1)
     assert report.plan.path == "pipeline"
     permutes = [r for (k, a), r in report.collectives.items()
                 if k == "collective-permute" and a == ("pipe",)]  # fmt: skip
@@ -112,10 +133,7 @@ def test_pipeline_layout_compiles_with_its_permutes_over_the_stages():
 
 
 def test_dropless_experts_compile_with_tpu_kernels_and_an_exchange_over_experts():
-    moe = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=2, seq=16, moe_experts=4)
-    report = sf.compile_for(lambda: gpt.GPT(moe, nnx.Rngs(0)), gpt.optimizer(), gpt.loss_fn,
-                            ROWS, target="v5p:2x2x2", layout="fsdp+ep",
-                            axis_sizes={"data": 4, "expert": 2})  # fmt: skip
+    report = _named_layout("ep", (("data", 4), ("expert", 2)), MOE)
     assert ("all-to-all", ("expert",)) in report.collectives
     # the target's grouped kernel, not this CPU's blocked loop: no loop over expert blocks
     assert "ragged" in report.hlo.lower()
@@ -224,9 +242,6 @@ def test_planner_candidate_compiled_at_its_size_for_the_target():
     assert 1.0 < compiled / estimate < 1.6
 
 
-MOE = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=2, seq=16, moe_experts=4)
-
-
 @pytest.mark.parametrize(
     ("layout", "sizes", "config"),
     [
@@ -240,10 +255,8 @@ MOE = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=2, seq=16, moe_
     ],
 )
 def test_every_named_layout_compiles_for_the_target(layout, sizes, config):
+    report = _named_layout(layout, tuple(sizes.items()), config)
     tokens = jax.ShapeDtypeStruct((16, config.seq), jnp.int32)
-    report = sf.compile_for(lambda: gpt.GPT(config, nnx.Rngs(0)), gpt.optimizer(), gpt.loss_fn,
-                            {"inputs": tokens, "targets": tokens}, target="v5p:2x2x2",
-                            layout=layout, axis_sizes=sizes)  # fmt: skip
     assert report.axis_sizes == sizes and report.fits and report.flops > 0
     # each chip holds its shards of the state and its rows (and sequence slice) of the batch
     shards = math.prod(sizes[a] for a in report.plan.batch_axes) * sizes.get("context", 1)
@@ -254,13 +267,7 @@ def test_every_named_layout_compiles_for_the_target(layout, sizes, config):
 @pytest.mark.parametrize(("schedule", "repeats"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
                                                     ("circular", 2)])  # fmt: skip
 def test_each_pipeline_schedule_compiles_for_the_target(schedule, repeats):
-    target = CompileTarget.parse("v5p:2x2x2")
-    mesh = target.make_mesh({"pipe": 2, "data": 4})
-    config = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=4, seq=16)
-    stages = dataclasses.replace(STAGES, schedule=schedule, repeats=repeats)
-    step = sf.make_train_step(stages, mesh, microbatches=4)
-    report = sf.compile_for(lambda: gpt.StackedGPT(config, nnx.Rngs(0)), gpt.optimizer(), step,
-                            ROWS, target=target, layout="pp", mesh=mesh)  # fmt: skip
+    report = _pipelined(schedule, repeats)
     assert report.plan.path == "pipeline"
     assert any(k == "collective-permute" and a == ("pipe",) for k, a in report.collectives)
 
