@@ -505,9 +505,7 @@ def test_every_schedule_trains_like_gpipe(degrees, dropout, precision, remat, sc
         np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=schedule)
         for a, b in zip(params, want_params, strict=True):
             assert relative_error(a, b) < tolerance, schedule
-        model = sf.create_sharded_model(factory, layout=layout)
-        plan = str(step.plan_for(model, sf.create_sharded_optimizer(model, optax.sgd(0.5)),
-                                 tokens()))  # fmt: skip
+        plan = str(step.plan)  # the plan of the program that ran
         assert re.search(rf"schedule +{schedule}.* idle 0\.\d{{3}} of the stages' ticks", plan)
 
 
