@@ -100,6 +100,22 @@ def test_state_bytes_equal_the_plan_and_the_compiled_arguments(fsdp):
     assert fsdp.fits and fsdp.memory_bytes == 95 * 10**9
 
 
+def test_an_init_already_compiled_for_the_target_is_not_compiled_again(fsdp, monkeypatch):
+    """Another step for the same model and layout (here bf16 compute) compiles the step only."""
+    compiled = []
+    compile_ = jax.stages.Lowered.compile
+
+    def counted(lowered, *args, **kwargs):
+        compiled.append(lowered)
+        return compile_(lowered, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+    mixed = sf.compile_for(tiny, gpt.optimizer(), gpt.loss_fn, ROWS, target="v5p:2x2x2",
+                           layout="fsdp", precision="mixed")  # fmt: skip
+    assert len(compiled) == 1  # the step
+    assert mixed.init == fsdp.init and mixed.step != fsdp.step
+
+
 def test_report_prints_and_serialises_what_the_compiler_said(fsdp):
     text = fsdp.summary()
     assert "v5p:2x2x2: fsdp 8 on {'data': 8}, compiled by XLA:TPU" in text
