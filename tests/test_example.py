@@ -26,6 +26,21 @@ def _run(*args, tmp_path):
     )  # fmt: skip
 
 
+def _in_process(*args, tmp_path, capsys, monkeypatch):
+    """``main(args)`` in this process (its 8 devices are the example's): the exit status and
+    what it wrote to stderr. For runs refused before training: each as a fresh process would
+    start jax again (2.7 s)."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    import fsdp_training
+
+    output = [] if "--output-dir" in args else ["--output-dir", str(tmp_path)]
+    try:
+        status = fsdp_training.main([*args, *output])
+    except SystemExit as exit:  # argparse's own refusals
+        status = exit.code
+    return status, capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("strategy", "precision", "microbatches"), [("fsdp", "mixed", 2)])
 def test_example_trains_and_writes_metrics(tmp_path, strategy, precision, microbatches):
     result = _run(*TINY, "--steps", "12", "--strategy", strategy, "--precision", precision,
@@ -184,18 +199,10 @@ def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelin
     ],
 )
 def test_example_rejects_bad_input_in_one_line(tmp_path, args, message, capsys, monkeypatch):
-    """In this process (its 8 devices are the example's): exit status 2 and one line, where a
-    traceback would fail the test (each case as a fresh process: 19 more starts of jax)."""
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
-    import fsdp_training
-
+    """Exit status 2 and one line; a traceback would fail the test."""
     strategy = [] if "--strategy" in args else ["--strategy", "tp"]
-    output = [] if "--output-dir" in args else ["--output-dir", str(tmp_path)]
-    try:
-        status = fsdp_training.main([*TINY, *strategy, *args, *output])
-    except SystemExit as exit:  # argparse's own refusals
-        status = exit.code
-    stderr = capsys.readouterr().err
+    status, stderr = _in_process(*TINY, *strategy, *args, tmp_path=tmp_path, capsys=capsys,
+                                 monkeypatch=monkeypatch)  # fmt: skip
     assert status == 2, stderr
     assert message in stderr
     assert len(stderr.strip().splitlines()) == 1
@@ -263,14 +270,18 @@ def test_a_damaged_latest_step_is_skipped_and_the_run_resumes_from_the_one_befor
     np.testing.assert_allclose(metrics["losses"], losses[1:], rtol=1e-5)  # the same data next
 
 
-def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(tmp_path):
+def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(
+    tmp_path, capsys, monkeypatch
+):
     ckpt = str(tmp_path / "ckpt")
     first = _run(*TINY, "--steps", "1", "--checkpoint-dir", ckpt, "--tensorboard",
                  tmp_path=tmp_path)  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
-    again = _run(*TINY, "--steps", "2", "--checkpoint-dir", ckpt, tmp_path=tmp_path)
-    assert again.returncode == 2
-    assert "already holds checkpoints (steps [1]): pass --resume" in again.stderr
+    status, stderr = _in_process(*TINY, "--steps", "2", "--checkpoint-dir", ckpt,
+                                 tmp_path=tmp_path, capsys=capsys,
+                                 monkeypatch=monkeypatch)  # fmt: skip
+    assert status == 2
+    assert "already holds checkpoints (steps [1]): pass --resume" in stderr
     # a run killed after logging step 2 but before saving it: the resumed run logs each step once
     log = tmp_path / "metrics.jsonl"
     log.write_text(log.read_text() + json.dumps({"step": 2, "loss": 0.0, "seconds": 0.0}) + "\n")
@@ -320,7 +331,9 @@ def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path):
     ]
 
 
-def test_a_resume_on_fewer_data_devices_keeps_the_batch_and_the_losses(tmp_path):
+def test_a_resume_on_fewer_data_devices_keeps_the_batch_and_the_losses(
+    tmp_path, capsys, monkeypatch
+):
     """Saved on 8 data devices, resumed on 4: accumulation doubles (announced), so each step
     sees the same rows, and the next 5 losses are the uninterrupted run's, dropout included
     (its masks are one device's on every layout and accumulation)."""
@@ -342,9 +355,10 @@ def test_a_resume_on_fewer_data_devices_keeps_the_batch_and_the_losses(tmp_path)
     resumed = json.loads((tmp_path / "b" / "metrics.json").read_text())
     assert resumed["microbatches"] == 2 and resumed["start_step"] == 2
     np.testing.assert_allclose(resumed["losses"], want[2:], rtol=1e-5)
-    changed = _run(*TINY, "--batch-size", "32", "--steps", "8", "--mesh", "data=8",
-                   "--checkpoint-dir", ckpt, "--resume", tmp_path=tmp_path)  # fmt: skip
-    assert changed.returncode == 2 and "pass --batch-size 16 to continue it" in changed.stderr
+    status, stderr = _in_process(*TINY, "--batch-size", "32", "--steps", "8", "--mesh", "data=8",
+                                 "--checkpoint-dir", ckpt, "--resume", tmp_path=tmp_path,
+                                 capsys=capsys, monkeypatch=monkeypatch)  # fmt: skip
+    assert status == 2 and "pass --batch-size 16 to continue it" in stderr
 
 
 def test_runs_of_different_layouts_write_different_directories(monkeypatch):
