@@ -127,8 +127,8 @@ def test_the_quick_start_of_each_docs_page_runs(tmp_path):
         "    exec(compile(block, f'block{i}', 'exec'), {'__name__': '__main__'})\n"
         "    print(f'block {i} ran', flush=True)\n"
     )
-    # The suite's fast-compile XLA_FLAGS (jax_setup.py) stay: they set LLVM's optimisation
-    # level, not what the blocks compute (the README's block above runs without them).
+    # The suite's fast-compile XLA_FLAGS (jax_setup.py) stay: they set how XLA:CPU compiles,
+    # not what the blocks compute (the README's block above runs without them).
     out = subprocess.run([sys.executable, str(runner), str(tmp_path / "blocks.json")],
                          capture_output=True, text=True,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"},

@@ -25,7 +25,7 @@ from substrax.target import CompileTarget
 from substrax_flax._create import plan_model
 from substrax_flax._jitted import JittedStep
 from substrax_flax._optimizer import create_sharded_optimizer
-from substrax_flax._plan import LayoutLike
+from substrax_flax._plan import LayoutLike, ModelPlan
 from substrax_flax._report import sharding_report
 from substrax_flax._step_plan import StepPlan
 from substrax_flax._train import make_train_step
@@ -314,7 +314,7 @@ _INITS: collections.OrderedDict[tuple[str, tuple[int, ...], str], Any] = collect
 _KEPT_INITS = 4
 
 
-def _compiled_init(target: CompileTarget, plan: Any) -> Any:
+def _compiled_init(target: CompileTarget, plan: ModelPlan) -> Any:
     """``plan``'s init compiled for ``target``, once per program.
 
     The init depends on the model and its layout only, so a sweep over step options (remat,
