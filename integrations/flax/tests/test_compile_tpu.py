@@ -116,6 +116,17 @@ def test_an_init_already_compiled_for_the_target_is_not_compiled_again(fsdp, mon
     assert mixed.init == fsdp.init and mixed.step != fsdp.step
 
 
+def test_a_dropout_model_compiles_drawing_each_devices_rows_on_a_two_host_slice():
+    # v5p:2x2x2 is two hosts: the batch's shapes are the global batch's, not a host's
+    config = dataclasses.replace(TINY, dropout=0.1)
+    step = sf.compile_for(lambda: gpt.GPT(config, nnx.Rngs(0)), gpt.optimizer(), gpt.loss_fn,
+                          ROWS, target="v5p:2x2x2", layout="fsdp")  # fmt: skip
+    assert step.plan.path == "manual" and step.plan.draws.blocks == 8
+    assert step.plan.draws.dims == (((2, TINY.seq, TINY.d_model), 0),)
+    # each device computes its 2 rows' bits, none the whole batch's 16
+    assert "u32[2,16,64]" in step.hlo and "u32[16,16,64]" not in step.hlo
+
+
 def test_report_prints_and_serialises_what_the_compiler_said(fsdp):
     text = fsdp.summary()
     assert "v5p:2x2x2: fsdp 8 on {'data': 8}, compiled by XLA:TPU" in text

@@ -15,7 +15,7 @@ from flax import nnx
 import substrax_flax as sf
 from substrax import ShardingWarning
 from substrax.layout import Layout
-from substrax_flax._streams import RowDraws, row_counts, row_draws, rows_impl
+from substrax_flax._streams import RowDraws, row_counts, row_draws, rows_impl, threefry_obstacle
 
 ROWS, WIDTH = 8, 64
 
@@ -150,6 +150,17 @@ def test_a_draw_that_does_not_split_with_the_rows_keeps_xlas_step_and_says_why()
     assert "shape (17,) on the whole batch and (3,) on 1/8 of its rows" in plan.reason
     with pytest.raises(ValueError, match=r"shape \(17,\) on the whole batch"):
         sf.make_train_step(lambda m, x: m(x), data_parallel="manual").plan_for(model, optimizer, x)
+
+
+@pytest.mark.parametrize("abstract", [False, True])
+def test_a_stream_of_another_prng_is_named_concrete_or_abstract(abstract):
+    keys = [jax.random.key(0), jax.random.key(1, impl="rbg"), jax.random.key(2, impl="unsafe_rbg")]
+    if abstract:  # as compile_for's model holds them
+        keys = [jax.ShapeDtypeStruct(k.shape, k.dtype) for k in keys]
+    assert threefry_obstacle(keys[:1]) is None
+    assert threefry_obstacle(keys).startswith(
+        "the model's random streams use the PRNG implementation(s) ['rbg', 'unsafe_rbg']"
+    )
 
 
 @pytest.mark.parametrize(

@@ -245,8 +245,21 @@ def rows_impl(draws: RowDraws) -> Any:
     )  # fmt: skip
 
 
+@functools.cache
+def _threefry_dtype() -> Any:
+    return jax.eval_shape(lambda: jax.random.key(0, impl="threefry2x32")).dtype
+
+
 def _is_threefry(leaf: Any) -> bool:
-    return is_key(leaf) and jax.random.key_impl(leaf) == "threefry2x32"
+    """Whether ``leaf`` is a threefry key array, concrete or abstract (``compile_for``'s)."""
+    return is_key(leaf) and leaf.dtype == _threefry_dtype()
+
+
+def _impl_name(leaf: Any) -> str:
+    """The PRNG implementation's name of a key array or of its ``ShapeDtypeStruct``."""
+    names = []
+    jax.eval_shape(lambda key: names.append(str(jax.random.key_impl(key))), leaf)
+    return names[0]
 
 
 def on_rows(leaves: Sequence[Any], draws: RowDraws, block: Any, phase: Any = 0) -> list[Any]:
@@ -309,7 +322,7 @@ def rows_loss(loss_of: Callable, draws: RowDraws, block: Any) -> Callable:
 def threefry_obstacle(leaves: Sequence[Any]) -> str | None:
     """Why the stream keys among ``leaves`` cannot draw one device's bits per block, or None."""
     keys = [x for x in leaves if is_key(x)]
-    others = sorted({str(jax.random.key_impl(x)) for x in keys if not _is_threefry(x)})
+    others = sorted({_impl_name(x) for x in keys if not _is_threefry(x)})
     if others:
         return (
             f"the model's random streams use the PRNG implementation(s) {others}, whose bits "

@@ -534,9 +534,13 @@ def _with_rows(rows: int, leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
 
 
 def _global_leaf(processes: int, leaf: Any) -> jax.ShapeDtypeStruct:
-    """A batch leaf's global shape and dtype: host rows are this process's slice."""
+    """A batch leaf's global shape and dtype.
+
+    A host array's rows are this process's slice; a ``jax.Array`` or ``ShapeDtypeStruct``
+    is the global leaf already (as :func:`substrax.spmd.shard_batch` reads them).
+    """
     shape = tuple(np.shape(leaf))
-    if shape and not isinstance(leaf, jax.Array):
+    if shape and not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
         shape = (shape[0] * processes, *shape[1:])
     return jax.ShapeDtypeStruct(shape, leaf.dtype)
 
