@@ -240,12 +240,15 @@ def _shardings(runner) -> list:
     return [tuple(a.sharding.spec) + (None,) * (a.ndim - len(a.sharding.spec)) for a in arrays]
 
 
-def measure(config, label, layout, mesh_shape, steps, batch_size):
+def measure(config, label, layout, mesh_shape, steps, batch_size, with_xla=True):
+    """The layout's default step, Flax's recipe and (``with_xla``, layouts in
+    :data:`WITH_XLA`) the step with ``data_parallel="xla"``, timed interleaved."""
     mesh = DeviceMeshManager.create_device_mesh(mesh_shape)
     n = mesh.devices.size
     results, losses, times, faults_per_step = {}, {}, {}, {}
     runners = []
-    classes = (Substrax, SubstraxXla, FlaxRecipe) if layout in WITH_XLA else (Substrax, FlaxRecipe)
+    xla = with_xla and layout in WITH_XLA
+    classes = (Substrax, SubstraxXla, FlaxRecipe) if xla else (Substrax, FlaxRecipe)
     for cls in classes:
         runner = cls(config, mesh, layout)
         batch = jax.device_put(gpt.batch_at(0, batch_size, config.seq), runner.data_sharding)

@@ -139,7 +139,7 @@ def flax_rows(config, batch_size, steps) -> list[dict]:
     for label in AGAINST_FLAX:
         print(f"against Flax: {label} ...", flush=True)
         layout, mesh_shape = CASES[label]
-        measured = measure(config, label, layout, mesh_shape, steps, batch_size)
+        measured = measure(config, label, layout, mesh_shape, steps, batch_size, with_xla=False)
         ours, flax = measured["substrax"], measured["flax"]
         rows.append({
             "layout": label,
@@ -269,7 +269,8 @@ def markdown(report: dict) -> str:
         )
     lines += [
         "",
-        f"### Against Flax's recipe (median of {report.get('flax_steps')} interleaved steps)\n",
+        f"### Against Flax's recipe (median of {report.get('flax_steps')} interleaved steps, "
+        f"measured {report.get('flax_date', report.get('date'))})\n",
         "`glibc`: the C library's default allocator settings, under which XLA:CPU's temporary "
         "buffers are handed back to the system after each call and faulted in again; `kept`: "
         "freed memory kept for the next call, as accelerators' memory pools keep it "
@@ -383,6 +384,7 @@ def main(argv=None) -> dict:
         )
     if "flax" in args.sections:
         report["flax_steps"] = args.flax_steps
+        report["flax_date"] = time.strftime("%Y-%m-%d")
         by_allocator = report.get("against_flax")
         report["against_flax"] = by_allocator if isinstance(by_allocator, dict) else {}
         report["against_flax"][args.allocator] = (
