@@ -1,5 +1,6 @@
 """The main job, end to end at a tiny size, and its one-line errors."""
 
+import functools
 import json
 import pathlib
 import re
@@ -26,10 +27,9 @@ def _run(*args, tmp_path):
     )  # fmt: skip
 
 
-def _in_process(*args, tmp_path, capsys, monkeypatch):
-    """``main(args)`` in this process (its 8 devices are the example's): the exit status and
-    what it wrote to stderr. For runs refused before training: each as a fresh process would
-    start jax again (2.7 s)."""
+def _main(*args, tmp_path, capsys, monkeypatch) -> subprocess.CompletedProcess:
+    """``main(args)`` in this process (its 8 devices are the example's), as :func:`_run`'s
+    result: each run as a fresh process would start jax again (2.7 s)."""
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     import fsdp_training
 
@@ -38,7 +38,23 @@ def _in_process(*args, tmp_path, capsys, monkeypatch):
         status = fsdp_training.main([*args, *output])
     except SystemExit as exit:  # argparse's own refusals
         status = exit.code
-    return status, capsys.readouterr().err
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, captured.out, captured.err)
+
+
+def _in_process(*args, tmp_path, capsys, monkeypatch):
+    """:func:`_main`'s exit status and what it wrote to stderr (for refused runs)."""
+    result = _main(*args, tmp_path=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
+    return result.returncode, result.stderr
+
+
+@pytest.fixture
+def example(tmp_path, capsys, monkeypatch):
+    """Runs the example's ``main(args)`` in this process (:func:`_main`), writing into
+    ``tmp_path`` unless told otherwise. For runs checked by their exit status, files and what
+    the example prints; :func:`_run` keeps those that need a process of their own (signals,
+    two runs at once, module fixtures) or read what Orbax logs to stderr."""
+    return functools.partial(_main, tmp_path=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize(("strategy", "precision", "microbatches"), [("fsdp", "mixed", 2)])
@@ -81,7 +97,7 @@ def test_example_trains_and_writes_metrics(tmp_path, strategy, precision, microb
     assert [value for _, value in scalars] == pytest.approx([at_6, at_12], rel=1e-6)
 
 
-def test_context_and_expert_runs_train(tmp_path):
+def test_context_and_expert_runs_train(tmp_path, example):
     """The issue's two commands at a tiny size (their losses equal the runs without the new
     axis: test_context_parallel.py and test_experts.py compare the layouts themselves)."""
     runs = {
@@ -90,7 +106,7 @@ def test_context_and_expert_runs_train(tmp_path):
     }
     for name, args in runs.items():
         out = tmp_path / name
-        result = _run(*TINY, "--steps", "6", *args, "--output-dir", str(out), tmp_path=tmp_path)
+        result = example(*TINY, "--steps", "6", *args, "--output-dir", str(out))
         assert result.returncode == 0, result.stderr
         metrics = json.loads((out / "metrics.json").read_text())
         assert metrics["strategy"] == args[args.index("--strategy") + 1]
@@ -98,14 +114,14 @@ def test_context_and_expert_runs_train(tmp_path):
         assert metrics["losses"][-1] < metrics["losses"][0]
 
 
-def test_blocked_attention_trains_as_whole_rows(tmp_path):
+def test_blocked_attention_trains_as_whole_rows(tmp_path, example):
     """--attention-block 4 over 16 tokens (the causal half of 16 block pairs) gives the
     losses of whole rows: the online softmax differs by rounding only."""
     runs = {}
     for block in ("0", "4"):
         out = tmp_path / block
-        result = _run(*TINY, "--steps", "4", "--attention-block", block, "--output-dir",
-                      str(out), tmp_path=tmp_path)  # fmt: skip
+        result = example(*TINY, "--steps", "4", "--attention-block", block, "--output-dir",
+                         str(out))  # fmt: skip
         assert result.returncode == 0, result.stderr
         runs[block] = json.loads((out / "metrics.json").read_text())
     assert runs["4"]["attention_block"] == 4
@@ -114,15 +130,15 @@ def test_blocked_attention_trains_as_whole_rows(tmp_path):
     assert runs["4"]["flops_per_device_per_step"] < runs["0"]["flops_per_device_per_step"]
 
 
-def test_fine_tuning_a_llama_checkpoint_with_lora_and_exporting_it(tmp_path):
+def test_fine_tuning_a_llama_checkpoint_with_lora_and_exporting_it(tmp_path, example):
     import safetensors.numpy
 
     source, exported = tmp_path / "llama", tmp_path / "tuned"
     subprocess.run([sys.executable, str(ROOT / "examples" / "llama.py"), str(source)],
                    check=True, capture_output=True, timeout=300)  # fmt: skip
-    result = _run("--init-from", str(source), "--lora-rank", "2", "--steps", "3", "--mesh",
-                  "data=8", "--seq", "16", "--batch-size", "8", "--quiet", "--export",
-                  str(exported), tmp_path=tmp_path)  # fmt: skip
+    result = example("--init-from", str(source), "--lora-rank", "2", "--steps", "3", "--mesh",
+                     "data=8", "--seq", "16", "--batch-size", "8", "--quiet", "--export",
+                     str(exported))  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "21 variables from" in result.stdout and "8 keep their initialisers" in result.stdout
     losses = json.loads((tmp_path / "metrics.json").read_text())["losses"]
@@ -135,7 +151,7 @@ def test_fine_tuning_a_llama_checkpoint_with_lora_and_exporting_it(tmp_path):
     assert not np.array_equal(after[name.format("q")], before[name.format("q")])  # merged in
     assert np.array_equal(after["lm_head.weight"], before["lm_head.weight"])
     # model sizes come from the checkpoint: a size flag is refused in one line
-    refused = _run("--init-from", str(source), "--d-model", "32", tmp_path=tmp_path)
+    refused = example("--init-from", str(source), "--d-model", "32")
     assert refused.returncode == 2 and "drop them" in refused.stderr
 
 
@@ -152,10 +168,10 @@ def unpipelined(tmp_path_factory):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zb-h1"])
-def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelined):
+def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelined, example):
     """The losses, and the closing sample: decoded with the stack's cache over the stages."""
-    pipelined = _run(*PIPELINE_SIZE, "--strategy", "pp", "--mesh", "pipe=4,data=2", "--schedule",
-                     schedule, "--microbatches", "2", tmp_path=tmp_path)  # fmt: skip
+    pipelined = example(*PIPELINE_SIZE, "--strategy", "pp", "--mesh", "pipe=4,data=2",
+                        "--schedule", schedule, "--microbatches", "2")  # fmt: skip
     assert pipelined.returncode == 0, pipelined.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["losses"] == pytest.approx(unpipelined["losses"], rel=1e-5)
@@ -271,11 +287,10 @@ def test_a_damaged_latest_step_is_skipped_and_the_run_resumes_from_the_one_befor
 
 
 def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(
-    tmp_path, capsys, monkeypatch
+    tmp_path, capsys, monkeypatch, example
 ):
     ckpt = str(tmp_path / "ckpt")
-    first = _run(*TINY, "--steps", "1", "--checkpoint-dir", ckpt, "--tensorboard",
-                 tmp_path=tmp_path)  # fmt: skip
+    first = example(*TINY, "--steps", "1", "--checkpoint-dir", ckpt, "--tensorboard")
     assert first.returncode == 0, first.stderr[-2000:]
     status, stderr = _in_process(*TINY, "--steps", "2", "--checkpoint-dir", ckpt,
                                  tmp_path=tmp_path, capsys=capsys,
@@ -285,8 +300,8 @@ def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(
     # a run killed after logging step 2 but before saving it: the resumed run logs each step once
     log = tmp_path / "metrics.jsonl"
     log.write_text(log.read_text() + json.dumps({"step": 2, "loss": 0.0, "seconds": 0.0}) + "\n")
-    resumed = _run(*TINY, "--steps", "3", "--checkpoint-dir", ckpt, "--resume", "--tensorboard",
-                   tmp_path=tmp_path)  # fmt: skip
+    resumed = example(*TINY, "--steps", "3", "--checkpoint-dir", ckpt, "--resume",
+                      "--tensorboard")  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -332,22 +347,22 @@ def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path):
 
 
 def test_a_resume_on_fewer_data_devices_keeps_the_batch_and_the_losses(
-    tmp_path, capsys, monkeypatch
+    tmp_path, capsys, monkeypatch, example
 ):
     """Saved on 8 data devices, resumed on 4: accumulation doubles (announced), so each step
     sees the same rows, and the next 5 losses are the uninterrupted run's, dropout included
     (its masks are one device's on every layout and accumulation)."""
     size = [*TINY, "--batch-size", "16", "--dropout", "0.2"]
-    full = _run(*size, "--steps", "7", "--mesh", "data=8", "--output-dir", str(tmp_path / "full"),
-                tmp_path=tmp_path)  # fmt: skip
+    full = example(*size, "--steps", "7", "--mesh", "data=8", "--output-dir",
+                   str(tmp_path / "full"))  # fmt: skip
     assert full.returncode == 0, full.stderr[-2000:]
     ckpt = str(tmp_path / "ckpt")
-    first = _run(*size, "--steps", "2", "--mesh", "data=8", "--checkpoint-dir", ckpt,
-                 "--output-dir", str(tmp_path / "a"), tmp_path=tmp_path)  # fmt: skip
+    first = example(*size, "--steps", "2", "--mesh", "data=8", "--checkpoint-dir", ckpt,
+                    "--output-dir", str(tmp_path / "a"))  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
-    second = _run(*size, "--steps", "7", "--mesh", "data=4,model=2", "--strategy", "fsdp+tp",
-                  "--checkpoint-dir", ckpt, "--resume", "--output-dir", str(tmp_path / "b"),
-                  tmp_path=tmp_path)  # fmt: skip
+    second = example(*size, "--steps", "7", "--mesh", "data=4,model=2", "--strategy",
+                     "fsdp+tp", "--checkpoint-dir", ckpt, "--resume", "--output-dir",
+                     str(tmp_path / "b"))  # fmt: skip
     assert second.returncode == 0, second.stderr[-2000:]
     assert ("resuming on 4 data devices: --microbatches 2 keeps the checkpoint's 2 rows per "
             "device per slice and its global batch of 16 rows") in second.stdout  # fmt: skip
@@ -425,7 +440,7 @@ def test_the_default_report_of_the_example_decoder_fits_a_terminal(monkeypatch):
     assert report.summary().startswith("fsdp 2 x tp 4, mesh {'data': 2, 'model': 4}, 35 variables")
 
 
-def test_ctrl_c_stops_after_the_step_in_flight_and_says_how_to_resume(tmp_path):
+def test_ctrl_c_stops_after_the_step_in_flight_and_says_how_to_resume(tmp_path, example):
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     command = [sys.executable, str(ROOT / "examples" / "fsdp_training.py"), *TINY, "--steps",
                "400", "--save-every", "3", "--checkpoint-dir", ckpt,
@@ -448,7 +463,7 @@ def test_ctrl_c_stops_after_the_step_in_flight_and_says_how_to_resume(tmp_path):
     assert 3 <= saved <= step < 400 and saved % 3 == 0
     logged = json.loads((tmp_path / "out" / "metrics.json").read_text())
     assert len(logged["losses"]) == step  # the steps it ran, written as at a normal end
-    again = _run(*TINY, "--steps", str(saved + 2), "--checkpoint-dir", ckpt, "--resume",
-                 "--output-dir", out, tmp_path=tmp_path)  # fmt: skip
+    again = example(*TINY, "--steps", str(saved + 2), "--checkpoint-dir", ckpt, "--resume",
+                    "--output-dir", out)  # fmt: skip
     assert again.returncode == 0, again.stderr[-2000:]
     assert json.loads((tmp_path / "out" / "metrics.json").read_text())["start_step"] == saved
