@@ -247,6 +247,7 @@ def rows_impl(draws: RowDraws) -> Any:
 
 @functools.cache
 def _threefry_dtype() -> Any:
+    """The dtype of a threefry2x32 key array (``key<fry>``)."""
     return jax.eval_shape(lambda: jax.random.key(0, impl="threefry2x32")).dtype
 
 
@@ -283,7 +284,7 @@ def off_rows(tree: Any) -> Any:
     """``tree`` with each row key back as the threefry key it was made from."""
 
     def unwrap(x):
-        if not is_key(x) or jax.random.key_impl(x) == "threefry2x32":
+        if not is_key(x) or _is_threefry(x):
             return x
         data = jax.random.key_data(x)
         if data.shape[-1] != 4:
