@@ -29,7 +29,8 @@ def _run(*args, tmp_path):
 
 def _main(*args, tmp_path, capsys, monkeypatch) -> subprocess.CompletedProcess:
     """``main(args)`` in this process (its 8 devices are the example's), as :func:`_run`'s
-    result: each run as a fresh process would start jax again (2.7 s)."""
+    result: each run as a fresh process would start jax again (2.7 s). A refusal is an exit
+    status of 2 and its line on stderr; a traceback fails the test as an error."""
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     import fsdp_training
 
@@ -40,12 +41,6 @@ def _main(*args, tmp_path, capsys, monkeypatch) -> subprocess.CompletedProcess:
         status = exit.code
     captured = capsys.readouterr()
     return subprocess.CompletedProcess(args, status, captured.out, captured.err)
-
-
-def _in_process(*args, tmp_path, capsys, monkeypatch):
-    """:func:`_main`'s exit status and what it wrote to stderr (for refused runs)."""
-    result = _main(*args, tmp_path=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
-    return result.returncode, result.stderr
 
 
 @pytest.fixture
@@ -214,14 +209,13 @@ def test_pipeline_mode_matches_the_unpipelined_run(tmp_path, schedule, unpipelin
         (["--attention-block", "5"], "--attention-block 5 does not divide --seq 16; use a"),
     ],
 )
-def test_example_rejects_bad_input_in_one_line(tmp_path, args, message, capsys, monkeypatch):
+def test_example_rejects_bad_input_in_one_line(args, message, example):
     """Exit status 2 and one line; a traceback would fail the test."""
     strategy = [] if "--strategy" in args else ["--strategy", "tp"]
-    status, stderr = _in_process(*TINY, *strategy, *args, tmp_path=tmp_path, capsys=capsys,
-                                 monkeypatch=monkeypatch)  # fmt: skip
-    assert status == 2, stderr
-    assert message in stderr
-    assert len(stderr.strip().splitlines()) == 1
+    refused = example(*TINY, *strategy, *args)
+    assert refused.returncode == 2, refused.stderr
+    assert message in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
 
 
 def _tensorboard_scalars(directory: pathlib.Path) -> list[tuple[str, int, float]]:
@@ -286,17 +280,13 @@ def test_a_damaged_latest_step_is_skipped_and_the_run_resumes_from_the_one_befor
     np.testing.assert_allclose(metrics["losses"], losses[1:], rtol=1e-5)  # the same data next
 
 
-def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(
-    tmp_path, capsys, monkeypatch, example
-):
+def test_a_fresh_run_refuses_a_directory_with_another_runs_checkpoints(tmp_path, example):
     ckpt = str(tmp_path / "ckpt")
     first = example(*TINY, "--steps", "1", "--checkpoint-dir", ckpt, "--tensorboard")
     assert first.returncode == 0, first.stderr[-2000:]
-    status, stderr = _in_process(*TINY, "--steps", "2", "--checkpoint-dir", ckpt,
-                                 tmp_path=tmp_path, capsys=capsys,
-                                 monkeypatch=monkeypatch)  # fmt: skip
-    assert status == 2
-    assert "already holds checkpoints (steps [1]): pass --resume" in stderr
+    refused = example(*TINY, "--steps", "2", "--checkpoint-dir", ckpt)
+    assert refused.returncode == 2
+    assert "already holds checkpoints (steps [1]): pass --resume" in refused.stderr
     # a run killed after logging step 2 but before saving it: the resumed run logs each step once
     log = tmp_path / "metrics.jsonl"
     log.write_text(log.read_text() + json.dumps({"step": 2, "loss": 0.0, "seconds": 0.0}) + "\n")
@@ -346,9 +336,7 @@ def test_a_second_run_into_a_directory_in_use_is_refused(tmp_path):
     ]
 
 
-def test_a_resume_on_fewer_data_devices_keeps_the_batch_and_the_losses(
-    tmp_path, capsys, monkeypatch, example
-):
+def test_a_resume_on_fewer_data_devices_keeps_the_batch_and_the_losses(tmp_path, example):
     """Saved on 8 data devices, resumed on 4: accumulation doubles (announced), so each step
     sees the same rows, and the next 5 losses are the uninterrupted run's, dropout included
     (its masks are one device's on every layout and accumulation)."""
@@ -370,10 +358,9 @@ def test_a_resume_on_fewer_data_devices_keeps_the_batch_and_the_losses(
     resumed = json.loads((tmp_path / "b" / "metrics.json").read_text())
     assert resumed["microbatches"] == 2 and resumed["start_step"] == 2
     np.testing.assert_allclose(resumed["losses"], want[2:], rtol=1e-5)
-    status, stderr = _in_process(*TINY, "--batch-size", "32", "--steps", "8", "--mesh", "data=8",
-                                 "--checkpoint-dir", ckpt, "--resume", tmp_path=tmp_path,
-                                 capsys=capsys, monkeypatch=monkeypatch)  # fmt: skip
-    assert status == 2 and "pass --batch-size 16 to continue it" in stderr
+    refused = example(*TINY, "--batch-size", "32", "--steps", "8", "--mesh", "data=8",
+                      "--checkpoint-dir", ckpt, "--resume")  # fmt: skip
+    assert refused.returncode == 2 and "pass --batch-size 16 to continue it" in refused.stderr
 
 
 def test_runs_of_different_layouts_write_different_directories(monkeypatch):
