@@ -150,7 +150,7 @@ def _activation_bytes(name, layout, rows, experts=True):
 
     twin, small = _twin_layout(layout, 8), planner._twin_config(architecture(name))
     small = small if experts else dataclasses.replace(small, experts=0, top_k=0)
-    model = sf.create_sharded_model(lambda: planner._Twin(small, nnx.Rngs(0)), layout=twin)
+    model = sf.plan_model(lambda: planner._Twin(small, nnx.Rngs(0)), layout=twin).abstract_model()
     optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-3))
     zeros = np.zeros((rows, 16), np.int32)
     batch = {"inputs": zeros, "targets": zeros}

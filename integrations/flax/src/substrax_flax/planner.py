@@ -6,8 +6,8 @@
 takes every option of ``python -m substrax.planner`` (:func:`substrax.planner.main`) and adds
 ``--factory module:function``: the model is built abstractly (:func:`model_leaves`) and its
 annotated parameters are planned. :func:`validate` compiles a scaled-down twin of a planned
-candidate through the adapter's default path (:func:`substrax_flax.create_sharded_model` with
-the candidate's layout, :func:`substrax_flax.make_train_step` without compute rules) and puts
+candidate through the adapter's default path (:func:`substrax_flax.plan_model` with the
+candidate's layout, :func:`substrax_flax.make_train_step` without compute rules) and puts
 XLA's figures next to the estimate.
 """
 
@@ -46,7 +46,7 @@ from substrax.planner import transformer_leaves as leaves_of
 from substrax.spmd import attention, experts, native_grouped_matmul
 from substrax.target import CompileTarget
 from substrax_flax._compile import CompileRefused, compile_for
-from substrax_flax._create import create_sharded_model
+from substrax_flax._create import plan_model
 from substrax_flax._optimizer import create_sharded_optimizer
 from substrax_flax._pipeline_step import Stages
 from substrax_flax._remat import remat
@@ -309,9 +309,11 @@ def validate(
 
     Without, a scaled-down twin is compiled on the available devices: it keeps the
     architecture's kinds of layer (grouped-query attention, gating, tied head, biases) at a
-    small size and the candidate layout's kinds of parallelism; it is created with the twin
-    layout and trained with adamw in f32 through :func:`~substrax_flax.make_train_step`'s
-    default path (no compute rules: each parameter gathered once per step).
+    small size and the candidate layout's kinds of parallelism; it is planned with the twin
+    layout and its training step (adamw in f32, :func:`~substrax_flax.make_train_step`'s
+    default path: no compute rules, each parameter gathered once per step) is compiled for
+    its abstract model (:meth:`~substrax_flax.ModelPlan.abstract_model`): nothing is
+    initialised or run, as with ``target``.
 
     Args:
       plan: A plan of a built-in architecture (:func:`substrax.planner.plan`).
@@ -380,7 +382,8 @@ def _validate_layout(
     hardware = Hardware(memory_bytes=2**40, blocked_experts=not native_grouped_matmul())
     estimate = evaluate(small, leaves, twin, workload, hardware)
     kind = _StackedTwin if twin.pp > 1 else _Twin
-    model = create_sharded_model(lambda: kind(small, nnx.Rngs(0)), layout=twin)
+    # abstract: only the step is compiled, so nothing is initialised or run
+    model = plan_model(lambda: kind(small, nnx.Rngs(0)), layout=twin).abstract_model()
     optimizer = create_sharded_optimizer(model, optax.adamw(1e-3))
     if twin.pp > 1:
         step = _pipeline_step(small, twin, micro, workload.schedule)
