@@ -151,16 +151,11 @@ def _pipelined(schedule: str, repeats: int):
                           ROWS, target=target, layout="pp", mesh=mesh)  # fmt: skip
 
 
-def test_pipeline_layout_compiles_with_its_permutes_over_the_stages():
-    report = _pipelined("gpipe", 1)
-    assert report.plan.path == "pipeline"
-    permutes = [r for (k, a), r in report.collectives.items()
-                if k == "collective-permute" and a == ("pipe",)]  # fmt: skip
-    assert permutes and sum(r["count"] for r in permutes) > 4  # each tick's, counted per trip
-
-
 def test_dropless_experts_compile_with_tpu_kernels_and_an_exchange_over_experts():
-    report = _named_layout("ep", (("data", 4), ("expert", 2)), MOE)
+    """The ``ep`` layout of the named ones (one compile: its checks are here too)."""
+    sizes = {"data": 4, "expert": 2}
+    report = _named_layout("ep", tuple(sizes.items()), MOE)
+    _check_named_layout(report, sizes, MOE)
     assert ("all-to-all", ("expert",)) in report.collectives
     # the target's grouped kernel, not this CPU's blocked loop: no loop over expert blocks
     assert "ragged" in report.hlo.lower()
@@ -278,11 +273,14 @@ def test_planner_candidate_compiled_at_its_size_for_the_target():
         ("tp", {"data": 2, "model": 4}, TINY),
         ("zero1+tp", {"data": 4, "model": 2}, TINY),
         ("cp", {"data": 4, "context": 2}, TINY),
-        ("ep", {"data": 4, "expert": 2}, MOE),
     ],
 )
 def test_every_named_layout_compiles_for_the_target(layout, sizes, config):
-    report = _named_layout(layout, tuple(sizes.items()), config)
+    """(``ep`` is compiled, and checked as these are, by the dropless experts' test.)"""
+    _check_named_layout(_named_layout(layout, tuple(sizes.items()), config), sizes, config)
+
+
+def _check_named_layout(report, sizes: dict[str, int], config: gpt.Config) -> None:
     assert report.axis_sizes == sizes and report.fits and report.flops > 0
     # each chip holds its shards of the state and its rows (and sequence slice) of the batch:
     # _named_layout's inputs and targets, 16 rows of int32 tokens each
@@ -294,9 +292,12 @@ def test_every_named_layout_compiles_for_the_target(layout, sizes, config):
 @pytest.mark.parametrize(("schedule", "repeats"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
                                                     ("circular", 2)])  # fmt: skip
 def test_each_pipeline_schedule_compiles_for_the_target(schedule, repeats):
+    """Each schedule's step passes activations over the stages with its permutes."""
     report = _pipelined(schedule, repeats)
     assert report.plan.path == "pipeline"
-    assert any(k == "collective-permute" and a == ("pipe",) for k, a in report.collectives)
+    permutes = [r for (k, a), r in report.collectives.items()
+                if k == "collective-permute" and a == ("pipe",)]  # fmt: skip
+    assert permutes and sum(r["count"] for r in permutes) > 4  # each tick's, counted per trip
 
 
 STACKED = gpt.Config(vocab=256, d_model=256, heads=4, mlp=1024, layers=8, seq=8)
