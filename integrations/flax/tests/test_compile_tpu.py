@@ -44,6 +44,16 @@ def _named_layout(layout: str, sizes: tuple[tuple[str, int], ...], config: gpt.C
                           layout=layout, axis_sizes=dict(sizes))  # fmt: skip
 
 
+def _check_named_layout(report, sizes: dict[str, int], config: gpt.Config) -> None:
+    """What every named layout's compiled report holds: its mesh, a fit, its state and rows."""
+    assert report.axis_sizes == sizes and report.fits and report.flops > 0
+    # each chip holds its shards of the state and its rows (and sequence slice) of the batch:
+    # _named_layout's inputs and targets, 16 rows of int32 tokens each
+    shards = math.prod(sizes[a] for a in report.plan.batch_axes) * sizes.get("context", 1)
+    batch = 2 * 4 * 16 * config.seq // shards
+    assert report.step.argument_data == report.state_bytes + batch
+
+
 @pytest.fixture(scope="module")
 def fsdp():
     return sf.compile_for(tiny, gpt.optimizer(), gpt.loss_fn, ROWS, target="v5p:2x2x2",
@@ -278,15 +288,6 @@ def test_planner_candidate_compiled_at_its_size_for_the_target():
 def test_every_named_layout_compiles_for_the_target(layout, sizes, config):
     """(``ep`` is compiled, and checked as these are, by the dropless experts' test.)"""
     _check_named_layout(_named_layout(layout, tuple(sizes.items()), config), sizes, config)
-
-
-def _check_named_layout(report, sizes: dict[str, int], config: gpt.Config) -> None:
-    assert report.axis_sizes == sizes and report.fits and report.flops > 0
-    # each chip holds its shards of the state and its rows (and sequence slice) of the batch:
-    # _named_layout's inputs and targets, 16 rows of int32 tokens each
-    shards = math.prod(sizes[a] for a in report.plan.batch_axes) * sizes.get("context", 1)
-    batch = 2 * 4 * 16 * config.seq // shards
-    assert report.step.argument_data == report.state_bytes + batch
 
 
 @pytest.mark.parametrize(("schedule", "repeats"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
