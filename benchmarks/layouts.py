@@ -129,7 +129,7 @@ def compiled_stats(compiled, num_devices: int) -> dict:
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     traffic = traffic_by_kind(compiled.as_text(), num_devices)
-    peak = peak_bytes(memory)
+    peak = peak_bytes(memory, jax.devices()[0].platform)
     return {
         "temp_bytes": int(memory.temp_size_in_bytes),
         "peak_bytes": int(peak),

@@ -123,7 +123,7 @@ def _stats(compiled, axis_sizes) -> dict:
     memory = compiled.memory_analysis()
     text = compiled.as_text()
     return {
-        "peak_bytes": peak_bytes(memory),
+        "peak_bytes": peak_bytes(memory, "tpu"),
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_data_bytes": argument_bytes(text),
         "flops": compiled_flops(compiled),

@@ -608,7 +608,11 @@ def compiled_figures(step_fn, model, optimizer, batch) -> tuple[float, float, st
     stats = jax.local_devices()[0].memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return float(stats["peak_bytes_in_use"]), flops, "the device's own peak"
-    return float(peak_bytes(memory)), flops, "XLA's compiled estimate"
+    return (
+        float(peak_bytes(memory, jax.local_devices()[0].platform)),
+        flops,
+        "XLA's compiled estimate",
+    )
 
 
 def write_loss_plot(path: pathlib.Path, steps: list[int], losses: list[float]) -> None:

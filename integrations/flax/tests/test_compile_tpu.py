@@ -104,8 +104,11 @@ def test_state_bytes_equal_the_plan_and_the_compiled_arguments(fsdp):
     # in the chip's layouts each shard is padded to whole (8, 128) tiles: small shards grow
     assert fsdp.step.arguments >= fsdp.step.argument_data
     assert fsdp.step.aliased >= fsdp.step.arguments - fsdp.step.arguments // 8  # donated
-    # the compiler's heap simulation: the arguments and some of the temporaries live at once
-    assert fsdp.step.arguments < fsdp.step.heap_peak <= fsdp.step.peak
+    # XLA:TPU allocates its heap peak, the arguments and the temporaries live at once, below
+    # what its temp_size_in_bytes states (tests/test_target.py)
+    assert fsdp.step.arguments < fsdp.step.peak == fsdp.step.heap_peak
+    step = fsdp.step
+    assert step.peak <= step.arguments + step.outputs - step.aliased + step.temporaries
     assert fsdp.init.argument_data == 0 and fsdp.init.outputs >= params // n
     assert fsdp.fits and fsdp.memory_bytes == 95 * 10**9
 
@@ -262,12 +265,11 @@ def test_planner_candidate_compiled_at_its_size_for_the_target():
         assert result[key][0] == result[key][1], key
     estimate, compiled = result["flops"]
     assert compiled == pytest.approx(estimate, rel=0.05)
-    # 1.06x measured: at this size fixed buffers weigh more than at real size, where the
-    # peaks are within 5% (tests/test_planner.py's COMPILED_PEAKS)
+    # 0.86x measured: at this size (2 sequences of 128 tokens per chip) the estimate exceeds
+    # what XLA:TPU allocates; at real size within 2% (tests/test_planner.py's COMPILED_PEAKS)
     estimate, compiled = result["peak_bytes"]
-    assert compiled == pytest.approx(estimate, rel=0.10)
-    assert result["heap_peak_bytes"][0] == estimate
-    assert result["arguments_bytes"][1] < result["heap_peak_bytes"][1] <= compiled
+    assert 0.8 < compiled / estimate < 1.0
+    assert result["arguments_bytes"][1] < compiled
     # The planner counts the gradient's reduce-scatter; XLA:TPU reduces the whole gradient
     # over 8 chips of a 2x2x2 torus (an all-reduce's bytes): docs/planning.md.
     estimate, compiled = result["traffic_bytes"]

@@ -224,7 +224,11 @@ class Candidate:
       leaves: Per-parameter plan.
       params_per_device: Parameter elements per device (exact).
       bytes_per_device: ``params``, ``grads``, ``optimizer`` (exact), ``activations``,
-        ``gathered``, ``unreduced``, ``logits`` (closed forms) and their sum ``peak``.
+        ``gathered``, ``unreduced``, ``logits`` (closed forms) and their sum ``peak``, what
+        XLA allocates. The peak is the larger of two passes: a layer's backward (its buffers,
+        in ``activations``, and the gathered layers) and the loss's (the embedding and head
+        gathered, the logits in the compute width); ``logits`` is what the loss's holds
+        beyond the layer's, 0 where the layer's is the larger.
       traffic_bytes_per_step: Bytes each device moves per step, keyed ``"axis/kind"`` (such
         as ``"fsdp/all-gather"``); under remat ``"offload"`` also ``"host/offload"``, the
         copies to the host's memory and back, which are no collective.
@@ -355,7 +359,7 @@ def _activations(
     act: int,
     schedule: Schedule | None,
     hw: Hardware | None = None,
-) -> float:
+) -> tuple[float, float]:
     """Activation bytes of one device's live microbatches, and of the layer in its backward.
 
     Each layer keeps :func:`_kept` ``s b h`` under its remat policy (in 2-byte units): the
@@ -363,14 +367,16 @@ def _activations(
     residual stream whole on each unless ``w.sequence_parallel``; without a flash kernel,
     remat ``"none"`` also keeps the score square (``5 a s / h``, split by heads). The layer
     whose backward pass runs holds its gradients' buffers besides, about its own ``"none"``
-    activations once more; under ``"full"`` remat XLA:TPU runs it after the loss's backward
-    pass, whose buffers (:func:`_vocabulary`, the logits) were the larger at every size
-    measured, so it adds nothing to the peak. Under ``"offload"`` the device keeps what
-    ``"full"`` keeps and :data:`OFFLOAD_IN_TRANSIT` layers' offloaded products in transit
-    (:func:`_offloaded` counts the host's share). Context parallelism divides the sequence (ring
-    attention holds one key/value block at a time, so the score term shrinks with the
-    square). A mixture of experts replaces the MLP's part with its own
-    (:func:`_expert_activations`).
+    activations once more, under every policy (the others recompute them first). Under
+    ``"offload"`` the device keeps what ``"full"`` keeps and :data:`OFFLOAD_IN_TRANSIT`
+    layers' offloaded products in transit (:func:`_offloaded` counts the host's share).
+    Context parallelism divides the sequence (ring attention holds one key/value block at a
+    time, so the score term shrinks with the square). A mixture of experts replaces the
+    MLP's part with its own (:func:`_expert_activations`).
+
+    Returns:
+      ``(kept, transient)``: what the layers keep for the backward pass (with offload's
+      products in transit), and the buffers of the layer whose backward pass runs.
     """
     rows = w.batch / layout.batch_degree
     micro = w.microbatches or (layout.pp if layout.pp > 1 else 1)
@@ -387,16 +393,16 @@ def _activations(
     layer, whole = per_token(remat) + square, per_token("none")
     # a deferred weight op keeps its layers' output cotangents as well (s b h each)
     per_layer_all = layer * s * b * h * in_flight + s * b * h / split * waiting
-    transient = 0.0 if remat == "full" else whole * s * b * h
+    kept = per_layer_all * math.ceil(c.layers / layout.pp)
     if remat == "offload":  # products of OFFLOAD_IN_TRANSIT layers on the way out or back
-        transient = OFFLOAD_IN_TRANSIT * (per_token("selective") - layer) * s * b * h
-    return (per_layer_all * math.ceil(c.layers / layout.pp) + transient) * act / 2
+        kept += OFFLOAD_IN_TRANSIT * (per_token("selective") - layer) * s * b * h
+    return kept * act / 2, whole * s * b * h * act / 2
 
 
 #: Layers whose offloaded products remat ``"offload"`` holds on the device at its peak (on
 #: their way to the host or back): XLA:TPU's Llama 3 8B step (fsdp 32, 4 microbatches of 8192
-#: tokens, ``v5p-64``) held 3.3 layers' worth beyond ``"full"``'s 13.85 GiB; its host bytes
-#: equal :func:`_offloaded`'s exactly.
+#: tokens, ``v5p-64``) allocated 11.14 GiB of HBM, 3.4 layers' worth beyond ``"full"``'s
+#: 9.11 GiB; its host bytes equal :func:`_offloaded`'s exactly.
 OFFLOAD_IN_TRANSIT = 3
 
 
@@ -685,9 +691,9 @@ def _gathered(config, layout, workload, per_device, layer_shard, stored) -> tupl
 def _vocabulary(layout: Layout, outside: float, width: int) -> float:
     """Bytes of the parameters outside the layer stack (embedding, head) that FSDP gathers.
 
-    Each is gathered whole in the compute width for the lookup and the loss, beside the
-    logits in the loss's backward pass (Llama 3 8B on FSDP 32, XLA:TPU: 1.96 GiB of its
-    peak, the 128256 x 4096 embedding and head).
+    Each is gathered whole in the compute width for the lookup and the loss, and held in the
+    loss's backward pass beside the logits (Llama 3 8B on FSDP 32, XLA:TPU: 1.96 GiB, the
+    128256 x 4096 embedding and head), not in the layers' passes.
     """
     return outside * width if layout.fsdp > 1 else 0.0
 
@@ -701,21 +707,19 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
     schedule = schedule_of(layout, workload)
     layer_shard = layer_params / (layout.tp * layout.fsdp) * width
     gathered, unreduced = _gathered(config, layout, workload, per_device, layer_shard, stored)
-    gathered += _vocabulary(layout, outside, width)
+    kept, transient = _activations(config, workload, layout, width, schedule, hardware)
+    logits = rows / max(workload.microbatches or 1, 1) * workload.seq / layout.cp
+    loss = _vocabulary(layout, outside, width) + logits * config.vocab / layout.tp * width
     memory = {
         "params": per_device * stored,
         "grads": (sharded if layout.zero == 2 else per_device) * stored,
         "optimizer": sharded * _OPTIMIZER_BYTES[workload.optimizer],
-        "activations": _activations(config, workload, layout, width, schedule, hardware),
+        "activations": kept + transient,
         "gathered": gathered,
         "unreduced": unreduced,
-        "logits": rows
-        / max(workload.microbatches or 1, 1)
-        * workload.seq
-        / layout.cp
-        * config.vocab
-        / layout.tp
-        * (4 + width),  # float32 logits and their gradient
+        # the peak is the larger of two passes: a layer's backward (its buffers, the gathered
+        # layers) and the loss's (the embedding and head gathered, the logits)
+        "logits": max(0.0, loss - transient - gathered),
     }
     memory["peak"] = sum(memory.values())
     host, copied = _offloaded(config, workload, layout, width, schedule, hardware)

@@ -73,16 +73,16 @@ class ProgramMemory:
         (:func:`substrax.hlo.argument_bytes`): what a plan's bytes per device count.
       outputs: Its outputs.
       aliased: Outputs written into donated inputs' buffers.
-      temporaries: Its scratch buffers.
-      peak: Arguments + outputs - aliased + temporaries (:func:`substrax.hlo.peak_bytes`).
+      temporaries: Its scratch buffers as the compiler states them (``temp_size_in_bytes``;
+        XLA:TPU's exceeds what it allocates for them, see ``peak``).
+      peak: What the program allocates per device (:func:`substrax.hlo.peak_bytes`): on
+        XLA:TPU its heap peak, the buffer assignment it checks against HBM; on XLA:CPU and
+        XLA:GPU arguments + outputs - aliased + temporaries.
       host_temporaries: Its scratch buffers in the host's memory: the activations that remat
         ``"offload"`` moves there (0 on XLA:CPU, which keeps them on the device).
       heap_peak: The compiler's simulation of the most bytes live at once
-        (``memory_analysis().peak_memory_in_bytes``). XLA:TPU's is below ``peak``: its
-        temporaries hold more than its dumped buffer assignment shows (3.3-8.1 GiB more in
-        Llama 3 70B's steps, docs/planning.md "At real size"), and it refuses a program on
-        ``peak``, so ``peak`` is the figure to fit a chip. XLA:CPU's leaves the temporaries
-        out (arguments + outputs).
+        (``memory_analysis().peak_memory_in_bytes``). XLA:TPU's is its buffer assignment, so
+        ``peak`` there; XLA:CPU's leaves the temporaries out (arguments + outputs).
     """
 
     arguments: int
@@ -95,11 +95,13 @@ class ProgramMemory:
     heap_peak: int = 0
 
     @classmethod
-    def of(cls, compiled: Any) -> ProgramMemory:
+    def of(cls, compiled: Any, platform: str) -> ProgramMemory:
         """The memory the compiler states for a program.
 
         Args:
           compiled: A ``jax.stages.Compiled``.
+          platform: Its compiler's platform (``"tpu"`` for a target slice; one of
+            :data:`substrax.hlo.PLATFORMS`).
 
         Returns:
           Its memory per device.
@@ -109,7 +111,7 @@ class ProgramMemory:
             int(memory.argument_size_in_bytes), argument_bytes(compiled.as_text()),
             int(memory.output_size_in_bytes),
             int(memory.alias_size_in_bytes), int(memory.temp_size_in_bytes),
-            int(peak_bytes(memory)), int(getattr(memory, "host_temp_size_in_bytes", 0) or 0),
+            peak_bytes(memory, platform), int(getattr(memory, "host_temp_size_in_bytes", 0) or 0),
             int(getattr(memory, "peak_memory_in_bytes", 0) or 0),
         )  # fmt: skip
 
@@ -299,8 +301,8 @@ def compile_for(
         memory_bytes=target.memory_bytes,
         state_bytes=sharding_report(model).bytes_per_device
         + sharding_report(optimizer).bytes_per_device,
-        init=ProgramMemory.of(init),
-        step=ProgramMemory.of(compiled),
+        init=ProgramMemory.of(init, "tpu"),
+        step=ProgramMemory.of(compiled, "tpu"),
         flops=compiled_flops(compiled),
         collectives=traffic_by_axes(text, dict(mesh.shape), trips=True),
         plan=step_plan,

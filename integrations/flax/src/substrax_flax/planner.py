@@ -329,11 +329,10 @@ def validate(
       figure an ``(estimate, compiled)`` pair per device; the compiled step is donated, as
       substrax runs it. For a target, ``"target"``, ``"layout"`` and ``"data_parallel"``
       replace ``"twin"``, with ``"compile_seconds"``, ``"host_bytes"`` (remat
-      ``"offload"``'s share in the host's memory) and ``"heap_peak_bytes"`` (the compiler's
-      simulated peak of the buffers live at once, below its ``peak_bytes``:
-      :class:`~substrax_flax.ProgramMemory`); where the compiler refuses the
-      candidate (it needs more memory than the chip has), it has ``"refused"`` (the
-      compiler's words) and the estimated peak beside None instead of the figures.
+      ``"offload"``'s share in the host's memory); the compiled peak is what XLA:TPU
+      allocates, its heap peak (:class:`~substrax_flax.ProgramMemory`). Where the compiler
+      refuses the candidate (it needs more memory than the chip has), it has ``"refused"``
+      (the compiler's words) and the estimated peak beside None instead of the figures.
 
     Raises:
       ValueError: For a plan of a custom model, a rank out of range, a twin of a pipeline
@@ -420,7 +419,7 @@ def _validate_layout(
             _collective_bytes(estimate),
             sum(kind["bytes"] for kind in traffic.values()),
         ),
-        "peak_bytes": (planned["peak"], peak_bytes(memory)),
+        "peak_bytes": (planned["peak"], peak_bytes(memory, jax.devices()[0].platform)),
     }
 
 
@@ -475,7 +474,6 @@ def _validate_on_target(config: TransformerConfig, candidate: Any, target: str) 
         "flops": (candidate.flops_per_device, report.flops),
         "traffic_bytes": (_collective_bytes(candidate), report.traffic_bytes),
         "peak_bytes": (planned["peak"], report.step.peak),
-        "heap_peak_bytes": (planned["peak"], report.step.heap_peak),
         "host_bytes": (planned.get("host", 0.0), report.step.host_temporaries),
         "compile_seconds": report.compile_seconds,
     }
