@@ -29,6 +29,7 @@ from substrax.planner import (
     transformer_leaves,
 )
 from substrax.planner._cli import parse_bytes, parse_count
+from substrax.planner._efficiency import SPREAD
 from substrax.planner._rank import STRATEGIES
 from substrax.spmd import REMAT
 
@@ -128,6 +129,12 @@ def test_the_planner_ranks_context_and_expert_layouts_with_the_rest():
     # short per-device sequences cost what the estimate does not see)
     fits = plan("llama3-8b", 256, H100, Workload(batch_tokens=2**22, seq=8192))
     assert fits.best.fits and not any(c.layout.cp > 1 for c in fits.candidates)
+    # at 512K tokens a pipeline fits without it, idle most of its ticks: the ring is faster by
+    # more than the estimate's error, so the sequence needs cp after all
+    searched = Workload(batch_tokens=2**22, seq=2**19, remat=None, microbatches=None, gather=None)
+    half = plan("llama3-8b", 256, HARDWARE["h100"], searched)
+    plain = [c.time_s for c in half.candidates if c.fits and c.layout.cp == 1]
+    assert plain and half.best.layout.cp > 1 and half.best.time_s * (1 + SPREAD) < min(plain)
     short = plan("llama3-8b", 256, H100, Workload(batch_tokens=2**22, seq=1024))
     assert not any("cp" in c.layout.label.split() for c in short.candidates)  # too short to split
     fixed = Workload(batch_tokens=2**22, seq=131072, remat="none", microbatches=1)

@@ -12,6 +12,7 @@ from substrax.planner._architectures import (
     architecture,
     transformer_leaves,
 )
+from substrax.planner._efficiency import SPREAD
 from substrax.planner._estimate import (
     CHUNKED,
     GATHER,
@@ -140,7 +141,7 @@ def plan(
 
     Layouts with more data-parallel devices than the batch has sequences are left out, so are
     those whose replicas' sequences a fixed ``workload.microbatches`` does not divide, and
-    context-parallel ones are estimated only when no layout without context parallelism fits.
+    context-parallel ones join only where the sequence needs them (:func:`_needed_context`).
     Candidates that fit come first, then by estimated time when the hardware's speeds are
     known, else by FLOPs per device over the pipeline's busy fraction; on a near-tie the one
     keeping the most memory free may go first (see ``headroom``). When nothing fits, the one
@@ -201,8 +202,8 @@ def plan(
         return [_cheapest(config, leaves, layout, workload, hardware, timed) for layout in chosen]
 
     candidates = estimated(context=False)
-    if not any(c.fits for c in candidates):  # only then does the sequence need cp
-        candidates += estimated(context=True)
+    if any(layout.cp > 1 for layout in feasible) and _may_need_context(candidates, timed):
+        candidates += _needed_context(candidates, estimated(context=True), timed)
     if any(c.fits for c in candidates):
         candidates.sort(key=lambda c: (not c.fits, *_cost(c, timed), c.bytes_per_device["peak"]))
     else:  # nothing fits: the least memory first, as the why line says
@@ -344,6 +345,42 @@ def _schedules(workload: Workload, layout, layers: int, micro: int) -> list[tupl
         pairs += [(name, v) for v in options if layout.pp * v <= layers
                   and (name != "circular" or micro >= layout.pp)]  # fmt: skip
     return pairs or [("zb-h1", 1)]
+
+
+def _needed_context(plain: list[Candidate], context: list[Candidate], timed: bool) -> list:
+    """The context-parallel candidates, where the sequence needs them; else none.
+
+    It needs them where no layout without context parallelism fits, or where one of them
+    fits and is faster than every layout without it that fits by more than the estimate's
+    own error (:data:`~substrax.planner._efficiency.SPREAD`): at 512K tokens Llama 3 8B
+    fits only as a pipeline of one microbatch, idle 63% of its ticks, 3.5x the ring's time.
+    """
+    fitting = [_cost(c, timed)[0] for c in plain if c.fits]
+    if not fitting:
+        return context
+    fastest = min(fitting)
+    faster = any(c.fits and _cost(c, timed)[0] * (1 + SPREAD) < fastest for c in context)
+    return context if faster else []
+
+
+def _may_need_context(plain: list[Candidate], timed: bool) -> bool:
+    """Whether a context-parallel layout could beat ``plain`` by more than SPREAD.
+
+    It could not where the fastest that fits is within SPREAD of the step's compute without
+    recomputation (no layout computes less, whatever splits the sequence), so the search
+    skips estimating them (half of planning Llama 3 405B on 4,096 devices).
+    """
+    fitting = [c.time_s for c in plain if c.fits]
+    if not fitting or not timed:
+        return True
+
+    def floor(c: Candidate) -> float:  # its compute and attention, without recomputation
+        again = 4 / 3 if c.workload.remat == "full" else 1.0
+        recomputed = c.workload.remat not in (None, "none")
+        attention = c.time_breakdown["attention"] / (4 / 3 if recomputed else 1.0)
+        return c.time_breakdown["compute"] / again + attention
+
+    return min(fitting) > min(floor(c) for c in plain) * (1 + SPREAD)
 
 
 def _cheapest(config, leaves, layout, workload, hardware, timed: bool) -> Candidate:
