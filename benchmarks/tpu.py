@@ -294,9 +294,9 @@ def markdown(report: dict) -> str:
         " same step donating the model and optimizer, as substrax's does, where the guide's "
         "fits). Data-axes traffic is every collective over the data and FSDP axes alone; the "
         "limit is float32 (each parameter gathered once, its gradient reduce-scattered once, "
-        "the shard all-reduced over the replicas). A refusal is the compiler's own (it "
-        "compiles a program whose temporaries fit, so a peak with the arguments may still "
-        "exceed HBM: `over HBM`).\n"
+        "the shard all-reduced over the replicas). The peak is what XLA:TPU allocates, its "
+        "heap peak (`substrax.hlo.peak_bytes`). A refusal is the compiler's own; it counts "
+        "95.74G of HBM, so a peak it accepts may exceed the chip's 95 GB: `over HBM`.\n"
     )
     return head + "\n".join(lines) + "\n" + footer
 
