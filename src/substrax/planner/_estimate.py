@@ -708,8 +708,8 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
     layer_shard = layer_params / (layout.tp * layout.fsdp) * width
     gathered, unreduced = _gathered(config, layout, workload, per_device, layer_shard, stored)
     kept, transient = _activations(config, workload, layout, width, schedule, hardware)
-    logits = rows / max(workload.microbatches or 1, 1) * workload.seq / layout.cp
-    loss = _vocabulary(layout, outside, width) + logits * config.vocab / layout.tp * width
+    per_slice = rows / max(workload.microbatches or 1, 1) * workload.seq / layout.cp  # tokens
+    loss = _vocabulary(layout, outside, width) + per_slice * config.vocab / layout.tp * width
     memory = {
         "params": per_device * stored,
         "grads": (sharded if layout.zero == 2 else per_device) * stored,

@@ -366,9 +366,10 @@ def _needed_context(plain: list[Candidate], context: list[Candidate], timed: boo
 def _may_need_context(plain: list[Candidate], timed: bool) -> bool:
     """Whether a context-parallel layout could beat ``plain`` by more than SPREAD.
 
-    It could not where the fastest that fits is within SPREAD of the step's compute without
-    recomputation (no layout computes less, whatever splits the sequence), so the search
-    skips estimating them (half of planning Llama 3 405B on 4,096 devices).
+    It could not where the fastest that fits is within SPREAD of the least compute time
+    among them without recomputation (a bound: splitting the sequence leaves each device its
+    share of the same products), so the search skips estimating them (half of planning
+    Llama 3 405B on 4,096 devices).
     """
     fitting = [c.time_s for c in plain if c.fits]
     if not fitting or not timed:
