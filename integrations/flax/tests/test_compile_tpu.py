@@ -266,7 +266,7 @@ def test_planner_candidate_compiled_at_its_size_for_the_target():
     estimate, compiled = result["flops"]
     assert compiled == pytest.approx(estimate, rel=0.05)
     # 0.86x measured: at this size (2 sequences of 128 tokens per chip) the estimate exceeds
-    # what XLA:TPU allocates; at real size within 2% (tests/test_planner.py's COMPILED_PEAKS)
+    # what XLA:TPU allocates; at real size within 2.1% (tests/test_planner.py's COMPILED_PEAKS)
     estimate, compiled = result["peak_bytes"]
     assert 0.8 < compiled / estimate < 1.0
     assert result["arguments_bytes"][1] < compiled
