@@ -605,14 +605,11 @@ def compiled_figures(step_fn, model, optimizer, batch) -> tuple[float, float, st
     memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     flops = float((cost or {}).get("flops", 0.0))
-    stats = jax.local_devices()[0].memory_stats() or {}
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
     if "peak_bytes_in_use" in stats:
         return float(stats["peak_bytes_in_use"]), flops, "the device's own peak"
-    return (
-        float(peak_bytes(memory, jax.local_devices()[0].platform)),
-        flops,
-        "XLA's compiled estimate",
-    )
+    return float(peak_bytes(memory, device.platform)), flops, "XLA's compiled estimate"
 
 
 def write_loss_plot(path: pathlib.Path, steps: list[int], losses: list[float]) -> None:

@@ -106,8 +106,8 @@ def test_state_bytes_equal_the_plan_and_the_compiled_arguments(fsdp):
     assert fsdp.step.aliased >= fsdp.step.arguments - fsdp.step.arguments // 8  # donated
     # XLA:TPU allocates its heap peak, the arguments and the temporaries live at once, below
     # what its temp_size_in_bytes states (tests/test_target.py)
-    assert fsdp.step.arguments < fsdp.step.peak == fsdp.step.heap_peak
     step = fsdp.step
+    assert step.arguments < step.peak == step.heap_peak
     assert step.peak <= step.arguments + step.outputs - step.aliased + step.temporaries
     assert fsdp.init.argument_data == 0 and fsdp.init.outputs >= params // n
     assert fsdp.fits and fsdp.memory_bytes == 95 * 10**9

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from substrax.planner._architectures import (
     Leaf,
@@ -202,8 +202,8 @@ def plan(
         return [_cheapest(config, leaves, layout, workload, hardware, timed) for layout in chosen]
 
     candidates = estimated(context=False)
-    if any(layout.cp > 1 for layout in feasible) and _may_need_context(candidates, timed):
-        candidates += _needed_context(candidates, estimated(context=True), timed)
+    if any(layout.cp > 1 for layout in feasible):
+        candidates += _needed_context(candidates, lambda: estimated(context=True), timed)
     if any(c.fits for c in candidates):
         candidates.sort(key=lambda c: (not c.fits, *_cost(c, timed), c.bytes_per_device["peak"]))
     else:  # nothing fits: the least memory first, as the why line says
@@ -347,41 +347,38 @@ def _schedules(workload: Workload, layout, layers: int, micro: int) -> list[tupl
     return pairs or [("zb-h1", 1)]
 
 
-def _needed_context(plain: list[Candidate], context: list[Candidate], timed: bool) -> list:
+def _needed_context(
+    plain: list[Candidate], context: Callable[[], list[Candidate]], timed: bool
+) -> list[Candidate]:
     """The context-parallel candidates, where the sequence needs them; else none.
 
-    It needs them where no layout without context parallelism fits, or where one of them
-    fits and is faster than every layout without it that fits by more than the estimate's
-    own error (:data:`~substrax.planner._efficiency.SPREAD`): at 512K tokens Llama 3 8B
-    fits only as a pipeline of one microbatch, idle 63% of its ticks, 3.5x the ring's time.
+    ``context()`` estimates them, only when they may be needed. They are needed where no
+    layout without context parallelism fits, or where one of them fits and is faster than
+    every layout without it that fits by more than the estimate's own error
+    (:data:`~substrax.planner._efficiency.SPREAD`): at 512K tokens Llama 3 8B fits only as a
+    pipeline of one microbatch, idle 63% of its ticks, 3.5x the ring's time. None can be
+    where the fastest that fits is within SPREAD of the least compute time among ``plain``
+    without recomputation (a bound: splitting the sequence leaves each device its share of
+    the same products); they are then not estimated (half of planning Llama 3 405B on 4,096
+    devices).
     """
     fitting = [_cost(c, timed)[0] for c in plain if c.fits]
     if not fitting:
-        return context
+        return context()
     fastest = min(fitting)
-    faster = any(c.fits and _cost(c, timed)[0] * (1 + SPREAD) < fastest for c in context)
-    return context if faster else []
+    if timed and fastest <= min(_compute_floor(c) for c in plain) * (1 + SPREAD):
+        return []
+    candidates = context()
+    faster = any(c.fits and _cost(c, timed)[0] * (1 + SPREAD) < fastest for c in candidates)
+    return candidates if faster else []
 
 
-def _may_need_context(plain: list[Candidate], timed: bool) -> bool:
-    """Whether a context-parallel layout could beat ``plain`` by more than SPREAD.
-
-    It could not where the fastest that fits is within SPREAD of the least compute time
-    among them without recomputation (a bound: splitting the sequence leaves each device its
-    share of the same products), so the search skips estimating them (half of planning
-    Llama 3 405B on 4,096 devices).
-    """
-    fitting = [c.time_s for c in plain if c.fits]
-    if not fitting or not timed:
-        return True
-
-    def floor(c: Candidate) -> float:  # its compute and attention, without recomputation
-        again = 4 / 3 if c.workload.remat == "full" else 1.0
-        recomputed = c.workload.remat not in (None, "none")
-        attention = c.time_breakdown["attention"] / (4 / 3 if recomputed else 1.0)
-        return c.time_breakdown["compute"] / again + attention
-
-    return min(fitting) > min(floor(c) for c in plain) * (1 + SPREAD)
+def _compute_floor(c: Candidate) -> float:
+    """``c``'s compute and attention time without its recomputation."""
+    again = 4 / 3 if c.workload.remat == "full" else 1.0
+    recomputed = c.workload.remat not in (None, "none")
+    attention = c.time_breakdown["attention"] / (4 / 3 if recomputed else 1.0)
+    return c.time_breakdown["compute"] / again + attention
 
 
 def _cheapest(config, leaves, layout, workload, hardware, timed: bool) -> Candidate:
