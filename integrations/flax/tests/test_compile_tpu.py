@@ -349,6 +349,9 @@ def test_remat_offload_moves_the_saved_products_to_the_hosts_memory():
     host = offload.host_temporaries / 2**20
     assert f"; in host memory {host:,.1f} (remat offload)" in step["offload"].summary()
     assert "in host memory" not in step["selective"].summary()
+    # here the chip's temporaries are the larger, so the heap peak is the chip's: no fallback
+    fell_back = "the peak counts the stated temporaries" in step["offload"].summary()
+    assert fell_back == (offload.peak != offload.heap_peak) and offload.heap_peak > 0
     assert "remat         offload: as asked\n" in str(step["offload"].plan)  # TPU: no note
 
 

@@ -166,7 +166,13 @@ class TargetReport:
         """The step's bytes in host memory (remat offload), in the summary's words, or ""."""
         if not self.step.host_temporaries:
             return ""
-        return f"; in host memory {self.step.host_temporaries / _MIB:,.1f} (remat offload)"
+        text = f"; in host memory {self.step.host_temporaries / _MIB:,.1f} (remat offload)"
+        if self.step.peak != self.step.heap_peak:  # peak_bytes fell back: the heap is the host's
+            text += (
+                "; the peak counts the stated temporaries, above what XLA:TPU allocates (its "
+                "heap peak is the host memory's)"
+            )
+        return text
 
     def summary(self) -> str:
         """The report as text: memory against HBM, collectives, FLOPs, then the step's decisions.
