@@ -279,8 +279,8 @@ DAMAGE = {
 def test_a_damaged_latest_step_is_skipped_and_the_run_resumes_from_the_one_before(
     tmp_path, two_saves, damage, example
 ):
-    """Resumed in this process (the saves were a process of their own): the skip is the
-    checkpoint's warning, which a run in a terminal prints to stderr."""
+    """Resumed in this process, as the saves were: the skip is the checkpoint's warning,
+    which a run in a terminal prints to stderr."""
     directory, losses = two_saves
     shutil.copytree(directory / "ckpt", tmp_path / "ckpt")
     harm, reason = DAMAGE[damage]
