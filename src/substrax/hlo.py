@@ -482,10 +482,10 @@ def peak_bytes(memory: Any, platform: str) -> int:
         raise ValueError(f"Unknown platform {platform!r}; choose one of {', '.join(PLATFORMS)}")
     outside = memory.argument_size_in_bytes + memory.output_size_in_bytes
     outside -= memory.alias_size_in_bytes
-    heap = memory.peak_memory_in_bytes
-    host = memory.host_temp_size_in_bytes
-    if platform == "tpu" and not (host and heap - memory.argument_size_in_bytes <= host):
-        return int(max(heap, outside))
+    if platform == "tpu":
+        heap, host = memory.peak_memory_in_bytes, memory.host_temp_size_in_bytes
+        if not (host and heap - memory.argument_size_in_bytes <= host):
+            return int(max(heap, outside))
     return int(outside + memory.temp_size_in_bytes)
 
 

@@ -166,8 +166,10 @@ class TargetReport:
         """The step's bytes in host memory (remat offload), in the summary's words, or ""."""
         if not self.step.host_temporaries:
             return ""
-        text = f"; in host memory {self.step.host_temporaries / _MIB:,.1f} (remat offload)"
-        if self.step.peak != self.step.heap_peak:  # peak_bytes fell back: the heap is the host's
+        step = self.step
+        text = f"; in host memory {step.host_temporaries / _MIB:,.1f} (remat offload)"
+        stated = step.arguments + step.outputs - step.aliased + step.temporaries
+        if step.peak == stated != step.heap_peak:  # peak_bytes fell back: the heap is the host's
             text += (
                 "; the peak counts the stated temporaries, above what XLA:TPU allocates (its "
                 "heap peak is the host memory's)"
