@@ -29,39 +29,36 @@ def _run(*args, tmp_path):
     )  # fmt: skip
 
 
-def _main(*args, tmp_path, capsys, monkeypatch) -> subprocess.CompletedProcess:
-    """``main(args)`` in this process (its 8 devices are the example's), as :func:`_run`'s
-    result: each run as a fresh process would start jax again (2.7 s). A refusal is an exit
-    status of 2 and its line on stderr; a traceback fails the test as an error."""
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
-    import fsdp_training
-
-    output = [] if "--output-dir" in args else ["--output-dir", str(tmp_path)]
-    try:
-        status = fsdp_training.main([*args, *output])
-    except SystemExit as exit:  # argparse's own refusals
-        status = exit.code
-    captured = capsys.readouterr()
-    return subprocess.CompletedProcess(args, status, captured.out, captured.err)
-
-
-def _main_once(*args, directory) -> int:
-    """``main(args)`` in this process for a module fixture (no test's capture to read): its
-    exit status. What it prints goes to the fixture's captured output."""
+def _in_process(*args, directory) -> int:
+    """``main(args)`` in this process (its 8 devices are the example's), writing into
+    ``directory`` unless told otherwise: its exit status. A fresh process would start jax
+    again (2.7 s). A refusal is an exit status of 2 and its line on stderr; a traceback fails
+    the test as an error."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         monkeypatch.syspath_prepend(str(ROOT / "examples"))
         import fsdp_training
 
-        return fsdp_training.main([*args, "--output-dir", str(directory)])
+        output = [] if "--output-dir" in args else ["--output-dir", str(directory)]
+        try:
+            return fsdp_training.main([*args, *output])
+        except SystemExit as exit:  # argparse's own refusals
+            return exit.code
+
+
+def _main(*args, tmp_path, capsys) -> subprocess.CompletedProcess:
+    """:func:`_in_process`, as :func:`_run`'s result (what it printed, from ``capsys``)."""
+    status = _in_process(*args, directory=tmp_path)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, status, captured.out, captured.err)
 
 
 @pytest.fixture
-def example(tmp_path, capsys, monkeypatch):
+def example(tmp_path, capsys):
     """Runs the example's ``main(args)`` in this process (:func:`_main`), writing into
     ``tmp_path`` unless told otherwise. For runs checked by their exit status, files and what
     the example prints; :func:`_run` keeps those that need a process of their own (signals,
     two runs at once) or read what Orbax logs to stderr."""
-    return functools.partial(_main, tmp_path=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
+    return functools.partial(_main, tmp_path=tmp_path, capsys=capsys)
 
 
 @pytest.mark.parametrize(("strategy", "precision", "microbatches"), [("fsdp", "mixed", 2)])
@@ -168,8 +165,8 @@ PIPELINE_SIZE = [*TINY, "--layers", "4", "--steps", "4", "--sample", "6"]
 @pytest.fixture(scope="module")
 def unpipelined(tmp_path_factory):
     directory = tmp_path_factory.mktemp("dp")
-    status = _main_once(*PIPELINE_SIZE, "--strategy", "dp", "--stacked", "--mesh", "data=8",
-                        directory=directory)  # fmt: skip
+    status = _in_process(*PIPELINE_SIZE, "--strategy", "dp", "--stacked", "--mesh", "data=8",
+                         directory=directory)  # fmt: skip
     assert status == 0
     return json.loads((directory / "metrics.json").read_text())
 
@@ -249,9 +246,9 @@ def _tensorboard_scalars(directory: pathlib.Path) -> list[tuple[str, int, float]
 def two_saves(tmp_path_factory):
     """A run that saved steps 1 and 2, and its losses."""
     directory = tmp_path_factory.mktemp("two_saves")
-    status = _main_once(*TINY, "--steps", "3", "--save-every", "1", "--keep", "3",
-                        "--checkpoint-dir", str(directory / "ckpt"), "--synchronous-saves",
-                        directory=directory)  # fmt: skip
+    status = _in_process(*TINY, "--steps", "3", "--save-every", "1", "--keep", "3",
+                         "--checkpoint-dir", str(directory / "ckpt"), "--synchronous-saves",
+                         directory=directory)  # fmt: skip
     assert status == 0
     shutil.rmtree(directory / "ckpt" / "3")  # as if killed before its third save
     return directory, json.loads((directory / "metrics.json").read_text())["losses"]
