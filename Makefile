@@ -34,12 +34,8 @@ lint: $(STAMP)
 
 # Two workers: a single pytest process keeps one of two cores busy, since most of a test is XLA
 # compiling. worksteal balances the end of the run (a file's module fixtures may then run twice).
-# TEST_MALLOC: glibc keeps freed memory (benchmarks/allocator.py's "kept", for the workers and
-# every process they start), so XLA:CPU's buffers are not faulted in again on each call: 2-5%
-# less CPU time in five paired runs of two step-heavy test files.
-TEST_MALLOC := glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=1073741824:glibc.malloc.top_pad=67108864
 test: lint
-	GLIBC_TUNABLES=$(TEST_MALLOC) $(PY) -m pytest -n 2 --dist worksteal
+	$(PY) -m pytest -n 2 --dist worksteal
 	$(MAKE) docs
 
 # Builds the site into site/, executing every tutorial notebook; fails on any warning or error.
