@@ -9,7 +9,9 @@ Settings a source leaves open are chosen as its framework's defaults and said so
 
 - torchtitan's rows (``docs/performance.md`` and its async-TP benchmark) train with FSDP2's
   mixed precision (float32 parameters, bf16 compute: ``"mixed"``), AdamW, and the
-  activation checkpointing named;
+  activation checkpointing named; the rows run without torch.compile (the 8B FSDP rows and
+  405B) compute its loss, ``cross_entropy(pred.float(), labels)``, eagerly in float32
+  (``loss="float32"``), the async-TP benchmark's (compiled) rows as one fused program;
 - Megatron-LM's weak-scaling rows (its README: GPT models, vocabulary 131,072, sequence
   4,096, H100s, the distributed optimizer: ZeRO-1 over the replicas, micro-batches of one
   sequence, interleaved pipelines) keep bf16 parameters and gradients (``"bf16"``; their
@@ -76,6 +78,7 @@ class PublishedRun:
       schedule: The pipeline's schedule.
       chunks: Its chunks of layers per stage.
       reserved_gib: Device memory the source reports in use, GiB, when it does.
+      loss: How its loss holds the logits (:data:`~substrax.planner._estimate.LOSSES`).
       strategies: What its framework could have chosen (:data:`~substrax.planner.STRATEGIES`
         names): the candidates its published layout is ranked among.
     """
@@ -96,6 +99,7 @@ class PublishedRun:
     chunks: int = 1
     reserved_gib: float = 0.0
     strategies: tuple[str, ...] = ()
+    loss: str = "fused"
 
     @property
     def layout(self) -> Layout:
@@ -111,7 +115,7 @@ class PublishedRun:
         return Workload(
             batch_tokens=self.batch * self.seq, seq=self.seq, precision=self.precision,
             optimizer="adamw", remat=self.remat, microbatches=self.microbatches,
-            schedule=self.schedule, chunks=self.chunks, sequence_parallel=True,
+            schedule=self.schedule, chunks=self.chunks, sequence_parallel=True, loss=self.loss,
         )  # fmt: skip
 
     def hardware(self, efficiency: Efficiency | None = None) -> Hardware:
@@ -135,12 +139,11 @@ class PublishedRun:
 PUBLISHED = (
     PublishedRun("Llama 3 8B, fsdp 8", _TORCHTITAN, architecture("llama3-8b"), {"fsdp": 8},
                  16, 8192, "selective", memory_gb=96, tokens_per_device_s=5762,
-                 reserved_gib=82.4,
-                 strategies=_TORCHTITAN_LAYOUTS),
+                 reserved_gib=82.4, strategies=_TORCHTITAN_LAYOUTS, loss="float32"),
     PublishedRun("Llama 3 8B, fsdp 128", _TORCHTITAN, architecture("llama3-8b"),
                  {"fsdp": 128}, 256, 8192, "selective", memory_gb=96,
                  tokens_per_device_s=5605, reserved_gib=67.0,
-                 strategies=_TORCHTITAN_LAYOUTS),
+                 strategies=_TORCHTITAN_LAYOUTS, loss="float32"),
     PublishedRun("Llama 3 8B, fsdp 8 x tp 8", _ASYNC_TP, architecture("llama3-8b"),
                  {"fsdp": 8, "tp": 8}, 96, 8192, "selective", tokens_per_device_s=4378,
                  strategies=_TORCHTITAN_LAYOUTS),
@@ -149,7 +152,7 @@ PUBLISHED = (
                  strategies=_TORCHTITAN_LAYOUTS),
     PublishedRun("Llama 3 405B, fsdp 16 x tp 8", _TORCHTITAN, architecture("llama3-405b"),
                  {"fsdp": 16, "tp": 8}, 32, 8192, "full", tokens_per_device_s=109,
-                 strategies=_TORCHTITAN_LAYOUTS),
+                 strategies=_TORCHTITAN_LAYOUTS, loss="float32"),
     PublishedRun("GPT 7.1B, tp 2 x dp 48", _MEGATRON, _gpt(30, 4096, 32),
                  {"tp": 2, "dp": 48, "zero": 1}, 192, 4096, "selective", "bf16",
                  model_tflops=465.9, microbatches=4, strategies=_MEGATRON_LAYOUTS),

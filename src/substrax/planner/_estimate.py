@@ -51,6 +51,14 @@ _ELEMENTWISE = 10  # FLOPs per element, forward and backward: softmax, norms, ac
 PRECISION_BYTES = {"f32": (4, 4), "mixed": (4, 2), "bf16": (2, 2)}
 #: The step's ``gather`` settings, the default first.
 GATHER = ("keep", "regather")
+#: How the loss holds the logits, the default first -> bytes per logit (one device's tokens
+#: times its share of the vocabulary) live in the loss's backward pass; None: the compute
+#: width. ``"fused"``: the logits once, in the compute width, as XLA compiles a JAX loss (it
+#: fuses the upcast, the softmax and the cross-entropy into their consumers). ``"float32"``:
+#: an eager framework's ``cross_entropy(logits.float(), labels)`` (torchtitan's loss without
+#: torch.compile), whose backward holds the saved float32 log-probabilities, their gradient
+#: and the logits' float32 gradient at once: 3 x 4 bytes.
+LOSSES = {"fused": None, "float32": 12}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +94,9 @@ class Workload:
         and torchtitan run tensor parallelism. substrax's layouts do not (their tensor axes
         shard ``heads``, ``kv_heads``, ``mlp`` and ``vocab``, not ``seq``): False, as they
         run.
+      loss: How the loss holds the logits, a name of :data:`LOSSES`: ``"fused"`` (the
+        default: a JAX loss, compiled by XLA) or ``"float32"`` (an eager framework's
+        float32 cross-entropy, to estimate a PyTorch run: 12 bytes per logit).
     """
 
     batch_tokens: int
@@ -98,6 +109,7 @@ class Workload:
     schedule: str | None = "zb-h1"
     chunks: int | None = 1
     sequence_parallel: bool = False
+    loss: str = "fused"
 
     def __post_init__(self) -> None:
         if self.microbatches is not None and self.microbatches < 0:
@@ -123,7 +135,8 @@ class Workload:
         for value, options, what in ((self.precision, PRECISION_BYTES, "precision"),
                                      (self.optimizer, _OPTIMIZER_BYTES, "optimizer"),
                                      (self.remat or "none", REMAT, "remat"),
-                                     (self.gather or "keep", GATHER, "gather")):  # fmt: skip
+                                     (self.gather or "keep", GATHER, "gather"),
+                                     (self.loss, LOSSES, "loss")):  # fmt: skip
             if value not in options:
                 raise ValueError(f"Unknown {what} {value!r}; choose one of {', '.join(options)}.")
 
@@ -227,8 +240,8 @@ class Candidate:
         ``gathered``, ``unreduced``, ``logits`` (closed forms) and their sum ``peak``, what
         XLA allocates. The peak is the larger of two passes: a layer's backward (its buffers,
         in ``activations``, and the gathered layers) and the loss's (the embedding and head
-        gathered, the logits in the compute width); ``logits`` is what the loss's holds
-        beyond the layer's, 0 where the layer's is the larger.
+        gathered, the logits as :attr:`Workload.loss` holds them); ``logits`` is what the
+        loss's holds beyond the layer's, 0 where the layer's is the larger.
       traffic_bytes_per_step: Bytes each device moves per step, keyed ``"axis/kind"`` (such
         as ``"fsdp/all-gather"``); under remat ``"offload"`` also ``"host/offload"``, the
         copies to the host's memory and back, which are no collective.
@@ -709,7 +722,8 @@ def evaluate_prepared(pre: Prepared, workload: Workload, hardware: Hardware) -> 
     gathered, unreduced = _gathered(config, layout, workload, per_device, layer_shard, stored)
     kept, transient = _activations(config, workload, layout, width, schedule, hardware)
     per_slice = rows / max(workload.microbatches or 1, 1) * workload.seq / layout.cp  # tokens
-    loss = _vocabulary(layout, outside, width) + per_slice * config.vocab / layout.tp * width
+    per_logit = LOSSES[workload.loss] or width
+    loss = _vocabulary(layout, outside, width) + per_slice * config.vocab / layout.tp * per_logit
     memory = {
         "params": per_device * stored,
         "grads": (sharded if layout.zero == 2 else per_device) * stored,
