@@ -41,16 +41,9 @@ lint: $(STAMP)
 
 # Two workers: a single pytest process keeps one of two cores busy, since most of a test is XLA
 # compiling. worksteal balances the end of the run (a file's module fixtures may then run twice).
-# The docs build runs beside them at a lower priority (nice 10), in the moments the tests leave a
-# core idle (waiting on the processes they start, the last tests of the run): it took 30-47 s
-# after them. Its output is printed when it is done: its last line, or all of it if it failed.
-DOCS_LOG := .docs-build.log
 test: lint
-	nice -n 10 $(MAKE) --no-print-directory docs > $(DOCS_LOG) 2>&1 & docs=$$!; \
-	$(PY) -m pytest -n 2 --dist worksteal; tests=$$?; \
-	wait $$docs; built=$$?; \
-	if [ $$built -eq 0 ]; then tail -n 1 $(DOCS_LOG); else cat $(DOCS_LOG); fi; \
-	[ $$tests -eq 0 ] && [ $$built -eq 0 ]
+	$(PY) -m pytest -n 2 --dist worksteal
+	$(MAKE) docs
 
 # Builds the site into site/, executing every tutorial notebook; fails on any warning or error.
 docs: $(STAMP)
@@ -64,4 +57,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis site $(DOCS_LOG)
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis site
