@@ -17,6 +17,12 @@ FSDP 4 x DP 2, tiny size) temp bytes differ by at most 0.03% and FLOPs by 0.05% 
 compiler's, and float rounding differs (test_train's stacked adam test says where it shows).
 Benchmarks never import this module: their figures are the default compiler's.
 
+The cache's entries are written atomically (:func:`_atomic_put`): jax writes an entry in place,
+so the other worker, compiling the same program at the same moment, could read it half written
+(both collect the test modules at once, and a module that draws a batch at import compiles the
+same program in both: a fresh-clone run failed so, "Error reading persistent compilation cache
+entry for 'jit__randint': ZstdError").
+
 Python's cyclic garbage collector runs less often (:data:`GC_THRESHOLD`): tracing and lowering
 allocate millions of short-lived containers, and at the default thresholds a test process
 spent about 7% of its CPU time in collections (3.9 s of 52 s over test_streams.py and
@@ -39,6 +45,7 @@ if _FAST_COMPILE not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FAST_COMPILE}".strip()
 
 import jax  # noqa: E402 (XLA_FLAGS first)
+from jax._src import lru_cache  # noqa: E402
 
 #: ``gc.set_threshold``'s: a young collection every 20,000 net allocations (Python's default 700).
 GC_THRESHOLD = (20_000, 20, 100)
@@ -56,5 +63,22 @@ os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 jax.config.update("jax_compilation_cache_dir", _CACHE)
+_in_place_put = lru_cache.LRUCache.put
+
+
+def _atomic_put(self, key: str, value: bytes) -> None:
+    """``LRUCache.put``, writing the entry to a file of its own and renaming it into place."""
+    if self.eviction_enabled or not key:  # jax's own, locked path (and its error)
+        return _in_place_put(self, key, value)
+    final = self.path / f"{key}{lru_cache._CACHE_SUFFIX}"
+    if final.exists():
+        return None
+    partial = self.path / f".{key}.{os.getpid()}.partial"
+    partial.write_bytes(value)
+    os.replace(partial, final)  # a reader sees no entry or the whole of it
+    return None
+
+
+lru_cache.LRUCache.put = _atomic_put
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
