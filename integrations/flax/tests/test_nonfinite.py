@@ -206,3 +206,54 @@ def test_arrays_of_one_shape_sharded_differently_on_explicit_axes_are_checked_ap
         cols = jax.device_put(cols, jax.NamedSharding(mesh, jax.P(None, "model")))
         with jax.set_mesh(mesh):
             assert bool(jax.jit(all_finite)([rows, cols])) == bool(np.isfinite(cols).all())
+
+
+def test_computed_again_an_update_takes_its_scalars_from_the_first_time():
+    from substrax_flax._recompute import twice
+
+    def update(x):
+        norm = jnp.sqrt(jnp.sum(x * x))  # a global norm: a scalar
+        return x / norm, norm
+
+    def guarded(x):
+        first, again = twice(update, x)
+        return jax.lax.cond(jnp.isfinite(first[0]).all(), again, update, x), first
+
+    x = jnp.arange(1.0, 9.0)
+    (commit, norm), first = jax.jit(guarded)(x)
+    np.testing.assert_allclose(commit, x / np.linalg.norm(x), rtol=1e-6)
+    assert float(norm) == float(first[1])
+    branches = jax.make_jaxpr(guarded)(x).eqns[-1].params["branches"]
+    reductions = [[e for e in b.jaxpr.eqns if e.primitive.name == "reduce_sum"] for b in branches]
+    assert [len(r) for r in reductions] == [1, 0]  # branch 1 (taken): the norm arrives computed
+
+
+def _computation(hlo: str, name: str) -> str:
+    """One computation's body in a compiled program's text."""
+    match = re.search(rf"^%?{re.escape(name)} .*?^}}", hlo, re.MULTILINE | re.DOTALL)
+    assert match, name
+    return match.group(0)
+
+
+def test_the_guard_all_reduces_a_global_norm_once_and_commits_what_apply_commits():
+    """The check computes the update (clip_by_global_norm's norm among it) and the commit
+    takes the norm from it: no collective in the conditional's branches (before, the taken
+    branch all-reduced the norm again); the state it commits is the unguarded step's."""
+    mesh = DeviceMeshManager.create_device_mesh({"data": 8})
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+    states, programs = [], []
+    for policy in ("skip", "apply"):
+        model = sf.create_sharded_model(lambda: Normed(nnx.Rngs(0)), mesh, RULES)
+        optimizer = sf.create_sharded_optimizer(model, tx)
+        step = sf.make_train_step(_loss, on_nonfinite=policy)
+        programs.append(step.lower(model, optimizer, _batch(0)).compile().as_text())
+        for seed in range(3):
+            step(model, optimizer, _batch(seed))
+        states.append(_leaves(model, optimizer))
+    guarded = programs[0]
+    (names,) = re.findall(r"branch_computations=\{([^}]*)\}", guarded)
+    branches = [_computation(guarded, name.strip().lstrip("%")) for name in names.split(",")]
+    assert len(branches) == 2 and " all-reduce(" in guarded
+    assert not any(" all-reduce(" in body for body in branches)
+    for got, want in zip(*states, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

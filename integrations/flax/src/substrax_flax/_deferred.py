@@ -22,7 +22,6 @@ its parameters inside, so that it gathers them again when it is recomputed.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -31,10 +30,8 @@ import jax
 from jax.extend.core import Literal, primitives
 from jax.sharding import NamedSharding, PartitionSpec
 
-try:  # each equation keeps the user's source line and name stack in the program's metadata
-    from jax._src import source_info_util as _source_info
-except ImportError:  # pragma: no cover - a jax without it: the program is the same, unnamed
-    _source_info = None
+from substrax_flax._jaxpr import bind as _bind
+from substrax_flax._jaxpr import trace
 
 __all__ = ["Stored", "gathered_shapes", "run_gathering"]
 
@@ -101,7 +98,7 @@ def run_gathering(
     Returns:
       What ``fn`` returns.
     """
-    closed, out_tree = _trace(fn, gathered_shapes)
+    closed, out_tree = trace(fn, gathered_shapes)
     leaves = [Stored(x, m) for x, m in
               zip(jax.tree.leaves(stored), jax.tree.leaves(movers), strict=True)]  # fmt: skip
     outs = _run(closed.jaxpr, closed.consts, leaves, _Gathers(gather, regather))
@@ -134,20 +131,6 @@ def gathered_shapes(gather_all: Callable[[Any], Any], stored: Any) -> Any:
                                     weak_type=s.weak_type, manual_axis_type=manual)  # fmt: skip
 
     return jax.tree.map(typed, jax.eval_shape(gather_all, stored))
-
-
-def _trace(fn, shapes):
-    leaves, tree = jax.tree.flatten(shapes)
-    out_tree = []
-
-    def flat(*args):
-        out = fn(jax.tree.unflatten(tree, list(args)))
-        out_leaves, treedef = jax.tree.flatten(out)
-        out_tree.append(treedef)
-        return out_leaves
-
-    closed = jax.make_jaxpr(flat)(*leaves)
-    return closed, out_tree[0]
 
 
 def _run(jaxpr, consts, args, gather: _Gathers) -> list:
@@ -183,22 +166,6 @@ def _run(jaxpr, consts, args, gather: _Gathers) -> list:
             outs = _bind(eqn, [value(v) for v in eqn.invars])
         env.update(zip(eqn.outvars, outs, strict=True))
     return [value(v) for v in jaxpr.outvars]
-
-
-def _bind(eqn, inputs: list) -> list:
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns, params = params if isinstance(params, tuple) else ((), params)  # older jax: a pair
-    with _source(eqn), eqn.ctx.manager:  # the equation's context (its mesh, its compute kind)
-        out = eqn.primitive.bind(*subfuns, *inputs, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _source(eqn) -> contextlib.AbstractContextManager:
-    """The equation's own source location and name stack, as ``jax.core.eval_jaxpr`` keeps."""
-    if _source_info is None:
-        return contextlib.nullcontext()
-    stack = _source_info.current_name_stack() + eqn.source_info.name_stack
-    return _source_info.user_context(eqn.source_info.traceback, name_stack=stack)
 
 
 def _bind_regathered(eqn, inputs: list, gather: _Gathers) -> list:
