@@ -27,7 +27,7 @@ from substrax_flax._nonfinite import Guard, NonFinite, all_finite
 from substrax_flax._optimizer import optimizer_rows
 from substrax_flax._plan import ModelPlan, plan_of, shardings_of
 from substrax_flax._recompute import twice
-from substrax_flax._state import constrain_state, shape_and_dtype, variables
+from substrax_flax._state import constrain_state, shape_and_dtype, variables, write_back
 from substrax_flax._step_plan import StepPlan
 
 __all__ = [
@@ -302,6 +302,8 @@ def _check_not_donated(state: Any, what: str) -> None:
     Raises:
       ValueError: Naming the variable and how it happened.
     """
+    if not any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        return  # every call's case, without building each leaf's path
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
             raise ValueError(
@@ -412,9 +414,13 @@ class JittedStep:
                 progress(call)
             return (*built.leave(out[:2]), out[2], built.path)
 
-        model_state, opt_state, metrics, path = self._with_built(model, optimizer, batch, run)
-        nnx.update(model, model_state)
-        nnx.update(optimizer, opt_state)
+        def run_and_write_back(built, states):
+            *new, metrics, path = run(built, states)
+            for node, before, after in zip((model, optimizer), states, new, strict=True):
+                write_back(node, before, after)
+            return metrics, path
+
+        metrics, path = self._with_built(model, optimizer, batch, run_and_write_back)
         self._guard.after(metrics)
         return {"path": path, **metrics}
 
