@@ -97,3 +97,22 @@ def test_a_model_with_nnx_data_arrays_loads_weights_with_a_dtype(tmp_path):
     assert model.w.dtype == jnp.bfloat16 and float(model.scale) == 4.0
     np.testing.assert_array_equal(np.asarray(model.w[...], np.float32), w)  # exact in bf16
     assert model.ids.dtype == jnp.int32  # nnx.data arrays keep their own dtype
+
+
+def test_a_step_writes_into_the_models_own_variables_as_nnx_update_does():
+    """The step writes its new state into the Variables ``nnx.split`` found (one pass, not
+    ``nnx.update``'s walk of the graph): a Variable held from before holds the new value.
+    A state with an ``nnx.data`` array goes through ``nnx.update``, with the same result."""
+    for factory, counted in ((lambda: Stateful(nnx.Rngs(0)), True),
+                             (lambda: WithData(nnx.Rngs(0)), False)):  # fmt: skip
+        model = sf.create_sharded_model(factory, layout=LAYOUT)
+        optimizer = sf.create_sharded_optimizer(model, optax.sgd(0.1))
+        weight = model.lin.kernel if counted else model.w
+        before, step = np.asarray(weight[...]), sf.make_train_step(_loss)
+        for _ in range(2):
+            step(model, optimizer, _x())
+        assert (model.lin.kernel if counted else model.w) is weight
+        assert not np.allclose(np.asarray(weight[...]), before)
+        assert int(optimizer.step[...]) == 2
+        if counted:
+            assert int(model.calls[...]) == 2
