@@ -311,7 +311,8 @@ def markdown(report: dict) -> str:
         "",
         f"### The non-finite guard (median of {report.get('guard_steps')} interleaved steps)\n",
         'The default `on_nonfinite="skip"` checks the loss, the gradients and the state the '
-        "update would write in one check (computing the update once more, elementwise) and "
+        "update would write in one check (computing the update once more, elementwise; its "
+        "commit takes the update's scalars, such as a global norm, from the check) and "
         'skips an update that is not finite; `"apply"` checks the loss and the gradients for '
         "its `finite` metric and applies every update; "
         f"allocator: `{report.get('guard_allocator', 'glibc')}`.\n",

@@ -69,8 +69,8 @@ def guard_decision(states: Any, on_nonfinite: NonFinite) -> tuple[bool, str, str
     moment squares each gradient (a float32 gradient past 1.8e19 overflows it, a float16 one
     past 256), and a large step can push bfloat16 or float16 weights past their range. So
     under ``"skip"`` and ``"raise"`` the guard checks the state the update would write, in
-    every dtype, computing the update a second time (elementwise, fused into the check) so
-    that nothing is committed that is not finite. Its cost is measured in
+    every dtype, computing the update a second time (elementwise, fused into the check; the
+    commit takes its scalars from it) so that nothing is committed that is not finite. Its cost is measured in
     ``benchmarks/results/step.md`` ("non-finite guard"); ``on_nonfinite="apply"`` turns the
     guard off.
 
@@ -92,8 +92,8 @@ def guard_decision(states: Any, on_nonfinite: NonFinite) -> tuple[bool, str, str
         "loss, gradients and the updated state",
         (
             f"an update can overflow by itself ({', '.join(dtypes) or 'no floating'} state); "
-            "it is computed once more for the check (elementwise; cost in "
-            "benchmarks/results/step.md)"
+            "it is computed once more for the check (elementwise, its scalars shared; cost "
+            "in benchmarks/results/step.md)"
         ),
     )
 
