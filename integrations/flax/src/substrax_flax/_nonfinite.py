@@ -70,9 +70,9 @@ def guard_decision(states: Any, on_nonfinite: NonFinite) -> tuple[bool, str, str
     past 256), and a large step can push bfloat16 or float16 weights past their range. So
     under ``"skip"`` and ``"raise"`` the guard checks the state the update would write, in
     every dtype, computing the update a second time (elementwise, fused into the check; the
-    commit takes its scalars from it) so that nothing is committed that is not finite. Its cost is measured in
-    ``benchmarks/results/step.md`` ("non-finite guard"); ``on_nonfinite="apply"`` turns the
-    guard off.
+    commit takes its scalars from it) so that nothing is committed that is not finite. Its
+    cost is measured in ``benchmarks/results/step.md`` ("non-finite guard");
+    ``on_nonfinite="apply"`` turns the guard off.
 
     Args:
       states: The differentiated parameters and the optimizer's state.
