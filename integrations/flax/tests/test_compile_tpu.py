@@ -292,6 +292,20 @@ def test_every_named_layout_compiles_for_the_target(layout, sizes, config):
     _check_named_layout(_named_layout(layout, tuple(sizes.items()), config), sizes, config)
 
 
+def test_the_guards_commit_all_reduces_nothing_the_check_did():
+    """The guard's taken branch takes the update's scalars (clip_by_global_norm's norm,
+    all-reduced over ``model``) from the check: XLA:TPU compiled 17 all-reduces, one of them
+    in the branch, before; 16 and none now (the named tp layout's program, shared)."""
+    sizes = {"data": 2, "model": 4}
+    hlo = _named_layout("tp", tuple(sizes.items()), TINY).hlo
+    (names,) = re.findall(r"branch_computations=\{([^}]*)\}", hlo)
+    for name in names.split(","):
+        name = re.escape(name.strip().lstrip("%"))
+        body = re.search(rf"^%?{name} .*?^}}", hlo, re.MULTILINE | re.DOTALL)
+        assert body and not re.search(r" all-reduce(-start)?\(", body.group(0)), name
+    assert re.search(r" all-reduce(-start)?\(", hlo)  # the check's, outside the branches
+
+
 @pytest.mark.parametrize(("schedule", "repeats"), [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
                                                     ("circular", 2)])  # fmt: skip
 def test_each_pipeline_schedule_compiles_for_the_target(schedule, repeats):
