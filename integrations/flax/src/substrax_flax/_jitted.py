@@ -412,15 +412,12 @@ class JittedStep:
                 out = built.jitted(*args, self._batch(batch, built))
             if compiling:  # compiled and dispatched: the step itself is bounded again
                 progress(call)
-            return (*built.leave(out[:2]), out[2], built.path)
-
-        def run_and_write_back(built, states):
-            *new, metrics, path = run(built, states)
+            new = built.leave(out[:2])
             for node, before, after in zip((model, optimizer), states, new, strict=True):
                 write_back(node, before, after)
-            return metrics, path
+            return out[2], built.path
 
-        metrics, path = self._with_built(model, optimizer, batch, run_and_write_back)
+        metrics, path = self._with_built(model, optimizer, batch, run)
         self._guard.after(metrics)
         return {"path": path, **metrics}
 
