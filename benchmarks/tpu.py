@@ -126,7 +126,7 @@ def _stats(compiled, axis_sizes) -> dict:
         "peak_bytes": peak_bytes(memory, "tpu"),
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_data_bytes": argument_bytes(text),
-        "flops": compiled_flops(compiled),
+        "flops": compiled_flops(compiled, text),
         "collectives": [
             {"kind": k, "axes": list(a) if a else a, **row}
             for (k, a), row in traffic_by_axes(text, axis_sizes, trips=True).items()

@@ -31,6 +31,7 @@ bf16).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from collections.abc import Callable
@@ -257,6 +258,13 @@ def loop_runs(hlo_text: str) -> dict[str, int]:
     return {name: runs for name, runs in _computation_runs(hlo_text).items() if name in bodies}
 
 
+#: How many programs' parses are kept: one program's text is read by several of this module's
+#: functions in a row (``compiled_flops`` reads it twice, then ``traffic_by_axes``). The parses
+#: are shared, so no caller may change them.
+_PARSES_KEPT = 2
+
+
+@functools.lru_cache(maxsize=_PARSES_KEPT)
 def _loop_trips(hlo_text: str) -> tuple[dict[str, int], dict[str, str]]:
     """``({loop body: trips}, {computation: the computation that runs it})``.
 
@@ -293,6 +301,7 @@ def _loop_trips(hlo_text: str) -> tuple[dict[str, int], dict[str, str]]:
     return trips, parent
 
 
+@functools.lru_cache(maxsize=_PARSES_KEPT)
 def _computation_runs(hlo_text: str) -> dict[str, int]:
     """Runs per execution of every loop body and every computation called from one."""
     trips, parent = _loop_trips(hlo_text)
@@ -510,6 +519,7 @@ def _dims(text: str) -> list[int]:
     return [int(d) for d in text.split(",") if d]
 
 
+@functools.lru_cache(maxsize=_PARSES_KEPT)
 def _parse(hlo_text: str) -> tuple[dict[str, list], str]:
     """``({computation: [(op, result dims, operand dims, attrs)]}, entry name)``."""
     computations: dict[str, list] = {}
@@ -598,7 +608,7 @@ def _live_taps(out: int, size: int, taps: int, spec: dict[str, tuple[int, ...]])
     return live
 
 
-def compiled_flops(compiled: Any) -> float:
+def compiled_flops(compiled: Any, hlo_text: str | None = None) -> float:
     """A compiled program's FLOPs per device, each loop counted as often as it runs.
 
     XLA's ``cost_analysis()`` counts a ``while`` body once (a scanned model's layers, a
@@ -607,13 +617,15 @@ def compiled_flops(compiled: Any) -> float:
 
     Args:
       compiled: ``jitted.lower(...).compile()``.
+      hlo_text: Its ``as_text()``, where the caller has it already (printing a large
+        program's text takes as long as parsing it); None asks ``compiled`` for it.
 
     Returns:
       The FLOPs of one execution on one device.
     """
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    text = compiled.as_text()
+    text = compiled.as_text() if hlo_text is None else hlo_text
     counted = dot_flops(text, trips=False, library_calls=False)  # what cost_analysis saw
     return float(cost.get("flops", 0.0)) + dot_flops(text) - counted
 

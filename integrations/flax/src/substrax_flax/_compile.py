@@ -95,20 +95,23 @@ class ProgramMemory:
     heap_peak: int = 0
 
     @classmethod
-    def of(cls, compiled: Any, platform: str) -> ProgramMemory:
+    def of(cls, compiled: Any, platform: str, hlo_text: str | None = None) -> ProgramMemory:
         """The memory the compiler states for a program.
 
         Args:
           compiled: A ``jax.stages.Compiled``.
           platform: Its compiler's platform (``"tpu"`` for a target slice; one of
             :data:`substrax.hlo.PLATFORMS`).
+          hlo_text: Its ``as_text()``, where the caller has it already; None asks
+            ``compiled`` for it.
 
         Returns:
           Its memory per device.
         """
         memory = compiled.memory_analysis()
+        text = compiled.as_text() if hlo_text is None else hlo_text
         return cls(
-            int(memory.argument_size_in_bytes), argument_bytes(compiled.as_text()),
+            int(memory.argument_size_in_bytes), argument_bytes(text),
             int(memory.output_size_in_bytes),
             int(memory.alias_size_in_bytes), int(memory.temp_size_in_bytes),
             peak_bytes(memory, platform), int(getattr(memory, "host_temp_size_in_bytes", 0) or 0),
@@ -310,8 +313,8 @@ def compile_for(
         state_bytes=sharding_report(model).bytes_per_device
         + sharding_report(optimizer).bytes_per_device,
         init=ProgramMemory.of(init, "tpu"),
-        step=ProgramMemory.of(compiled, "tpu"),
-        flops=compiled_flops(compiled),
+        step=ProgramMemory.of(compiled, "tpu", text),
+        flops=compiled_flops(compiled, text),
         collectives=traffic_by_axes(text, dict(mesh.shape), trips=True),
         plan=step_plan,
         compile_seconds=time.perf_counter() - start,

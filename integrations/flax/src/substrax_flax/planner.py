@@ -399,7 +399,8 @@ def _validate_layout(
     state = sharding_report(model).bytes_per_device + sharding_report(optimizer).bytes_per_device
     planned = estimate.bytes_per_device
     scalars = 8  # adam's count and the optimizer's step: two 4-byte scalars
-    text = (lowered if precision == "mixed" else compiled).as_text()
+    compiled_text = compiled.as_text()
+    text = lowered.as_text() if precision == "mixed" else compiled_text
     traffic = traffic_by_kind(text, devices, trips=True)  # a pipeline's ticks each count
     batch_per_device = 2 * rows.nbytes // (twin.batch_degree * twin.cp)
     return {
@@ -414,7 +415,7 @@ def _validate_layout(
             planned["params"] + planned["optimizer"] + scalars + batch_per_device,
             memory.argument_size_in_bytes,
         ),
-        "flops": (estimate.flops_per_device, compiled_flops(compiled)),
+        "flops": (estimate.flops_per_device, compiled_flops(compiled, compiled_text)),
         "traffic_bytes": (
             _collective_bytes(estimate),
             sum(kind["bytes"] for kind in traffic.values()),
