@@ -288,7 +288,7 @@ def markdown(report: dict) -> str:
         limit = "-" if row["limit_bytes"] is None else f"{row['limit_bytes'] / MIB:.1f}"
         lines.append(
             f"| {row['layout']} | {kind} | {row['substrax_step_s'] * 1e3:.0f} | "
-            f"{row['flax_step_s'] * 1e3:.0f} | {row['time_ratio']:.2f} | "
+            f"{row['flax_step_s'] * 1e3:.0f} | {row['time_ratio']:.3f} | "
             f"{row['page_faults']:,.0f} / {row['flax_page_faults']:,.0f} | "
             f"{row['traffic_bytes'] / MIB:.1f} / {row['flax_traffic_bytes'] / MIB:.1f} "
             f"({limit}) | {row['peak_bytes'] / MIB:.1f} / {row['flax_peak_bytes'] / MIB:.1f} | "

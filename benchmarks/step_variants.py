@@ -5,7 +5,8 @@ its defaults that Flax's recipe lacks: the non-finite guard (``on_nonfinite="app
 it off), donation (``donate=False``) and the manual region (``data_parallel="xla"``); and
 Flax's recipe donating as substrax's step does. Prints each one's median step time over
 Flax's and the kernels its compiled program launches (fusions, in every computation: on
-XLA:CPU each costs a launch on every device whatever its size) and the minor page faults a
+XLA:CPU each costs a launch on every device whatever its size), its temporaries per device
+(what glibc's defaults fault in again on each call) and the minor page faults a
 step takes (``--allocator kept`` keeps freed memory, as accelerators' pools do: see
 :mod:`allocator`). docs/benchmarks.md quotes runs::
 
@@ -84,11 +85,13 @@ def main(argv=None) -> dict:
     runners["flax"] = FlaxRecipe(config, mesh, layout)
     times = {name: [] for name in runners}
     faults = {name: [] for name in runners}
-    counts, dots = {}, {}
+    counts, dots, temps = {}, {}, {}
     for name, runner in runners.items():  # compiled, and a few steps to settle
         batch = jax.device_put(gpt.batch_at(0, 16, config.seq), runner.data_sharding)
-        text = runner.lower_step(batch).compile().as_text()
+        compiled = runner.lower_step(batch).compile()
+        text = compiled.as_text()
         counts[name], dots[name] = kernels(text), plain_dots(text)
+        temps[name] = int(compiled.memory_analysis().temp_size_in_bytes)
         for _ in range(3):
             jax.block_until_ready(runner.step(batch))
     order = list(runners.items())
@@ -106,8 +109,10 @@ def main(argv=None) -> dict:
           f"{args.allocator}, Flax's recipe {flax * 1e3:.0f} ms:")  # fmt: skip
     for name, ratio in ratios.items():
         print(f"  {name:<24} {ratio:.3f}x Flax's time, {counts[name]:5d} kernels "
-              f"({dots[name]} plain dots), {page_faults[name]:,.0f} page faults")  # fmt: skip
-    return {"ratios": ratios, "kernels": counts, "plain_dots": dots, "page_faults": page_faults}
+              f"({dots[name]} plain dots), {temps[name] / 2**20:.2f} MiB of temporaries, "
+              f"{page_faults[name]:,.0f} page faults")  # fmt: skip
+    return {"ratios": ratios, "kernels": counts, "plain_dots": dots, "page_faults": page_faults,
+            "temp_bytes": temps}  # fmt: skip
 
 
 if __name__ == "__main__":
