@@ -8,6 +8,7 @@ from substrax.hlo import (
     Collective,
     collectives,
     compiled_flops,
+    conditional_branches,
     dot_flops,
     loop_runs,
     traffic_by_kind,
@@ -211,3 +212,23 @@ def test_compiled_flops_count_every_trip_of_a_scanned_product():
     compiled = jax.jit(program).lower(jnp.ones((16, 32)), w).compile()
     one = 2 * 16 * 32 * 32
     assert 6 * one <= compiled_flops(compiled) < 7 * one  # the tanh's and the loop's few more
+
+
+def test_conditional_branches_name_the_computations_a_cond_runs(mesh_2x4):
+    """The psum in the taken branch sits in a branch computation; the one outside does not."""
+
+    def f(x):
+        total = jax.lax.psum(x.sum(), "model")
+        return jax.lax.cond(total > 0, lambda: x + jax.lax.psum(x, "model"), lambda: x)
+
+    region = jax.shard_map(
+        f, mesh=mesh_2x4, in_specs=P("data", "model"), out_specs=P("data", "model")
+    )
+    hlo = _hlo(region, jnp.ones((4, 1024), jnp.float32))
+    branches = conditional_branches(hlo)
+    reduced_in = [op.computation for op in collectives(hlo) if op.kind == "all-reduce"]
+    assert len(branches) == 2 and all(
+        f"\n{name} " in hlo or f"%{name} " in hlo for name in branches
+    )
+    assert sum(name in branches for name in reduced_in) == 1 < len(reduced_in), reduced_in
+    assert conditional_branches(_hlo(lambda x: x * 2, jnp.ones(4))) == set()

@@ -40,8 +40,9 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "KINDS", "Collective", "argument_bytes", "collectives", "compiled_flops", "dot_flops",
-    "PLATFORMS", "loop_runs", "peak_bytes", "traffic_by_axes", "traffic_by_kind", "while_bodies",
+    "KINDS", "Collective", "argument_bytes", "collectives", "compiled_flops",
+    "conditional_branches", "dot_flops", "PLATFORMS", "loop_runs", "peak_bytes",
+    "traffic_by_axes", "traffic_by_kind", "while_bodies",
 ]  # fmt: skip
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
@@ -433,6 +434,23 @@ def while_bodies(hlo_text: str) -> set[str]:
     return set(_WHILE.findall(hlo_text))
 
 
+def conditional_branches(hlo_text: str) -> set[str]:
+    """Names of the computations that are branches of ``conditional`` ops (``lax.cond``).
+
+    Args:
+      hlo_text: ``compiled.as_text()`` of a program.
+
+    Returns:
+      The branch computations' names, to compare with :attr:`Collective.computation`.
+    """
+    return {name for listed in _BRANCHES.findall(hlo_text) for name in _branch_names(listed)}
+
+
+def _branch_names(listed: str) -> list[str]:
+    """The computations a ``branch_computations={...}`` attribute lists, in its order."""
+    return [name.strip().lstrip("%") for name in listed.split(",")]
+
+
 def argument_bytes(hlo_text: str) -> int:
     """The bytes of a compiled program's arguments per device, as their shapes state them.
 
@@ -688,9 +706,7 @@ def dot_flops(
             return (loops.get(body.group(1), 1) if trips else 1) * inner
         if op == "conditional":
             branches = _BRANCHES.search(attrs)
-            names = (
-                [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else []
-            )
+            names = _branch_names(branches.group(1)) if branches else []
             return branch([cost(b) for b in names]) if names else 0.0
         called = _CALLED.findall(attrs)
         return sum(cost(c) for c in called)
