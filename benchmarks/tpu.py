@@ -122,16 +122,16 @@ def split_traffic(collectives, data_axes: set[str]) -> tuple[float, float]:
 def _stats(compiled, axis_sizes) -> dict:
     memory = compiled.memory_analysis()
     text = compiled.as_text()
+    table = traffic_by_axes(text, axis_sizes, trips=True)
     return {
         "peak_bytes": peak_bytes(memory, "tpu"),
         "temp_bytes": int(memory.temp_size_in_bytes),
         "argument_data_bytes": argument_bytes(text),
         "flops": compiled_flops(compiled, text),
         "collectives": [
-            {"kind": k, "axes": list(a) if a else a, **row}
-            for (k, a), row in traffic_by_axes(text, axis_sizes, trips=True).items()
+            {"kind": k, "axes": list(a) if a else a, **row} for (k, a), row in table.items()
         ],
-        "_table": traffic_by_axes(text, axis_sizes, trips=True),
+        "_table": table,
     }
 
 
