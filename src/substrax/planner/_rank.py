@@ -139,8 +139,9 @@ def plan(
         most; one that keeps this much only for a layout within :data:`SAME_TIMES` that
         keeps more (estimates are estimates; fragmentation and buffers are not modelled).
 
-    Layouts with more data-parallel devices than the batch has sequences are left out, so are
-    those whose replicas' sequences a fixed ``workload.microbatches`` does not divide, and
+    Layouts whose batch degree does not divide the batch's sequences are left out (jax shards
+    a dimension only evenly: 96 sequences do not split over 64 devices), so are those whose
+    replicas' sequences a fixed ``workload.microbatches`` does not divide, and
     context-parallel ones join only where the sequence needs them (:func:`_needed_context`).
     Candidates that fit come first, then by estimated time when the hardware's speeds are
     known, else by FLOPs per device over the pipeline's busy fraction; on a near-tie the one
@@ -163,7 +164,7 @@ def plan(
     Raises:
       TypeError: If ``hardware`` or ``workload`` is of another type.
       ValueError: For an unknown architecture, a non-positive device count, no layout (or
-        none that splits the batch, or none whose replicas' sequences a fixed
+        none that splits the batch evenly, or none whose replicas' sequences a fixed
         ``workload.microbatches`` divides), or a ``headroom`` outside ``[0, 1)``.
     """
     if not 0 <= headroom < 1:
@@ -187,12 +188,13 @@ def plan(
     )  # fmt: skip
     if not options:
         raise ValueError(f"No layout of {devices} devices uses only {list(strategies)}.")
-    feasible = [o for o in options if o.batch_degree <= workload.batch]
+    feasible = [o for o in options if workload.batch % o.batch_degree == 0]
     if not feasible:
+        degrees = sorted({o.batch_degree for o in options})
         raise ValueError(
-            f"Every layout of {devices} devices has more data-parallel devices than the batch "
-            f"has sequences ({workload.batch}); use a larger batch, or allow tp/pp in "
-            "strategies."
+            f"No layout of {devices} devices splits the batch's {workload.batch} sequences "
+            f"evenly: their batch degrees are {degrees[:8]}{' ...' if len(degrees) > 8 else ''}"
+            "; use a batch one of them divides, or allow tp/pp in strategies."
         )
     feasible = _divided(feasible, workload)
     timed = hardware.flops > 0
@@ -215,8 +217,8 @@ def plan(
 
 
 def _rows(workload: Workload, layout) -> int:
-    """Sequences of one data-parallel replica."""
-    return max(workload.batch // layout.batch_degree, 1)
+    """Sequences of one data-parallel replica (the batch degree divides the batch)."""
+    return workload.batch // layout.batch_degree
 
 
 def _divided(layouts_: list, workload: Workload) -> list:
