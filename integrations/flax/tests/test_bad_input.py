@@ -222,6 +222,26 @@ STEP_CASES = {
         ValueError,
         "different leading sizes",
     ),
+    "rows that do not split over the batch axes": (
+        lambda m, o: sf.make_train_step(_mean_loss)(m, o, np.ones((12, 4), np.float32)),
+        ValueError,
+        # said before the region's shard_map names its own argument
+        "The batch's 12 rows do not split evenly over the 8 devices of its batch axes "
+        "('data', 'model'); pass a batch of a multiple of 8 rows.",
+    ),
+    "rows that do not split, with microbatches": (
+        lambda m, o: sf.make_train_step(_mean_loss, microbatches=2)(
+            m, o, np.ones((12, 4), np.float32)
+        ),
+        ValueError,
+        "pass a batch of a multiple of 16 rows (microbatches=2 slices each device's rows).",
+    ),
+    "a device's rows that do not split into microbatches": (
+        lambda m, o: sf.make_train_step(_mean_loss, microbatches=2)(m, o, X),
+        ValueError,
+        "microbatches=2 slices each device's rows, but the batch's 8 rows over 8 "
+        "data-parallel replicas (('data', 'model')) give 1 per device",
+    ),
     "no rows": (
         lambda m, o: sf.make_train_step(_mean_loss)(m, o, np.ones((0, 4), np.float32)),
         ValueError,

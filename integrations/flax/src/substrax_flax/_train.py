@@ -506,11 +506,21 @@ class TrainStep(JittedStep):
 
 
 def _check_microbatches(batch: Any, mesh: Any, split: tuple[str, ...], k: int) -> None:
-    """Raises unless each device's rows split into ``k`` equal microbatches."""
-    leaf = next(x for x in jax.tree.leaves(batch) if not is_replicated_leaf(x))
-    rows = _global_leaf(jax.process_count(), leaf).shape[0]
+    """Raises unless the rows split evenly over ``split``'s devices, and each device's into ``k``.
+
+    The manual region's ``shard_map`` splits them so; its own error names its internals.
+    """
+    rows = _global_rows(batch, mesh)
     replicas = math.prod(dict(mesh.shape)[a] for a in split)
-    if k > 1 and (rows // max(replicas, 1)) % k:
+    if rows is None:
+        return
+    if rows % replicas:
+        raise ValueError(
+            f"The batch's {rows} rows do not split evenly over the {replicas} devices of its "
+            f"batch axes {split}; pass a batch of a multiple of {replicas * k} rows"
+            + (f" (microbatches={k} slices each device's rows)." if k > 1 else ".")
+        )
+    if k > 1 and (rows // replicas) % k:
         raise ValueError(
             f"microbatches={k} slices each device's rows, but the batch's {rows} rows over "
             f"{replicas} data-parallel replicas ({split}) give {rows // replicas} per device; "
@@ -896,8 +906,10 @@ def make_train_step(
         ``data_parallel`` is not one of ``DATA_PARALLEL``, ``microbatches`` is not a positive
         integer (or is above 1 with ``data_parallel="xla"``), or no data axes are known
         (here when ``rules`` are given, else at the first call); on the first call, if
-        ``"manual"`` or ``microbatches`` above 1 would change the model's numbers, or
-        ``precision`` names a parameter dtype the parameters do not have (TypeError).
+        ``"manual"`` or ``microbatches`` above 1 would change the model's numbers, the
+        manual step's batch rows do not split evenly over its batch axes (and each device's
+        into ``microbatches``), or ``precision`` names a parameter dtype the parameters do
+        not have (TypeError).
     """
     if isinstance(loss_fn, Stages):
         flat = {"strategy": strategy, "compute_rules": compute_rules}
