@@ -115,6 +115,12 @@ def test_a_metric_that_is_not_a_scalar_or_per_row_is_named():
         sf.make_eval_step(per_token)(model, BATCH)
 
 
+def test_rows_that_do_not_split_over_the_batch_axes_are_named():
+    model = _placed(LAYOUTS["fsdp"]())  # the manual forward: rows over the 8 devices
+    with pytest.raises(ValueError, match=r"The batch's 12 rows do not split evenly over the 8 "):
+        sf.make_eval_step(metrics)(model, BATCH[:12])
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

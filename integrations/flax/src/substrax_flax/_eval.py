@@ -35,6 +35,7 @@ from substrax_flax._train import (
     TrainStep,
     _batch_reason,
     _on,
+    check_rows,
     check_takes_model_and_batch,
     make_train_step,
 )
@@ -148,6 +149,7 @@ class EvalStep:
         used = _on(mesh, compute_sh)
         movers = None
         if route.path.name == "manual":
+            check_rows(batch, mesh, region, 1)
             rows = {row.path: row for row in plan.rows}
             movers = manual_movers(params, rows, region, used, router.precision, plan.layout)
         step_plan = _eval_plan(route, plan, params, compute_sh, router)
@@ -370,7 +372,8 @@ def make_eval_step(
       TypeError: If ``fn`` is not callable, ``sums`` is not a sequence of names, or ``plan``
         comes with ``mesh``, ``rules``, ``layout`` or ``strategy``.
       ValueError: As :func:`make_train_step` for the other arguments; on the first call,
-        for a metric that is neither a scalar nor a per-row array.
+        for a metric that is neither a scalar nor a per-row array, or batch rows that do
+        not split evenly over the manual forward's batch axes.
     """
     if isinstance(fn, Stages):
         return _pipelined_eval(fn, mesh, rules, layout=layout, sums=sums, batch_axes=batch_axes,

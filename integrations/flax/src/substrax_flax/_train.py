@@ -304,7 +304,7 @@ class TrainStep(JittedStep):
             decisions += (Decision("cost", _megabytes(path.extra_bytes), more),)
         movers, scatter_each = None, False
         if path.name == "manual":  # the region may be empty: accumulation on one replica
-            _check_microbatches(batch, mesh, region, self.microbatches)
+            check_rows(batch, mesh, region, self.microbatches)
             rows = {row.path: row for row in plan.rows}
             movers = manual_movers(nnx.state(model, self.wrt), rows, region,
                                    _on(mesh, compute_sh), self.precision, plan.layout,
@@ -505,7 +505,7 @@ class TrainStep(JittedStep):
         return self.plan_for(model, optimizer, batch).path
 
 
-def _check_microbatches(batch: Any, mesh: Any, split: tuple[str, ...], k: int) -> None:
+def check_rows(batch: Any, mesh: Any, split: tuple[str, ...], k: int) -> None:
     """Raises unless the rows split evenly over ``split``'s devices, and each device's into ``k``.
 
     The manual region's ``shard_map`` splits them so; its own error names its internals.
