@@ -200,7 +200,7 @@ def test_an_uneven_stack_is_counted_as_the_pipeline_stores_it():
                                vocab=64)  # fmt: skip
     layout = Layout.from_degrees(pp=4, dp=2, zero=1)
     leaves = transformer_leaves(config)
-    candidate = evaluate(config, leaves, layout, Workload(batch_tokens=64, seq=16), H100)
+    candidate = evaluate(config, leaves, layout, Workload(batch_tokens=8 * 16, seq=16), H100)
     mesh = layout.make_mesh()
     pipe = Pipeline(lambda p, x: x, lambda y, t: 0.0, mesh,
                     PipelineParallelStrategy("pipe", 0, 4), num_microbatches=4)  # fmt: skip
@@ -230,7 +230,7 @@ LAYOUTS = [Layout.from_degrees(**degrees) for degrees in DEGREES]
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout.label)
 def test_state_bytes_equal_the_compiled_argument_bytes(config, layout):
     leaves = transformer_leaves(config)
-    candidate = evaluate(config, leaves, layout, Workload(batch_tokens=64, seq=16), H100)
+    candidate = evaluate(config, leaves, layout, Workload(batch_tokens=8 * 16, seq=16), H100)
     mesh = layout.make_mesh()
     params = [
         jax.ShapeDtypeStruct(leaf.shape, np.float32,
@@ -284,6 +284,12 @@ def test_time_estimates_rank_when_hardware_speeds_are_given():
     assert times[0] <= min(times) * (1 + CLOSE_TIMES)
 
 
+def _twin_estimate(sequences: int, microbatches: int = 1):
+    """The first twin on fsdp 8 with ``sequences`` sequences of 16 tokens."""
+    work = Workload(batch_tokens=sequences * 16, seq=16, microbatches=microbatches)
+    return evaluate(TWINS[0], transformer_leaves(TWINS[0]), LAYOUTS[0], work, H100)
+
+
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -299,6 +305,16 @@ def test_time_estimates_rank_when_hardware_speeds_are_given():
         (lambda: Hardware(memory_bytes=1, flops=-1.0), "flops must not be negative (0: unknown)"),
         (lambda: plan("llama3-8b", 8, "h100", WORK), "hardware must be a Hardware, got str"),
         (lambda: plan("llama3-8b", 8, H100, {"seq": 1}), "workload must be a Workload("),
+        (
+            lambda: _twin_estimate(12),
+            "The batch's 12 sequences do not split evenly over "
+            "fsdp 8's batch degree 8 and 1 microbatch(es) per replica; use a multiple of 8",
+        ),
+        (
+            lambda: _twin_estimate(8, microbatches=2),
+            "over fsdp 8's batch degree 8 and 2 "
+            "microbatch(es) per replica; use a multiple of 16 sequences.",
+        ),
     ],
 )
 def test_bad_input(call, message):

@@ -604,11 +604,20 @@ def evaluate(
 
     Raises:
       ValueError: If ``workload`` leaves ``remat`` or ``microbatches`` to be searched (that
-        is :func:`~substrax.planner.plan`'s job).
+        is :func:`~substrax.planner.plan`'s job), or its sequences do not split evenly over
+        the layout's batch degree, or a replica's into its microbatches (jax shards a
+        dimension only evenly).
     """
     if workload.remat is None or workload.microbatches is None:
         raise ValueError(
             "evaluate() needs a workload with remat and microbatches set; plan() searches them."
+        )
+    degree, micro = layout.batch_degree, max(workload.microbatches, 1)
+    if workload.batch % (degree * micro):
+        raise ValueError(
+            f"The batch's {workload.batch} sequences do not split evenly over {layout.label}'s "
+            f"batch degree {degree} and {micro} microbatch(es) per replica; use a multiple of "
+            f"{degree * micro} sequences."
         )
     return evaluate_prepared(prepare(config, leaves, layout), workload, hardware)
 
