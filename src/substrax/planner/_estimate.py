@@ -197,6 +197,13 @@ class Hardware:
                 raise ValueError(
                     f"{name} must not be negative (0: unknown), got {getattr(self, name)!r}."
                 )
+        # computed once: the estimate keys its link bandwidths by hardware, about 10 lookups
+        # per setting (113,000 planning Llama 3 405B on 4,096 devices)
+        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        object.__setattr__(self, "_hash", hash(fields))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 @dataclasses.dataclass(frozen=True)
