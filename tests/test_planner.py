@@ -3,7 +3,11 @@
 import dataclasses
 import json
 import math
+import os
+import pickle
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -321,6 +325,22 @@ def test_bad_input(call, message):
     with pytest.raises((ValueError, TypeError), match=None) as info:
         call()
     assert message in str(info.value)
+
+
+def test_a_pickled_hardware_profile_hashes_as_one_built_where_it_is_loaded():
+    """Hardware and Efficiency keep their hash; a string's hash differs between processes
+    (``PYTHONHASHSEED``), so a pickle carries the fields and the loader computes it again."""
+    data = pickle.dumps([HARDWARE["h100"], HARDWARE["h100"].efficiency])
+    check = (
+        "import pickle, sys; from substrax.planner import HARDWARE; "
+        "h, e = pickle.loads(sys.stdin.buffer.read()); "
+        "assert h == HARDWARE['h100'] and hash(h) == hash(HARDWARE['h100']); "
+        "assert hash(e) == hash(HARDWARE['h100'].efficiency)"
+    )
+    for seed in ("1", "2"):
+        done = subprocess.run([sys.executable, "-c", check], input=data, capture_output=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr.decode()[-500:]
 
 
 def test_units():

@@ -62,6 +62,11 @@ class Efficiency:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple:
+        # rebuilt, not copied: a string's hash differs between processes, so the cached hash
+        # of a pickled Efficiency must be computed again where it is loaded
+        return (type(self), (self.matmul, self.attention, dict(self.exposed)))
+
 
 ROOFLINE = Efficiency()
 """Every FLOP at peak: what a :class:`~substrax.planner.Hardware` without a profile assumes."""

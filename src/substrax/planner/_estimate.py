@@ -205,6 +205,10 @@ class Hardware:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple:
+        # rebuilt where it is loaded, its hash with it (see Efficiency.__reduce__)
+        return (type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
 
 @dataclasses.dataclass(frozen=True)
 class LeafPlan:
