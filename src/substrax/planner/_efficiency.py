@@ -54,18 +54,9 @@ class Efficiency:
         for axis, share in self.exposed.items():
             if not 0 <= share <= 1:
                 raise ValueError(f"Efficiency.exposed[{axis!r}] must be in [0, 1], got {share!r}.")
-        # computed once: the planner's caches hash each Hardware (and so this) about 13 times
-        # per setting it estimates, 113,000 times for Llama 3 405B on 4,096 devices
-        key = (self.matmul, self.attention, tuple(sorted(self.exposed.items())))
-        object.__setattr__(self, "_hash", hash(key))
 
     def __hash__(self) -> int:
-        return self._hash
-
-    def __reduce__(self) -> tuple:
-        # rebuilt, not copied: a string's hash differs between processes, so the cached hash
-        # of a pickled Efficiency must be computed again where it is loaded
-        return (type(self), (self.matmul, self.attention, dict(self.exposed)))
+        return hash((self.matmul, self.attention, tuple(sorted(self.exposed.items()))))
 
 
 ROOFLINE = Efficiency()

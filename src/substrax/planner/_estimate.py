@@ -197,17 +197,6 @@ class Hardware:
                 raise ValueError(
                     f"{name} must not be negative (0: unknown), got {getattr(self, name)!r}."
                 )
-        # computed once: the estimate keys its link bandwidths by hardware, about 10 lookups
-        # per setting (113,000 planning Llama 3 405B on 4,096 devices)
-        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-        object.__setattr__(self, "_hash", hash(fields))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __reduce__(self) -> tuple:
-        # rebuilt where it is loaded, its hash with it (see Efficiency.__reduce__)
-        return (type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -646,7 +635,7 @@ class Prepared:
         experts', the loss's own, those also looked up, elements of one stacked layer per
         expert shard, those outside the layer stack per device once gathered over FSDP)``.
       warnings: The layout's warnings.
-      links: Bandwidth per traffic axis on one hardware, filled as :func:`_time` asks.
+      links: Hardware -> bandwidth per traffic axis, filled as :func:`_time` asks.
     """
 
     config: TransformerConfig
@@ -979,12 +968,12 @@ def _time(flops, attention, traffic, bubble, pre: Prepared, hw: Hardware) -> dic
     parts["bubble"] = busy * bubble / (1 - bubble)
     compute = busy + parts["bubble"]
     hidden = 0.0
+    links = pre.links.setdefault(hw, {})  # this hardware's, looked up once per estimate
     for key, volume in traffic.items():
         axis = key.split("/")[0]
-        link = (axis, hw)
-        if link not in pre.links:
-            pre.links[link] = _bandwidth(axis, pre.layout, hw)
-        bandwidth = pre.links[link]
+        if axis not in links:
+            links[axis] = _bandwidth(axis, pre.layout, hw)
+        bandwidth = links[axis]
         if not bandwidth:
             continue
         if axis in CRITICAL_AXES:
