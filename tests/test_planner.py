@@ -204,7 +204,7 @@ def test_an_uneven_stack_is_counted_as_the_pipeline_stores_it():
                                vocab=64)  # fmt: skip
     layout = Layout.from_degrees(pp=4, dp=2, zero=1)
     leaves = transformer_leaves(config)
-    candidate = evaluate(config, leaves, layout, Workload(batch_tokens=8 * 16, seq=16), H100)
+    candidate = evaluate(config, leaves, layout, Workload(batch_tokens=64, seq=16), H100)
     mesh = layout.make_mesh()
     pipe = Pipeline(lambda p, x: x, lambda y, t: 0.0, mesh,
                     PipelineParallelStrategy("pipe", 0, 4), num_microbatches=4)  # fmt: skip
@@ -328,8 +328,9 @@ def test_bad_input(call, message):
 
 
 def test_a_pickled_hardware_profile_hashes_as_one_built_where_it_is_loaded():
-    """Hardware and Efficiency keep their hash; a string's hash differs between processes
-    (``PYTHONHASHSEED``), so a pickle carries the fields and the loader computes it again."""
+    """The planner keys its caches by hardware; a profile pickled into another process (a
+    string's hash differs there, ``PYTHONHASHSEED``) must hash as one built there: no hash
+    may be cached in the instance and travel with it."""
     data = pickle.dumps([HARDWARE["h100"], HARDWARE["h100"].efficiency])
     check = (
         "import pickle, sys; from substrax.planner import HARDWARE; "
