@@ -131,3 +131,33 @@ def test_abstract_methods():
 )
 def test_every_public_name_has_a_google_docstring(name, obj):
     check_google_docstring(name, obj)
+
+
+@pytest.mark.parametrize("package", ["substrax.mesh", "substrax.spmd", "substrax.pipeline"])
+def test_lazy_packages_export_exactly_their_listed_names(package):
+    """A package's ``TYPE_CHECKING`` block (what type checkers and the API reference read) is
+    what it exports on first use: the same names as ``__all__``, each its module's object."""
+    import importlib
+
+    from substrax import _lazy
+
+    module = importlib.import_module(package)
+    listed = _lazy._re_exports(module.__file__)
+    assert set(listed) == set(module.__all__)
+    for name, (source, original) in listed.items():
+        assert getattr(module, name) is getattr(importlib.import_module(source), original)
+    assert set(module.__all__) <= set(dir(module))
+    with pytest.raises(AttributeError, match=rf"module '{package}' has no attribute 'nonesuch'"):
+        module.nonesuch  # noqa: B018
+    names: dict = {}
+    exec(f"from {package} import *", names)
+    assert set(module.__all__) <= set(names)
+
+
+def test_a_lazy_package_without_listed_names_is_refused(tmp_path):
+    from substrax import _lazy
+
+    init = tmp_path / "__init__.py"
+    init.write_text("from substrax.mesh._resolve import as_axes as as_axes\n")
+    with pytest.raises(ValueError, match="lists no re-exports under 'if TYPE_CHECKING:'"):
+        _lazy.attach("somepkg", str(init))

@@ -25,21 +25,16 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from jax.sharding import Mesh
-
-from substrax.mesh import (
-    DeviceMeshManager,
-    FSDPStrategy,
-    MeshRules,
-    MultiDimensionalStrategy,
-    ParallelismConfig,
-    ShardingConfig,
-    TensorParallelStrategy,
-)
-from substrax.mesh._devices import simulate_hint
+from substrax.mesh._config import ParallelismConfig, ShardingConfig
 from substrax.mesh._resolve import as_axes, spec_entry
+from substrax.mesh._rules import MeshRules
+
+if TYPE_CHECKING:  # the planner's layouts need no jax: imported where a mesh or strategy is made
+    from jax.sharding import Mesh
+
+    from substrax.mesh import FSDPStrategy, MultiDimensionalStrategy, TensorParallelStrategy
 
 __all__ = ["LAYOUTS", "ROLES", "Layout"]
 
@@ -433,12 +428,12 @@ class Layout:
         is none.
 
         Args:
-          spec: The parameter's ``PartitionSpec``.
+          spec: The parameter's ``PartitionSpec``, or its entries as a tuple.
           shape: Its shape.
 
         Returns:
-          ``(spec, why)``: the new spec, and why it is the parameter's own (no dimension
-          divides) or None.
+          ``(spec, why)``: the new spec (of ``spec``'s type), and why it is the parameter's own
+          (no dimension divides) or None.
         """
         axes = tuple(a for a in self.optimizer_axes if self.shape[a] > 1)
         if not axes:
@@ -454,7 +449,7 @@ class Layout:
             )
         dim = max(fits, key=lambda d: shape[d])
         entries[dim] = spec_entry(axes)
-        return type(spec)(*entries), None
+        return (tuple(entries) if isinstance(spec, tuple) else type(spec)(*entries)), None
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -533,6 +528,8 @@ class Layout:
         Returns:
           The strategy, or None when no axis shards parameters.
         """
+        from substrax.mesh import FSDPStrategy, MultiDimensionalStrategy, TensorParallelStrategy
+
         index = {a: i for i, a in enumerate(self.axis_names)}
         parts: dict[str, Any] = {}
         for axis in self.shard_axes:
@@ -579,9 +576,11 @@ class Layout:
         Raises:
           ValueError: If there are not enough devices.
         """
-        if devices is None:
-            import jax
+        import jax
 
+        from substrax.mesh._devices import DeviceMeshManager, simulate_hint
+
+        if devices is None:
             available = jax.devices()
             if len(available) < self.devices:
                 raise ValueError(

@@ -15,6 +15,10 @@ pipeline. The policy, in one place:
 4. :func:`move_left_out` (the Flax adapter's default for annotated variables) then moves the
    axes still left out to the largest dimension they divide, preferring one no axis shards
    (``moved`` names where they went); with none, they stay ``indivisible``.
+
+The resolver is arithmetic on axis names and imports no jax: a :class:`Resolution` keeps each
+dimension's axes as a tuple and builds its ``PartitionSpec`` when asked (the planner resolves
+thousands of leaves without ever importing jax).
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from jax.sharding import PartitionSpec
+if TYPE_CHECKING:
+    from jax.sharding import PartitionSpec
 
 __all__ = [
     "REASON_KINDS",
@@ -34,6 +39,7 @@ __all__ = [
     "as_axes",
     "axis_sizes",
     "move_left_out",
+    "partition_spec",
     "resolve_axes",
     "resolve_names",
     "spec_entry",
@@ -103,14 +109,20 @@ class Resolution:
     """The spec of one array, and why any dimension is not sharded as asked.
 
     Attributes:
-      spec: The PartitionSpec, one entry per dimension.
+      axes: The mesh axes sharding each dimension (``()``: replicated), one tuple per dimension:
+        :attr:`spec` as :func:`as_axes` reads it.
       reasons: One :class:`Reason` per dimension (or array) left replicated, or partly so.
       requested: The mesh axes asked for, per dimension, before any were left out.
     """
 
-    spec: PartitionSpec
+    axes: tuple[tuple[str, ...], ...]
     reasons: tuple[Reason, ...] = ()
     requested: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def spec(self) -> PartitionSpec:
+        """The ``PartitionSpec``: one entry per dimension (:func:`spec_entry` of its axes)."""
+        return partition_spec(*(spec_entry(axes) for axes in self.axes))
 
     def of_kind(self, *kinds: str) -> tuple[Reason, ...]:
         """The reasons of the given kinds.
@@ -178,6 +190,13 @@ def spec_entry(axes: Sequence[str]) -> Any:
     return axes[0] if len(axes) == 1 else axes
 
 
+def partition_spec(*entries: Any) -> PartitionSpec:
+    """``jax.sharding.PartitionSpec(*entries)``, importing jax only when a spec is built."""
+    from jax.sharding import PartitionSpec
+
+    return PartitionSpec(*entries)
+
+
 def axis_sizes(mesh: Any) -> dict[str, int]:
     """``{axis_name: size}`` of a ``Mesh``, an ``AbstractMesh`` or a mapping."""
     shape = mesh if isinstance(mesh, Mapping) else dict(mesh.shape)
@@ -242,8 +261,8 @@ def resolve_axes(
                                     f"{shape[dim]} is not divisible by mesh axes {free} of size "
                                     f"{product}; {free[len(kept):]} left out"))  # fmt: skip
         used.update(kept)
-        entries.append(spec_entry(kept))
-    return Resolution(PartitionSpec(*entries), tuple(found), requested)
+        entries.append(kept)
+    return Resolution(tuple(entries), tuple(found), requested)
 
 
 def move_left_out(
@@ -273,7 +292,7 @@ def move_left_out(
       The resolution with its axes moved (itself when nothing was left out).
     """
     sizes = axis_sizes(mesh)
-    entries = [as_axes(e) for e in resolution.spec] + [()] * (len(shape) - len(resolution.spec))
+    entries = list(resolution.axes) + [()] * (len(shape) - len(resolution.axes))
     reasons = []
     for reason in resolution.reasons:
         movable = reason.kind == "indivisible" and reason.logical_name not in stay
@@ -285,8 +304,7 @@ def move_left_out(
         detail = (f"{shape[reason.dim]} is not divisible by mesh axes {reason.axes}; moved to "
                   f"dim {dim} ({shape[dim]}), now sharded {spec_entry(entries[dim])}")  # fmt: skip
         reasons.append(dataclasses.replace(reason, kind="moved", detail=detail))
-    spec = PartitionSpec(*(spec_entry(e) for e in entries))
-    return dataclasses.replace(resolution, spec=spec, reasons=tuple(reasons))
+    return dataclasses.replace(resolution, axes=tuple(entries), reasons=tuple(reasons))
 
 
 def _destination(

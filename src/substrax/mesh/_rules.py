@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from substrax.mesh._resolve import Resolution, UnknownNames, as_axes, partition_spec, resolve_names
 
-from substrax.mesh._devices import check_mesh
-from substrax.mesh._resolve import Resolution, UnknownNames, as_axes, resolve_names
+if TYPE_CHECKING:  # imported where a sharding is made: the planner reads rules without jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MeshAxes = str | tuple[str, ...] | None
 
@@ -300,6 +301,10 @@ def create_named_sharding(mesh: Mesh, *axis_names: MeshAxes) -> NamedSharding:
       ValueError: If a name is not an axis of ``mesh`` or a mesh axis is used twice.
       TypeError: If ``mesh`` is not a ``jax.sharding.Mesh``.
     """
+    from jax.sharding import NamedSharding
+
+    from substrax.mesh._devices import check_mesh
+
     check_mesh(mesh)
     used: list[str] = []
     for entry in axis_names:
@@ -314,7 +319,7 @@ def create_named_sharding(mesh: Mesh, *axis_names: MeshAxes) -> NamedSharding:
                     "at most one dimension."
                 )
             used.append(axis)
-    return NamedSharding(mesh, PartitionSpec(*axis_names))
+    return NamedSharding(mesh, partition_spec(*axis_names))
 
 
 def data_parallel_rules(data_axis: str = "data") -> MeshRules:

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import math
 import numbers
+from typing import TYPE_CHECKING
 
-import jax
-from jax.sharding import Mesh, PartitionSpec
-
+from substrax.mesh._resolve import partition_spec
 from substrax.mesh._strategy import ShardDims, ShardingStrategy
+
+if TYPE_CHECKING:  # imported where a spec or an array is made: the planner runs without jax
+    import jax
+    from jax.sharding import Mesh, PartitionSpec
 
 __all__ = [
     "DataParallelStrategy",
@@ -38,7 +41,7 @@ _LAYER_KINDS = {
 
 
 def _spec_on(names: tuple[str, ...], index: int | None, axis_name: str) -> PartitionSpec:
-    return PartitionSpec(*(axis_name if i == index else None for i in range(len(names))))
+    return partition_spec(*(axis_name if i == index else None for i in range(len(names))))
 
 
 def _positive_int(value: object, what: str) -> int:
@@ -93,14 +96,14 @@ class DataParallelStrategy(ShardingStrategy):
         """
         size = self._check_mesh(mesh)
         if array.ndim == 0:
-            return self._place(array, mesh, PartitionSpec())
+            return self._place(array, mesh, partition_spec())
         if array.shape[0] % size:
             raise ValueError(
                 f"Batch dimension of size {array.shape[0]} (shape {array.shape}) does not divide "
                 f"mesh axis {self.axis_name!r} of size {size}; use a batch size that is a "
                 f"multiple of {size}."
             )
-        return self._place(array, mesh, PartitionSpec(self.axis_name))
+        return self._place(array, mesh, partition_spec(self.axis_name))
 
 
 class FSDPStrategy(ShardingStrategy):
@@ -456,7 +459,7 @@ class PipelineParallelStrategy(ShardingStrategy):
         Returns:
           A fully replicated PartitionSpec of the tensor's rank.
         """
-        return PartitionSpec(*(None for _ in tensor_shape))
+        return partition_spec(*(None for _ in tensor_shape))
 
     def get_forward_communication_pattern(self) -> list[tuple[int, int]]:
         """Get communication pattern for forward pass.
@@ -496,4 +499,4 @@ class PipelineParallelStrategy(ShardingStrategy):
                 f"Mesh axis {self.axis_name!r} has size {size}, but the strategy has "
                 f"{self.num_stages} stages; they must match."
             )
-        return self._place(array, mesh, PartitionSpec())
+        return self._place(array, mesh, partition_spec())

@@ -6,13 +6,14 @@ import abc
 import numbers
 import warnings
 from collections.abc import Sequence
-from typing import Any
-
-import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from typing import TYPE_CHECKING, Any
 
 from substrax._warnings import ShardingWarning
 from substrax.mesh._resolve import Reason, Resolution, axis_sizes, resolve_axes
+
+if TYPE_CHECKING:  # imported where an array is placed: the planner runs without jax
+    import jax
+    from jax.sharding import Mesh, PartitionSpec
 
 __all__ = ["ShardingStrategy", "axis_size"]
 
@@ -161,6 +162,9 @@ class ShardingStrategy(abc.ABC):
         return size
 
     def _place(self, array: jax.Array, mesh: Mesh, spec: PartitionSpec) -> jax.Array:
+        import jax
+        from jax.sharding import NamedSharding
+
         return jax.device_put(array, NamedSharding(mesh, spec))
 
     def _place_param(self, array: jax.Array, mesh: Mesh) -> jax.Array:

@@ -28,8 +28,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:  # imported by _tables: the planner reads only counts
+    import numpy as np
 
 __all__ = ["SCHEDULES", "SPLIT", "Schedule", "ScheduleSlot", "Tables"]
 
@@ -364,6 +366,8 @@ class _Slots:
 
 @functools.cache
 def _tables(name: str, stages: int, micro: int, repeats: int) -> Tables:
+    import numpy as np
+
     ticks, raw, _, _ = _simulate(name, stages, micro, repeats)
     slots = [ScheduleSlot(*slot) for slot in raw]
     last = stages * repeats - 1

@@ -15,16 +15,15 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from jax.sharding import AbstractMesh
-
 from substrax.layout import Layout
-from substrax.mesh import PipelineParallelStrategy
-from substrax.mesh._resolve import as_axes, resolve_names
+from substrax.mesh._resolve import resolve_names, spec_entry
+from substrax.mesh._strategies import PipelineParallelStrategy
 from substrax.pipeline import SCHEDULES, Schedule
 from substrax.planner._architectures import Leaf, TransformerConfig
 from substrax.planner._efficiency import ROOFLINE, Efficiency
-from substrax.spmd import REMAT, region_obstacle
-from substrax.spmd._grouped import auto_block, blocked_size
+from substrax.spmd._blocks import auto_block, blocked_size
+from substrax.spmd._remat import REMAT
+from substrax.spmd._workarounds import region_obstacle
 
 __all__ = [
     "Candidate",
@@ -330,15 +329,16 @@ def _leaf_plan(leaf: Leaf, layout: Layout, rules: dict, strategy: Any, mesh: Any
         resolution = resolve_names(
             rules, leaf.names, shape, sizes, unknown_names="replicate", where=leaf.path
         ).move_left_out(shape, sizes)  # as the adapter stores it by default
-    spec = tuple(as_axes(entry) for entry in resolution.spec)
-    spec += ((),) * (len(shape) - len(spec))  # a short spec leaves the rest whole
+    spec = resolution.axes + ((),) * (
+        len(shape) - len(resolution.axes)
+    )  # a short spec leaves the rest whole
     count = math.prod(
         dim // math.prod(sizes[a] for a in axes) for dim, axes in zip(shape, spec, strict=True)
     )
     why = "; ".join(str(r) for r in resolution.of_kind("indivisible", "moved", "unknown_name"))
     sharded = count
     if layout.zero:
-        _, whole = layout.optimizer_spec(resolution.spec, shape)
+        _, whole = layout.optimizer_spec(tuple(spec_entry(axes) for axes in spec), shape)
         sharded = count if whole else count // layout.dp
     return LeafPlan(leaf.path, leaf.names, spec, count, why, sharded)
 
@@ -579,7 +579,11 @@ def _leaf_plans(leaves: tuple[Leaf, ...], layout: Layout) -> tuple[LeafPlan, ...
     rules = layout.param_rules.as_dict()
     unannotated = any(all(name is None for name in leaf.names) for leaf in leaves)
     strategy = layout.strategy() if unannotated else None
-    mesh = AbstractMesh(layout.axis_sizes, layout.axis_names) if strategy is not None else None
+    mesh = None
+    if strategy is not None:  # a model with unannotated leaves: its strategy's specs need jax
+        from jax.sharding import AbstractMesh
+
+        mesh = AbstractMesh(layout.axis_sizes, layout.axis_names)
     return tuple(_leaf_plan(leaf, layout, rules, strategy, mesh) for leaf in leaves)
 
 

@@ -25,11 +25,12 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from substrax.spmd._blocks import auto_block, blocked_size
 from substrax.spmd._constrain import active_rules
 from substrax.spmd._region import reduce_as, vary_as
 
-__all__ = ["Groups", "active_platform", "auto_block", "blocked_size", "group_rows",
-           "grouped_matmul", "native_grouped_matmul", "segment_of"]  # fmt: skip
+__all__ = ["Groups", "active_platform", "group_rows", "grouped_matmul", "native_grouped_matmul",
+           "segment_of"]  # fmt: skip
 
 
 def native_grouped_matmul(platform: str | None = None) -> bool:
@@ -132,22 +133,6 @@ def group_rows(group: jax.Array, groups: int, *, block: int | None = None,
     slots = jnp.full(size, rows, jnp.int32).at[position].set(jnp.arange(rows, dtype=jnp.int32),
                                                              mode="drop")  # fmt: skip
     return Groups(position, slots, sizes, block_group, used, size, block)
-
-
-def auto_block(rows: int, groups: int) -> int:
-    """The blocked kernel's default rows per block (see :func:`group_rows`)."""
-    block = 64
-    while block > 8 and groups * (block - 1) > rows / 16:
-        block //= 2
-    return block
-
-
-def blocked_size(rows: int, groups: int, block: int) -> int:
-    """The blocked layout's rows: at most ``rows + groups x (block - 1)``, in whole blocks.
-
-    Each of ``groups`` groups is padded to whole blocks; this is the static bound.
-    """
-    return block * ((rows + groups * (block - 1)) // block)
 
 
 def segment_of(ends: jax.Array, size: int) -> jax.Array:

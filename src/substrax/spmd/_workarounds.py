@@ -23,16 +23,25 @@ Rechecked on jax 0.10.2 with libtpu 0.0.42.1 (compiled for ``v5p:2x2x2``, device
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
-import jax
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["OBSERVED_ON", "looped_region_obstacle", "region_obstacle", "scatter_stages"]
 
 #: The jax version the entries below were observed on (XLA:CPU, and XLA:TPU from libtpu 0.0.42.1).
 OBSERVED_ON = "0.10.2"
+
+
+@functools.cache
+def _installed_jax() -> str:
+    """The installed jax's version, read without importing jax (the planner asks)."""
+    return importlib.metadata.version("jax")
 
 
 def region_obstacle(
@@ -61,14 +70,18 @@ def region_obstacle(
     free = tuple(a for a, size in axis_sizes.items() if size > 1 and a not in region_axes)
     if len(free) > 1:
         return (
-            f"XLA (jax {OBSERVED_ON}, {jax.__version__} here) fails a CHECK in its SPMD "
+            f"XLA (jax {OBSERVED_ON}, {_installed_jax()} here) fails a CHECK in its SPMD "
             f"partitioner on a manual region that leaves two mesh axes of size > 1 outside "
             f"it, here {free}"
         )
-    narrow = compute_dtype is not None and np.dtype(compute_dtype).itemsize < 4
-    if narrow and free and platform == "cpu":
+    if compute_dtype is None or not free or platform != "cpu":
+        return None
+    import numpy as np  # here: the planner asks without a dtype and imports no numpy
+
+    dtype = np.dtype(compute_dtype)
+    if dtype.itemsize < 4:
         return (
-            f"XLA's CPU compiler (jax {OBSERVED_ON}) aborts on {np.dtype(compute_dtype).name} "
+            f"XLA's CPU compiler (jax {OBSERVED_ON}) aborts on {dtype.name} "
             f"all-reduces over the axes {free} that a manual region leaves outside it"
         )
     return None

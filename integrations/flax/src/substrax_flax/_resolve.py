@@ -222,7 +222,7 @@ class Resolver:
         names = logical_names(variable, path)
         if names is None:  # Explicit style: the spec lives in the array's type
             names = typed_spec(variable)
-        replicated = PartitionSpec(*([None] * len(shape)))
+        replicated = ((),) * len(shape)
         if self.ignore_names:
             resolution, rule = Resolution(replicated), "no mesh"
         elif names is not None:
