@@ -7,6 +7,7 @@ import warnings
 import gpt
 import jax
 import jax.numpy as jnp
+import jax_setup
 import numpy as np
 import optax
 import pytest
@@ -279,7 +280,8 @@ def test_a_stack_is_gathered_layer_by_layer_inside_its_scan(stacked_one_device, 
     model = sf.create_sharded_model(_stacked, mesh, layout="fsdp")
     optimizer = sf.create_sharded_optimizer(model, gpt.optimizer(3e-3))
     step = sf.make_train_step(gpt.loss_fn, gather=gather, remat=remat, microbatches=k)
-    lowered = step.lower(model, optimizer, STACK_BATCHES[0])
+    with jax_setup.source_locations():
+        lowered = step.lower(model, optimizer, STACK_BATCHES[0])
     compiled = lowered.compile()
     losses = [float(step(model, optimizer, b)["loss"]) for b in STACK_BATCHES]
     np.testing.assert_allclose(losses, stacked_one_device, rtol=2e-5)
