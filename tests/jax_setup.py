@@ -63,6 +63,7 @@ GC_THRESHOLD = (20_000, 20, 100)
 gc.set_threshold(*GC_THRESHOLD)
 
 jax.config.update("jax_num_cpu_devices", 8)
+jax.config.update("jax_traceback_in_locations_limit", 0)  # also where jax was imported first
 # The first process of a run (pytest, or xdist's controller) makes the cache and removes it at
 # exit; the workers, examples and launched processes it starts inherit it through the environment.
 _CACHE = os.environ.get("SUBSTRAX_TEST_JAX_CACHE")
