@@ -329,9 +329,7 @@ def _leaf_plan(leaf: Leaf, layout: Layout, rules: dict, strategy: Any, mesh: Any
         resolution = resolve_names(
             rules, leaf.names, shape, sizes, unknown_names="replicate", where=leaf.path
         ).move_left_out(shape, sizes)  # as the adapter stores it by default
-    spec = resolution.axes + ((),) * (
-        len(shape) - len(resolution.axes)
-    )  # a short spec leaves the rest whole
+    spec = resolution.axes  # one entry per dimension (the resolver's, with the shape given)
     count = math.prod(
         dim // math.prod(sizes[a] for a in axes) for dim, axes in zip(shape, spec, strict=True)
     )
