@@ -91,6 +91,12 @@ def test_three_axis_mesh_with_an_auto_model_axis():
 def test_uneven_layers_pad_with_exactly_zero_gradients(mesh):
     pipe = _pipeline(mesh, "1f1b", micro=4)
     assert pipe.layer_counts(10) == [[3], [3], [2], [2]]
+    # a circular ring splits the stack into stages x repeats chunks by the same rule:
+    # chunk r * stages + s is stage s's round r (10 layers in 8 chunks: 2, 2, then 1s)
+    circular = _pipeline(mesh, "circular", micro=4, repeats=2)
+    assert circular.layer_counts(10) == [[2, 1], [2, 1], [1, 1], [1, 1]]
+    with pytest.raises(ValueError, match=r"Cannot split 7 layers into 8 chunks"):
+        circular.layer_counts(7)
     grads, mask = _check(pipe, _params(10), rows=16)
     padding = ~np.asarray(mask)
     for leaf in jax.tree.leaves(grads):

@@ -13,13 +13,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from substrax.mesh import PipelineParallelStrategy
 from substrax.mesh._resolve import resolve_axes
+from substrax.mesh._strategies import balanced_counts
 
 __all__ = ["StageLayout"]
-
-
-def _balanced(num_layers: int, parts: int) -> list[int]:
-    base, extra = divmod(num_layers, parts)
-    return [base + (1 if p < extra else 0) for p in range(parts)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +59,7 @@ class StageLayout:
                 f"stages x {self.repeats} repeats): every chunk needs a layer."
             )
         else:
-            counts = _balanced(num_layers, chunks)
+            counts = balanced_counts(num_layers, chunks)
         return [[counts[r * self.num_stages + s] for r in range(self.repeats)]
                 for s in range(self.num_stages)]  # fmt: skip
 
