@@ -103,8 +103,9 @@ JAX_TRACEBACK_LIMIT = 100
 @contextlib.contextmanager
 def source_locations():
     """Lowers with jax's default source locations, for a test that reads them."""
+    previous = jax.config.jax_traceback_in_locations_limit
     jax.config.update("jax_traceback_in_locations_limit", JAX_TRACEBACK_LIMIT)
     try:
         yield
     finally:
-        jax.config.update("jax_traceback_in_locations_limit", 0)
+        jax.config.update("jax_traceback_in_locations_limit", previous)
