@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from substrax import launch
+
 WORKER = os.path.join(os.path.dirname(__file__), "launch_worker.py")
 FAST = ["--exit-timeout", "4", "--heartbeat-timeout", "4", "--grace", "2", "--timeout", "60"]
 
@@ -57,6 +59,48 @@ def test_a_frozen_process_is_caught_by_its_heartbeat():
     assert result.returncode == 1
     assert "process 1 sent no heartbeat for" in _report_line(result)
     assert seconds < 30
+
+
+def test_a_run_paused_as_it_ends_is_not_failed_for_the_pause(tmp_path):
+    """The machine stops (the launcher and every process) for 6 s just as process 0 starts to
+    exit, 1 s before process 1 does: the launcher does not count the pause against process 1
+    (--exit-timeout 4). A fresh-clone CI run failed so, "process 0 started to exit 24 s ago,
+    while processes [1] kept running (--exit-timeout 4)", on a run ending as it should."""
+    command = [sys.executable, "-m", "substrax.launch", "--num-processes", "2",
+               "--devices-per-process", "1", *FAST, WORKER, "ends-apart"]  # fmt: skip
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the launcher's status directory goes here
+    launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("substrax-launch-*/0.exit")):
+        assert launcher.poll() is None, launcher.communicate()  # it ends after process 1's 1 s
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    os.killpg(launcher.pid, signal.SIGSTOP)
+    assert not list(tmp_path.glob("substrax-launch-*/1.exit"))  # process 1 is still running
+    time.sleep(6)
+    os.killpg(launcher.pid, signal.SIGCONT)
+    _, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 0, err[-3000:]
+
+
+def test_the_launchers_limits_count_only_the_time_it_watched(monkeypatch):
+    """A gap of more than a second between two readings is left out of every limit; a process
+    late by the watched time alone is still late."""
+    watched = [120.1 + 0.5 * i for i in range(1, 11)]  # polls every 0.5 s to 125.1
+    readings = iter([100.0, 100.05, 120.05, 120.1, *watched])
+    monkeypatch.setattr(launch.time, "time", lambda: next(readings))
+    clock = launch._Clock()  # 100.0
+    clock.tick()  # 100.05
+    assert clock.tick() == 120.05  # 20 s unwatched
+    assert clock.since(100.0) == pytest.approx(0.05)
+    clock.tick()
+    assert clock.since(100.0) == pytest.approx(0.1)
+    assert clock.since(110.0) == pytest.approx(0.05)  # written during the gap
+    assert clock.since(120.1) == 0.0
+    for _ in watched:  # 5 s watched: a limit of 4 s is exceeded
+        clock.tick()
+    assert clock.since(100.0) == pytest.approx(5.1) and clock.since(120.1) == pytest.approx(5.0)
 
 
 def test_gloo_connection_lines_only_with_verbose(tmp_path):

@@ -17,6 +17,11 @@ The run fails fast and names the process that failed:
 - ``--timeout`` bounds the whole run. A process that is alive, beating and simply slow (a
   ``time.sleep``, a long compile) is bounded only by ``--timeout``.
 
+``--exit-timeout``, ``--heartbeat-timeout`` and ``--stall-timeout`` count only the time the
+launcher watched: where it did not run for more than a second (the machine stalled, the
+launcher was stopped, the wall clock stepped forward), it cannot tell what its processes did,
+so that time is not held against them. ``--timeout`` is wall time.
+
 Stopping means SIGTERM, then SIGKILL after ``--grace`` seconds. The launcher never leaves its
 processes behind: SIGTERM, SIGINT and SIGHUP stop them the same way, and on Linux each process
 gets a parent-death signal, so even a SIGKILL of the launcher ends them.
@@ -45,6 +50,44 @@ __all__ = ["STALL_STATUS", "launch", "main"]
 
 _TAIL_LINES = 10
 _STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+#: Seconds between two of the watch's readings of the clock beyond which it did not watch.
+_UNWATCHED = 1.0
+#: How many such gaps :class:`_Clock` remembers (the limits look back seconds to minutes).
+_GAPS_KEPT = 256
+
+
+class _Clock:
+    """Wall time as the launcher watched it: gaps of more than :data:`_UNWATCHED` s left out.
+
+    Each limit the watch applies is a time since a process wrote a file (its exit, its
+    heartbeat, its last step). When the launcher itself did not run for a while, every
+    process looks late by that much. A fresh-clone CI run failed a healthy 2-process run as
+    "process 0 started to exit 24 s ago, while processes [1] kept running (--exit-timeout 4)":
+    the launcher, which reads the clock every 50 ms, had not run (or its clock had jumped)
+    for about 20 s as the processes were ending. So a limit counts only the time between
+    readings that follow each other closely.
+    """
+
+    def __init__(self) -> None:
+        self.now = time.time()
+        self._gaps: collections.deque[tuple[float, float]] = collections.deque(maxlen=_GAPS_KEPT)
+
+    def tick(self) -> float:
+        """Reads the wall clock, setting aside a long gap since the last reading.
+
+        Returns:
+          The wall time now.
+        """
+        now = time.time()
+        if now - self.now > _UNWATCHED:
+            self._gaps.append((self.now, now))
+        self.now = now
+        return now
+
+    def since(self, then: float) -> float:
+        """Seconds watched from ``then`` (a wall time, such as a file's) to the last reading."""
+        unwatched = sum(end - max(start, then) for start, end in self._gaps if end > then)
+        return self.now - then - unwatched
 
 
 def _free_port() -> int:
@@ -134,6 +177,8 @@ def launch(
       num_processes: How many processes.
       devices_per_process: Simulated CPU devices per process (None: jax's default).
       timeout: Seconds after which every process is stopped and the run fails (None: none).
+        Wall time; the three limits below count only the seconds the launcher watched (see
+        the module's description).
       grace: Seconds between SIGTERM and SIGKILL when stopping processes.
       exit_timeout: Seconds the other processes may keep running after one started to exit.
       heartbeat_timeout: Seconds without a heartbeat after which a process counts as hung
@@ -278,7 +323,7 @@ class _Stalls:
         gaps = sorted(b - a for times in self.seen.values() for a, b in itertools.pairwise(times))
         return max(60.0, 5 * gaps[len(gaps) // 2]) if len(gaps) >= 3 else None
 
-    def check(self, workers, status_dir, now):
+    def check(self, workers, status_dir, clock: _Clock):
         """``(status, failure)`` when nothing moved for the stall time, else None.
 
         A process in work of no known length (a ``busy`` mark: compiling, loading weights,
@@ -293,9 +338,9 @@ class _Stalls:
         if any(busy for _, _, busy in known):
             return None
         threshold = self.threshold()
-        if not known or threshold is None or now - max(t for t, _, _ in known) <= threshold:
+        if not known or threshold is None or clock.since(max(t for t, _, _ in known)) <= threshold:
             return None
-        return STALL_STATUS, _failure(None, _stall_report(workers, status_dir, now, records,
+        return STALL_STATUS, _failure(None, _stall_report(workers, status_dir, clock.now, records,
                                                           threshold, self.timeout))  # fmt: skip
 
 
@@ -340,9 +385,10 @@ def _watch(workers, status_dir, timeout, exit_timeout, heartbeat_timeout, stalls
     Returns:
       ``(status, failure)``: the launcher's exit status, and None or what :func:`_failure` says.
     """
-    start = time.time()
+    clock = _Clock()
+    start = clock.now
     while True:
-        now = time.time()
+        now = clock.tick()
         for worker in workers:
             if worker.ended_at is None and worker.process.poll() is not None:
                 worker.ended_at = now
@@ -350,9 +396,9 @@ def _watch(workers, status_dir, timeout, exit_timeout, heartbeat_timeout, stalls
             return 0, None
         verdict = (
             _failed(workers, status_dir)
-            or _exited_early(workers, status_dir, now, exit_timeout)
-            or _frozen(workers, status_dir, now, heartbeat_timeout)
-            or (stalls.check(workers, status_dir, now) if stalls is not None else None)
+            or _exited_early(workers, status_dir, clock, exit_timeout)
+            or _frozen(workers, status_dir, clock, heartbeat_timeout)
+            or (stalls.check(workers, status_dir, clock) if stalls is not None else None)
         )
         if verdict is not None:
             return verdict
@@ -370,24 +416,24 @@ def _failed(workers, status_dir):
     return _status_of(culprit.process.returncode), _failure(culprit, _how(culprit, status_dir))
 
 
-def _exited_early(workers, status_dir, now, exit_timeout):
+def _exited_early(workers, status_dir, clock: _Clock, exit_timeout):
     """A process that started to exit longer than ``exit_timeout`` ago while others run."""
     early = _first_to_exit(workers, status_dir)
-    if early is None or now - _exit_time(early, status_dir) <= exit_timeout:
+    if early is None or clock.since(_exit_time(early, status_dir)) <= exit_timeout:
         return None
     running = [w.index for w in workers if w.process.returncode is None and w is not early]
     text = (
         f"{_how(early, status_dir)} (sys.exit or the end of its script) "
-        f"{now - _exit_time(early, status_dir):.0f} s ago, while processes {running} kept "
+        f"{clock.now - _exit_time(early, status_dir):.0f} s ago, while processes {running} kept "
         f"running (--exit-timeout {exit_timeout:g})"
     )
     return 1, _failure(early, text)
 
 
-def _frozen(workers, status_dir, now, heartbeat_timeout):
-    """A running process whose heartbeat is older than ``heartbeat_timeout``."""
+def _frozen(workers, status_dir, clock: _Clock, heartbeat_timeout):
+    """A running process whose heartbeat is older than ``heartbeat_timeout`` (watched)."""
     for worker in workers:
-        silent = _silence(worker, status_dir, now)
+        silent = _silence(worker, status_dir, clock)
         if worker.process.returncode is None and silent > heartbeat_timeout:
             text = f"sent no heartbeat for {silent:.0f} s: it is stopped or frozen"
             return 1, _failure(worker, f"{text} (--heartbeat-timeout {heartbeat_timeout:g})")
@@ -412,9 +458,9 @@ def _first_to_exit(workers: list[_Worker], status_dir: str) -> _Worker | None:
     return min(exiting, key=lambda w: _exit_time(w, status_dir)) if exiting else None
 
 
-def _silence(worker: _Worker, status_dir: str, now: float) -> float:
+def _silence(worker: _Worker, status_dir: str, clock: _Clock) -> float:
     try:
-        return now - os.stat(_worker.heartbeat_path(status_dir, worker.index)).st_mtime
+        return clock.since(os.stat(_worker.heartbeat_path(status_dir, worker.index)).st_mtime)
     except OSError:
         return 0.0  # not beating yet: it has not called initialize
 
