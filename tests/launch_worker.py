@@ -53,10 +53,10 @@ elif mode in ("raise", "exit0", "hang"):
             sys.exit(0)
         os.kill(os.getpid(), signal.SIGSTOP)
     _wait_in_a_collective()
-elif mode == "ends-apart":  # process 0 ends its script 1 s before process 1: a healthy run
+elif mode == "ends-apart":  # process 0 ends its script 2 s before process 1: a healthy run
     _initialize()
     if process_id == 1:
-        time.sleep(1)
+        time.sleep(2)
 elif mode == "devices":
     _initialize()
     import jax

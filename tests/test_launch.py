@@ -62,23 +62,24 @@ def test_a_frozen_process_is_caught_by_its_heartbeat():
 
 
 def test_a_run_paused_as_it_ends_is_not_failed_for_the_pause(tmp_path):
-    """The machine stops (the launcher and every process) for 6 s just as process 0 starts to
-    exit, 1 s before process 1 does: the launcher does not count the pause against process 1
-    (--exit-timeout 4). A fresh-clone CI run failed so, "process 0 started to exit 24 s ago,
+    """The machine stops (the launcher and every process) for 8 s just as process 0 starts to
+    exit, 2 s before process 1 does: the launcher does not count the pause against process 1
+    (--exit-timeout 6). A fresh-clone CI run failed so, "process 0 started to exit 24 s ago,
     while processes [1] kept running (--exit-timeout 4)", on a run ending as it should."""
     command = [sys.executable, "-m", "substrax.launch", "--num-processes", "2",
-               "--devices-per-process", "1", *FAST, WORKER, "ends-apart"]  # fmt: skip
+               "--devices-per-process", "1", *FAST, "--exit-timeout", "6", WORKER,
+               "ends-apart"]  # fmt: skip
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the launcher's status directory goes here
     launcher = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob("substrax-launch-*/0.exit")):
-        assert launcher.poll() is None, launcher.communicate()  # it ends after process 1's 1 s
+        assert launcher.poll() is None, launcher.communicate()  # it ends after process 1's 2 s
         assert time.monotonic() < deadline
         time.sleep(0.005)
     os.killpg(launcher.pid, signal.SIGSTOP)
     assert not list(tmp_path.glob("substrax-launch-*/1.exit"))  # process 1 is still running
-    time.sleep(6)
+    time.sleep(8)
     os.killpg(launcher.pid, signal.SIGCONT)
     _, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 0, err[-3000:]
