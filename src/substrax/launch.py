@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 from substrax import _worker
 from substrax._worker import ENV_COORDINATOR, ENV_CPU_DEVICES, ENV_NUM_PROCESSES, ENV_PROCESS_ID
@@ -68,8 +69,9 @@ class _Clock:
     readings that follow each other closely.
     """
 
-    def __init__(self) -> None:
-        self.now = time.time()
+    def __init__(self, read: Callable[[], float] = time.time) -> None:
+        self._read = read
+        self.now = read()
         self._gaps: collections.deque[tuple[float, float]] = collections.deque(maxlen=_GAPS_KEPT)
 
     def tick(self) -> float:
@@ -78,7 +80,7 @@ class _Clock:
         Returns:
           The wall time now.
         """
-        now = time.time()
+        now = self._read()
         if now - self.now > _UNWATCHED:
             self._gaps.append((self.now, now))
         self.now = now
