@@ -67,6 +67,9 @@ class _Clock:
     the launcher, which reads the clock every 50 ms, had not run (or its clock had jumped)
     for about 20 s as the processes were ending. So a limit counts only the time between
     readings that follow each other closely.
+
+    Args:
+      read: The wall clock, ``time.time`` (a test passes its own readings).
     """
 
     def __init__(self, read: Callable[[], float] = time.time) -> None:
