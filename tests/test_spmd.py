@@ -1,3 +1,5 @@
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -6,7 +8,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from substrax.mesh import DeviceMeshManager, MeshRules, fsdp_rules
-from substrax.spmd import active_rules, batch_sharding, constrain, replicate, shard_batch, use_rules
+from substrax.spmd import (
+    active_rules,
+    batch_sharding,
+    check_rows,
+    constrain,
+    replicate,
+    shard_batch,
+    use_rules,
+)
 
 
 def test_shard_batch_over_one_axis(mesh_2x4):
@@ -26,8 +36,34 @@ def test_shard_batch_over_several_axes(mesh_2x4):
 
 
 def test_batch_that_does_not_divide_is_an_error(mesh_2x4):
-    with pytest.raises(ValueError, match=r"Global batch size 6 .* does not divide the 8 devices"):
+    message = (
+        "The batch's 6 rows (leaf ['x'] of shape (6, 2)) do not split evenly over the 8 "
+        "devices of its batch axes ('data', 'model'); pass a batch of a multiple of 8 rows."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):  # the steps' check, word for word
         shard_batch({"x": np.ones((6, 2))}, mesh_2x4, ("data", "model"))
+    with pytest.raises(ValueError, match=re.escape(message.replace("6, 2", "6, 16, 2"))):
+        shard_batch({"x": jax.ShapeDtypeStruct((6, 16, 2), np.float32)}, mesh_2x4,
+                    ("data", "model"))  # fmt: skip
+
+
+def test_rows_are_checked_against_the_replicas_and_each_replicas_microbatches():
+    check_rows(16, 8, ("data",), microbatches=2)
+    check_rows(3, 1, (), microbatches=3)  # one replica: only the slices
+    uneven = (
+        "The batch's 12 rows do not split evenly over the 8 devices of its batch axes "
+        "('data',); pass a batch of a multiple of 16 rows (microbatches=2 slices each "
+        "device's rows)."
+    )
+    with pytest.raises(ValueError, match=re.escape(uneven)):
+        check_rows(12, 8, ("data",), microbatches=2)
+    slices = (
+        "microbatches=4 slices each device's rows, but the batch's 16 rows over 8 "
+        "data-parallel replicas (('data',)) give 2 per device; pass a batch of a multiple of "
+        "32 rows or a microbatches that divides 2."
+    )
+    with pytest.raises(ValueError, match=re.escape(slices)):
+        check_rows(16, 8, ("data",), microbatches=4)
 
 
 def test_scalar_leaves_are_replicated_next_to_the_rows(mesh_2x4):

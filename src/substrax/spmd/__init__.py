@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from substrax.spmd._attention import zigzag as zigzag
     from substrax.spmd._batch import batch_sharding as batch_sharding
     from substrax.spmd._batch import check_batch as check_batch
+    from substrax.spmd._batch import check_rows as check_rows
     from substrax.spmd._batch import is_replicated_leaf as is_replicated_leaf
     from substrax.spmd._batch import replicate as replicate
     from substrax.spmd._batch import shard_batch as shard_batch
@@ -73,6 +74,7 @@ __all__ = [
     "attention",
     "batch_sharding",
     "check_batch",
+    "check_rows",
     "is_replicated_leaf",
     "checkpoint_policy",
     "constrain",

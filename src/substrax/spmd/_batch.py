@@ -13,7 +13,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from substrax.mesh._resolve import as_axes
 from substrax.spmd._attention import zigzag
 
-__all__ = ["batch_sharding", "check_batch", "is_replicated_leaf", "replicate", "shard_batch"]
+__all__ = [
+    "batch_sharding",
+    "check_batch",
+    "check_rows",
+    "is_replicated_leaf",
+    "replicate",
+    "shard_batch",
+]
 
 BatchAxes = str | Sequence[str]
 
@@ -185,7 +192,7 @@ def shard_batch(
             return replicate(leaf, mesh)
         local = np.asarray(leaf)
         global_size = local.shape[0] * processes
-        _check_rows(path, local.shape, global_size, devices, axes)
+        check_rows(global_size, devices, axes, leaf=_leaf(path, (global_size, *local.shape[1:])))
         split = seq if local.ndim > 1 else ()
         if split and cp > 1:
             _check_sequence(path, local.shape, cp, seq)
@@ -201,20 +208,55 @@ def _abstract_leaf(path, leaf, mesh, axes, seq, devices, cp) -> jax.ShapeDtypeSt
     """The global leaf ``leaf`` describes, with the sharding a host leaf would get."""
     if not leaf.shape:
         return jax.ShapeDtypeStruct((), leaf.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
-    _check_rows(path, leaf.shape, leaf.shape[0], devices, axes)
+    check_rows(leaf.shape[0], devices, axes, leaf=_leaf(path, leaf.shape))
     split = seq if len(leaf.shape) > 1 else ()
     if split and cp > 1:
         _check_sequence(path, leaf.shape, cp, seq)
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=batch_sharding(mesh, axes, split))
 
 
-def _check_rows(path, shape, global_size: int, devices: int, axes) -> None:
-    if global_size % devices:
+def check_rows(
+    rows: int, devices: int, axes: tuple[str, ...], *, microbatches: int = 1, leaf: str = ""
+) -> None:
+    """Raises unless ``rows`` split evenly over ``devices`` and each device's into microbatches.
+
+    The one check of a batch's rows against its batch axes: :func:`shard_batch` makes it
+    for each leaf it places, and the train and eval steps for the global batch before they
+    trace (a ``shard_map`` would name its own argument instead).
+
+    Args:
+      rows: The global batch's rows.
+      devices: The number of devices of ``axes`` (the data-parallel replicas).
+      axes: The batch axes, named in the message.
+      microbatches: Slices of each device's rows (gradient accumulation).
+      leaf: The leaf, as the message names it in parentheses (``"leaf ['x'] of shape
+        (6, 2)"``), if one.
+
+    Raises:
+      ValueError: If ``rows`` is not a multiple of ``devices``, or a device's rows not a
+        multiple of ``microbatches``; it names both and the multiple of rows that would do.
+    """
+    whose = f"The batch's {rows} rows" + (f" ({leaf})" if leaf else "")
+    if rows % devices:
         raise ValueError(
-            f"Global batch size {global_size} of leaf {jax.tree_util.keystr(path)} "
-            f"(shape {shape}) does not divide the {devices} devices of mesh axes "
-            f"{axes}; use a multiple of {devices}."
+            f"{whose} do not split evenly over the {devices} devices of its batch axes "
+            f"{axes}; pass a batch of a multiple of {devices * microbatches} rows"
+            + (f" (microbatches={microbatches} slices each device's rows)." if microbatches > 1
+               else ".")
+        )  # fmt: skip
+    if (rows // devices) % microbatches:
+        raise ValueError(
+            f"microbatches={microbatches} slices each device's rows, but {whose[0].lower()}"
+            f"{whose[1:]} over {devices} data-parallel replicas ({axes}) give {rows // devices} "
+            f"per device; pass a batch of a multiple of {devices * microbatches} rows or a "
+            f"microbatches that divides {rows // devices}."
         )
+
+
+def _leaf(path, shape) -> str:
+    """A batch leaf as :func:`check_rows` names it."""
+    name = jax.tree_util.keystr(path)
+    return f"leaf {name} of shape {tuple(shape)}" if name else f"shape {tuple(shape)}"
 
 
 def _check_sequence(path, shape, cp: int, seq) -> None:

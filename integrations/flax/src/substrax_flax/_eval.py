@@ -35,7 +35,7 @@ from substrax_flax._train import (
     TrainStep,
     _batch_reason,
     _on,
-    check_rows,
+    check_global_rows,
     check_takes_model_and_batch,
     make_train_step,
 )
@@ -149,7 +149,7 @@ class EvalStep:
         used = _on(mesh, compute_sh)
         movers = None
         if route.path.name == "manual":
-            check_rows(batch, mesh, region, 1)
+            check_global_rows(batch, mesh, region, 1)
             rows = {row.path: row for row in plan.rows}
             movers = manual_movers(params, rows, region, used, router.precision, plan.layout)
         step_plan = _eval_plan(route, plan, params, compute_sh, router)

@@ -21,6 +21,7 @@ from substrax.mesh import MeshRules, as_axes
 from substrax.spmd import (
     MixedPrecision,
     as_precision,
+    check_rows,
     checkpoint_policy,
     is_replicated_leaf,
     use_rules,
@@ -304,7 +305,7 @@ class TrainStep(JittedStep):
             decisions += (Decision("cost", _megabytes(path.extra_bytes), more),)
         movers, scatter_each = None, False
         if path.name == "manual":  # the region may be empty: accumulation on one replica
-            check_rows(batch, mesh, region, self.microbatches)
+            check_global_rows(batch, mesh, region, self.microbatches)
             rows = {row.path: row for row in plan.rows}
             movers = manual_movers(nnx.state(model, self.wrt), rows, region,
                                    _on(mesh, compute_sh), self.precision, plan.layout,
@@ -505,28 +506,15 @@ class TrainStep(JittedStep):
         return self.plan_for(model, optimizer, batch).path
 
 
-def check_rows(batch: Any, mesh: Any, split: tuple[str, ...], k: int) -> None:
-    """Raises unless the rows split evenly over ``split``'s devices, and each device's into ``k``.
+def check_global_rows(batch: Any, mesh: Any, split: tuple[str, ...], k: int) -> None:
+    """:func:`substrax.spmd.check_rows` for the global batch over ``split``'s devices, ``k`` slices.
 
-    The manual region's ``shard_map`` splits them so; its own error names its internals.
+    The manual region's ``shard_map`` would raise too, naming its own internals instead.
     """
     rows = _global_rows(batch, mesh)
-    replicas = math.prod(dict(mesh.shape)[a] for a in split)
-    if rows is None:
-        return
-    if rows % replicas:
-        raise ValueError(
-            f"The batch's {rows} rows do not split evenly over the {replicas} devices of its "
-            f"batch axes {split}; pass a batch of a multiple of {replicas * k} rows"
-            + (f" (microbatches={k} slices each device's rows)." if k > 1 else ".")
-        )
-    if k > 1 and (rows // replicas) % k:
-        raise ValueError(
-            f"microbatches={k} slices each device's rows, but the batch's {rows} rows over "
-            f"{replicas} data-parallel replicas ({split}) give {rows // replicas} per device; "
-            f"pass a batch of a multiple of {replicas * k} rows or a microbatches that divides "
-            f"{rows // replicas}."
-        )
+    if rows is not None:
+        devices = math.prod(dict(mesh.shape)[a] for a in split)
+        check_rows(rows, devices, split, microbatches=k)
 
 
 def _global_rows(batch: Any, mesh: jax.sharding.Mesh) -> int | None:
