@@ -47,23 +47,26 @@ def test_batch_that_does_not_divide_is_an_error(mesh_2x4):
                     ("data", "model"))  # fmt: skip
 
 
-def test_rows_are_checked_against_the_replicas_and_each_replicas_microbatches():
+def test_rows_that_split_over_the_replicas_and_their_microbatches_pass():
     check_rows(16, 8, ("data",), microbatches=2)
     check_rows(3, 1, (), microbatches=3)  # one replica: only the slices
-    uneven = (
-        "The batch's 12 rows do not split evenly over the 8 devices of its batch axes "
-        "('data',); pass a batch of a multiple of 16 rows (microbatches=2 slices each "
-        "device's rows)."
-    )
-    with pytest.raises(ValueError, match=re.escape(uneven)):
-        check_rows(12, 8, ("data",), microbatches=2)
-    slices = (
-        "microbatches=4 slices each device's rows, but the batch's 16 rows over 8 "
-        "data-parallel replicas (('data',)) give 2 per device; pass a batch of a multiple of "
-        "32 rows or a microbatches that divides 2."
-    )
-    with pytest.raises(ValueError, match=re.escape(slices)):
-        check_rows(16, 8, ("data",), microbatches=4)
+
+
+@pytest.mark.parametrize(
+    ("rows", "microbatches", "message"),
+    [
+        (12, 2, "The batch's 12 rows do not split evenly over the 8 devices of its batch axes "
+                "('data',); pass a batch of a multiple of 16 rows (microbatches=2 slices each "
+                "device's rows)."),
+        (16, 4, "microbatches=4 slices each device's rows, but the batch's 16 rows over 8 "
+                "data-parallel replicas (('data',)) give 2 per device; pass a batch of a "
+                "multiple of 32 rows or a microbatches that divides 2."),
+    ],
+    ids=["over the replicas", "into microbatches"],
+)  # fmt: skip
+def test_rows_that_do_not_split_are_named_with_a_multiple_that_would(rows, microbatches, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_rows(rows, 8, ("data",), microbatches=microbatches)
 
 
 def test_scalar_leaves_are_replicated_next_to_the_rows(mesh_2x4):
