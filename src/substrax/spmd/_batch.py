@@ -236,20 +236,19 @@ def check_rows(
       ValueError: If ``rows`` is not a multiple of ``devices``, or a device's rows not a
         multiple of ``microbatches``; it names both and the multiple of rows that would do.
     """
-    whose = f"The batch's {rows} rows" + (f" ({leaf})" if leaf else "")
+    ours = f"batch's {rows} rows" + (f" ({leaf})" if leaf else "")
+    slices = f" (microbatches={microbatches} slices each device's rows)" if microbatches > 1 else ""
     if rows % devices:
         raise ValueError(
-            f"{whose} do not split evenly over the {devices} devices of its batch axes "
-            f"{axes}; pass a batch of a multiple of {devices * microbatches} rows"
-            + (f" (microbatches={microbatches} slices each device's rows)." if microbatches > 1
-               else ".")
-        )  # fmt: skip
+            f"The {ours} do not split evenly over the {devices} devices of its batch axes "
+            f"{axes}; pass a batch of a multiple of {devices * microbatches} rows{slices}."
+        )
     if (rows // devices) % microbatches:
         raise ValueError(
-            f"microbatches={microbatches} slices each device's rows, but {whose[0].lower()}"
-            f"{whose[1:]} over {devices} data-parallel replicas ({axes}) give {rows // devices} "
-            f"per device; pass a batch of a multiple of {devices * microbatches} rows or a "
-            f"microbatches that divides {rows // devices}."
+            f"microbatches={microbatches} slices each device's rows, but the {ours} over "
+            f"{devices} data-parallel replicas ({axes}) give {rows // devices} per device; pass "
+            f"a batch of a multiple of {devices * microbatches} rows or a microbatches that "
+            f"divides {rows // devices}."
         )
 
 
