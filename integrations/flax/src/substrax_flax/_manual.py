@@ -420,6 +420,8 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes,
         rest = [a if c else b for a, b, c in zip(rest_leaves, rest, counts, strict=True)]
         (loss, (aux, rest, _)), grads = jax.value_and_grad(one, has_aux=True)(params, rest, rows, j)
         grads = scatter(grads) if scatter_each else grads
+        if scatter_each or per_layer:  # shards, summed as shards on every compiler
+            grads = reduced_in_the_loop(grads)
         total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
         return (total, rest), (loss, aux)
 
@@ -436,6 +438,20 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes,
     loss = _pmean(losses.mean(), batch_axes)
     aux = _mean(jax.tree.map(lambda a: a.mean(0), auxes), batch_axes)
     return (loss, (aux, jax.tree.unflatten(rest_def, rest))), grads
+
+
+def reduced_in_the_loop(shards: Any) -> Any:
+    """A slice's reduced gradient shards, which the loop over the slices then sums as shards.
+
+    Without the barrier XLA:TPU moves the reduce-scatter of a shard summed over a loop's trips
+    out of the loop (it compiles a reduce-scatter as an all-reduce and a slice, and sinks the
+    all-reduce): the loop then sums whole gradients, and the shard-sized sum that FSDP's
+    ``regather`` and ZeRO-2 promise is gone. Measured with libtpu 0.0.42.1 on Llama 3 70B,
+    ``fsdp 128 x tp 2``, 4 microbatches on ``v5p-512``: the embedding's and head's gradients
+    summed whole over fsdp, 2 x 1002 MiB held through the step (19.86 GiB allocated, 17.92
+    with the barrier, for 1.2% more collective bytes). XLA:CPU moves nothing either way.
+    """
+    return jax.lax.optimization_barrier(shards)
 
 
 def _placed_loss(loss_of, template, movers):
