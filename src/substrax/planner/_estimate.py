@@ -412,8 +412,8 @@ def _activations(
 
 #: Layers whose offloaded products remat ``"offload"`` holds on the device at its peak (on
 #: their way to the host or back): XLA:TPU's Llama 3 8B step (fsdp 32, 4 microbatches of 8192
-#: tokens, ``v5p-64``) allocated 11.14 GiB of HBM, 3.4 layers' worth beyond ``"full"``'s
-#: 9.11 GiB; its host bytes equal :func:`_offloaded`'s exactly.
+#: tokens, ``v5p-64``) allocated 10.96 GiB of HBM, 3.4 layers' worth beyond ``"full"``'s
+#: 8.92 GiB; its host bytes equal :func:`_offloaded`'s exactly.
 OFFLOAD_IN_TRANSIT = 3
 
 
@@ -694,14 +694,18 @@ def _slices(layout, workload: Workload) -> int:
 def _gathered(config, layout, workload, per_device, layer_shard, stored) -> tuple[float, float]:
     """Bytes of gathered parameters and of gradients not yet reduced, per device.
 
-    Without FSDP, accumulation over microbatches holds the slice's gradient and the running
-    sum, whole (before ZeRO's reduce-scatter or the data-parallel all-reduce) in the compute
-    width: Llama 3 8B on ZeRO-2 16 x TP 2, 8 slices, XLA:TPU: 67.3 GiB compiled, 64.3
-    estimated with them, 49.4 without.
+    Without FSDP, accumulation over microbatches holds the slice's gradient whole in the
+    compute width, and the running sum whole too (before ZeRO-1's reduce-scatter or the
+    data-parallel all-reduce); ZeRO-2 reduce-scatters each slice's gradient and sums shards
+    (the ``grads`` term): Llama 3 8B on ZeRO-2 16 x TP 2, 8 slices, XLA:TPU: 53.6 GiB
+    compiled, 53.9 estimated (60.2 compiled and 61.4 estimated when XLA:TPU moved the
+    slices' reductions out of the loop and summed whole gradients, before
+    :func:`substrax_flax._manual.reduced_in_the_loop`).
     """
     width = PRECISION_BYTES[workload.precision][1]
     if layout.fsdp == 1:
-        return 0.0, (2 * per_device * width if _slices(layout, workload) > 1 else 0.0)
+        sums = 1 if layout.zero == 2 else 2  # the slice's gradient, and a whole running sum
+        return 0.0, (sums * per_device * width if _slices(layout, workload) > 1 else 0.0)
     gathers, _, whole = _gathers(layout, workload)
     if whole:  # every parameter gathered, and a whole gradient summed over the slices
         model = per_device * layout.fsdp
@@ -897,7 +901,9 @@ def _traffic(c, w, layout, state, width, schedule) -> dict[str, float]:
         else:
             traffic[f"{axes}/reduce-scatter"] = rounds * reduced * f * (f - 1) / f
     if layout.dp > 1 and layout.zero:  # gradients reduce-scattered, new parameters gathered
-        traffic["data/reduce-scatter"] = reduced * (layout.dp - 1) / layout.dp
+        # ZeRO-2 reduce-scatters each accumulation slice's gradient, ZeRO-1 their sum
+        scatters = _slices(layout, w) if layout.zero == 2 else 1
+        traffic["data/reduce-scatter"] = scatters * reduced * (layout.dp - 1) / layout.dp
         traffic["data/all-gather"] = state_bytes * (layout.dp - 1) / layout.dp
     elif layout.dp > 1:  # gradient all-reduce of this device's shard
         traffic["data/all-reduce"] = 2 * reduced * (layout.dp - 1) / layout.dp
