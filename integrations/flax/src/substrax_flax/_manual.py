@@ -449,7 +449,8 @@ def reduced_in_the_loop(shards: Any) -> Any:
     ``regather`` and ZeRO-2 promise is gone. Measured with libtpu 0.0.42.1 on Llama 3 70B,
     ``fsdp 128 x tp 2``, 4 microbatches on ``v5p-512``: the embedding's and head's gradients
     summed whole over fsdp, 2 x 1002 MiB held through the step (19.86 GiB allocated, 17.92
-    with the barrier, for 1.2% more collective bytes). XLA:CPU moves nothing either way.
+    with the barrier, for 0.9% more collective bytes); Llama 3 8B, ``zero2 dp 16 x tp 2``, 8
+    microbatches on ``v5p-64``: 60.2 GiB, 53.6 with it. XLA:CPU moves nothing either way.
     """
     return jax.lax.optimization_barrier(shards)
 
