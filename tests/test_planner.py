@@ -751,6 +751,26 @@ def test_the_peak_is_within_5_percent_of_the_tpu_compilers(run):
         assert best.bytes_per_device["host"] == 20_401_094_656
 
 
+def test_zero2_accumulation_sums_shards_and_reduces_each_slice():
+    """ZeRO-1 with 8 slices sums whole gradients and reduces once; ZeRO-2 reduce-scatters each
+    slice's gradient and sums shards: half the whole gradients held, 8 times the reduction."""
+    config = architecture("llama3-8b")
+    leaves = transformer_leaves(config)
+    work = Workload(batch_tokens=2**20, seq=8192, remat="none", microbatches=8)
+    one, two = (evaluate(config, leaves, Layout.from_degrees(dp=16, tp=2, zero=z), work,
+                         HARDWARE["tpu-v5p"]) for z in (1, 2))  # fmt: skip
+    whole = one.params_per_device * 2  # bf16
+    assert one.bytes_per_device["unreduced"] == pytest.approx(2 * whole)
+    assert two.bytes_per_device["unreduced"] == pytest.approx(whole)
+    scattered = [c.traffic_bytes_per_step["data/reduce-scatter"] for c in (one, two)]
+    assert scattered[1] == pytest.approx(8 * scattered[0])
+    single = dataclasses.replace(work, microbatches=1)
+    alone = evaluate(config, leaves, Layout.from_degrees(dp=16, tp=2, zero=2), single,
+                     HARDWARE["tpu-v5p"])  # fmt: skip
+    assert alone.bytes_per_device["unreduced"] == 0
+    assert alone.traffic_bytes_per_step["data/reduce-scatter"] == pytest.approx(scattered[0])
+
+
 #: Llama 3 70B under remat "full" with TP (torchtitan's batch, 512 x 8192 tokens, layouts of the
 #: H100 profile, ``gather="regather"``) compiled for ``v5p-512``: (label, microbatches, GiB).
 FULL_REMAT_TP_PEAKS = [
