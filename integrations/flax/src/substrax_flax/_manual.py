@@ -409,6 +409,7 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes,
     shapes = jax.eval_shape(one, params, rest_leaves, first, 0)
     rest_def = jax.tree.structure(shapes[1][2])
     scatter_each = scatter_each and not per_layer  # per layer, the gradients arrive as shards
+    as_shards = scatter_each or per_layer  # each slice's gradients reduced, summed as shards
 
     def scatter(grads):
         return jax.tree.map(lambda g, m, x: m.scatter(g, x.dtype), grads, movers, pure)
@@ -420,7 +421,7 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes,
         rest = [a if c else b for a, b, c in zip(rest_leaves, rest, counts, strict=True)]
         (loss, (aux, rest, _)), grads = jax.value_and_grad(one, has_aux=True)(params, rest, rows, j)
         grads = scatter(grads) if scatter_each else grads
-        if scatter_each or per_layer:  # shards, summed as shards on every compiler
+        if as_shards:  # on every compiler
             grads = reduced_in_the_loop(grads)
         total = jax.tree.map(lambda t, g: t + g.astype(t.dtype), total, grads)
         return (total, rest), (loss, aux)
@@ -431,7 +432,7 @@ def _accumulate(loss_of, template, pure, rest_leaves, batch, movers, batch_axes,
     xs = (slices, jax.numpy.arange(k, dtype=jax.numpy.uint32))
     (total, rest), (losses, auxes) = jax.lax.scan(body, (zeros, list(rest_leaves)), xs)
     count = k * math.prod(jax.lax.axis_size(a) for a in batch_axes)
-    if scatter_each or per_layer:
+    if as_shards:
         grads = jax.tree.map(lambda t: t / count, total)
     else:
         grads = jax.tree.map(lambda g, m, x: m.scatter(g / count, x.dtype), total, movers, pure)
