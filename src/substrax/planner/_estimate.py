@@ -697,7 +697,7 @@ def _gathered(config, layout, workload, per_device, layer_shard, stored) -> tupl
     Without FSDP, accumulation over microbatches holds the slice's gradient whole in the
     compute width, and the running sum whole too (before ZeRO-1's reduce-scatter or the
     data-parallel all-reduce); ZeRO-2 reduce-scatters each slice's gradient and sums shards
-    (the ``grads`` term): Llama 3 8B on ZeRO-2 16 x TP 2, 8 slices, XLA:TPU: 53.6 GiB
+    (the ``grads`` term): Llama 3 8B on ZeRO-2 16 x TP 2, 8 slices, XLA:TPU: 53.5 GiB
     compiled, 53.9 estimated (60.2 compiled and 61.4 estimated while XLA:TPU moved the
     slices' reductions out of the loop and summed whole gradients, before the adapter's
     step kept them in it; docs/planning.md "At real size").
