@@ -1,7 +1,10 @@
 """Per-layer gathers on a model written as published Flax NNX models are: a dataclass config
 on the module, its own logical specs, dropout, blocks stacked by ``nnx.vmap`` and run by
 ``nnx.scan``, on a ``jax.make_mesh`` mesh (Explicit axes). The sharded step, gathering each
-layer inside the scan, equals one device's ``nnx.jit`` step, dropout masks included."""
+layer inside the scan, equals one device's ``nnx.jit`` step, dropout masks included. Each block's
+bias, which no mesh axis splits, is summed over the accumulation slices beside the sharded
+kernels (one barrier over the whole gradient tree made it vary over the batch axes and broke
+the scan: ``_manual.reduced_in_the_loop``)."""
 
 import dataclasses
 
@@ -28,7 +31,8 @@ class Block(nnx.Module):
     def __init__(self, c: Config, rngs: nnx.Rngs):
         self.up = nnx.Linear(c.width, c.hidden, use_bias=False, rngs=rngs,
                              kernel_metadata={"out_sharding": ("embed", "mlp")})  # fmt: skip
-        self.down = nnx.Linear(c.hidden, c.width, use_bias=False, rngs=rngs,
+        # a bias no mesh axis splits: its gradient is the same on every replica
+        self.down = nnx.Linear(c.hidden, c.width, rngs=rngs,
                                kernel_metadata={"out_sharding": ("mlp", "embed")})  # fmt: skip
         self.drop = nnx.Dropout(c.rate, rngs=rngs)
 

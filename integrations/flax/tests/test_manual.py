@@ -1,7 +1,6 @@
 """The manual data-parallel step (the default where it keeps the numbers): gathers and
 reduce-scatters by construction, losses as one device."""
 
-import dataclasses
 import math
 import warnings
 
@@ -201,76 +200,6 @@ def test_accumulation_reduces_once_per_step_and_holds_one_slice():
         sf.make_train_step(gpt.loss_fn, data_parallel="xla", microbatches=2)
     with pytest.raises(ValueError, match="microbatches must be a positive integer, got 0"):
         sf.make_train_step(gpt.loss_fn, data_parallel="manual", microbatches=0)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sizes:
-    vocab: int = 128
-    dim: int = 64
-    hidden: int = 128
-    layers: int = 2
-    dropout: float = 0.1
-
-
-class _Block(nnx.Module):
-    def __init__(self, sizes: _Sizes, rngs: nnx.Rngs):
-        init = nnx.initializers.lecun_normal()
-        up, down = (
-            nnx.with_partitioning(init, names) for names in (("embed", "mlp"), ("mlp", "embed"))
-        )
-        self.up = nnx.Linear(sizes.dim, sizes.hidden, kernel_init=up, rngs=rngs)
-        self.down = nnx.Linear(sizes.hidden, sizes.dim, kernel_init=down, rngs=rngs)
-        self.norm = nnx.RMSNorm(sizes.dim, rngs=rngs)
-        self.drop = nnx.Dropout(sizes.dropout, rngs=rngs)
-
-    def __call__(self, x):
-        return x + self.drop(self.down(jax.nn.gelu(self.up(self.norm(x)))))
-
-
-class _Decoder(nnx.Module):
-    """Written as published NNX models are: a dataclass of sizes, a list of blocks, its own
-    specs on the kernels and the embedding, dropout, and a head whose bias no axis splits."""
-
-    def __init__(self, sizes: _Sizes, rngs: nnx.Rngs):
-        self.sizes = sizes
-        embed = nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed"))
-        self.embed = nnx.Embed(sizes.vocab, sizes.dim, embedding_init=embed, rngs=rngs)
-        self.blocks = nnx.List([_Block(sizes, rngs) for _ in range(sizes.layers)])
-        head = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "vocab"))
-        self.head = nnx.Linear(sizes.dim, sizes.vocab, kernel_init=head, rngs=rngs)
-
-    def __call__(self, ids):
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def _next_token_loss(model, batch):
-    logits = model(batch["inputs"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-
-
-def _decoder_losses(layout, mesh, **options) -> np.ndarray:
-    model = sf.create_sharded_model(lambda: _Decoder(_Sizes(), nnx.Rngs(params=0, dropout=1)),
-                                    mesh=mesh, layout=layout)  # fmt: skip
-    optimizer = sf.create_sharded_optimizer(model, optax.adamw(1e-2))
-    step = sf.make_train_step(_next_token_loss, **options)
-    rows = np.random.default_rng(0).integers(0, 128, (3, 32, 17)).astype(np.int32)
-    return np.array([step(model, optimizer, {"inputs": r[:, :-1], "targets": r[:, 1:]})["loss"]
-                     for r in rows])  # fmt: skip
-
-
-def test_regathered_slices_sum_a_replicated_bias_beside_the_sharded_kernels():
-    """Under ``gather="regather"`` with microbatches each slice's gradients are summed as shards
-    behind one barrier per leaf: a barrier over the whole tree made the head's bias, which
-    no batch axis splits, vary over them and broke the scan's carry (a TypeError)."""
-    one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1])
-    expected = _decoder_losses(Layout.named("dp", {"data": 1}), one, microbatches=4)
-    mesh = jax.make_mesh((8,), ("data",))
-    got = _decoder_losses(Layout.named("fsdp", {"data": 8}), mesh, microbatches=4,
-                          gather="regather")  # fmt: skip
-    np.testing.assert_allclose(got, expected, rtol=1e-5)
 
 
 class _Seen(nnx.Variable):
