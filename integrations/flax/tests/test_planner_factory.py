@@ -1,13 +1,12 @@
 """The planner on a user's own Flax NNX model: leaves, the CLI's --factory, and its warnings."""
 
 import json
-import warnings
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
-from flax_test_models import EMBED, Plain, StackedTransformer, Transformer
+from flax_test_models import EMBED, Plain, StackedTransformer
 
 import substrax_flax as sf
 from substrax import ShardingWarning
@@ -49,15 +48,6 @@ def test_command_line_plans_a_factory(tmp_path, monkeypatch, capsys):
     assert plan_cli.main(["--factory", "my_model", "--devices", "8", "--memory", "1GB",
                           "--batch-tokens", "512", "--seq", "8"]) == 2  # fmt: skip
     assert "expected module:function" in capsys.readouterr().err
-
-
-def test_slow_unstacked_models_get_a_warning(monkeypatch):
-    monkeypatch.setattr(plan_cli, "SLOW_EVAL_SHAPE_SECONDS", 0.0)
-    with pytest.warns(ShardingWarning, match="Stack the layers with nnx.vmap"):
-        plan_cli.model_leaves(lambda: Transformer(nnx.Rngs(0)))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        plan_cli.model_leaves(_factory)  # stacked: no warning
 
 
 MESHES = {"pp": {"pipe": 2, "data": 4}}

@@ -16,6 +16,7 @@ from substrax_flax._plan import (
     make_resolver,
     remember,
 )
+from substrax_flax._probes import cheap_sharding_probes
 from substrax_flax._resolve import Indivisible, Rules, Strategy, UnknownNames
 
 __all__ = ["create_sharded_model", "get_shardings", "plan_model", "shard_model"]
@@ -145,7 +146,7 @@ def _abstract_split(factory: Callable[[], nnx.Module], mesh: Any) -> tuple[Any, 
             )
         return nnx.split(model)
 
-    with nnx.use_eager_sharding(False), _mesh_context(mesh):
+    with nnx.use_eager_sharding(False), _mesh_context(mesh), cheap_sharding_probes():
         graphdef, state = jax.eval_shape(split)
     return graphdef, state, code_is_typed(state, mesh)
 

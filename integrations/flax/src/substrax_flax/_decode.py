@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from substrax.spmd import use_rules
 from substrax_flax._jitted import rehome
 from substrax_flax._plan import ModelPlan, model_plan, shardings_of
+from substrax_flax._probes import cheap_sharding_probes
 from substrax_flax._resolve import Resolver, VariableSharding
 from substrax_flax._state import map_variables
 from substrax_flax._step_plan import step_mesh
@@ -40,6 +41,7 @@ class DecodeStep:
     model that has ``init_cache``.
     """
 
+    @cheap_sharding_probes()
     def __init__(self, model: nnx.Module, batch_size: int, max_length: int, plan: ModelPlan,
                  logits_fn: Callable):  # fmt: skip
         """Plans and creates the cache; see :func:`make_decode_step`.
@@ -80,6 +82,7 @@ class DecodeStep:
         """The cache's bytes on one device, as planned."""
         return sum(row.bytes_per_device for row in self.rows)
 
+    @cheap_sharding_probes()
     def reset(self, model: nnx.Module) -> None:
         """Empties the cache for new prompts (the same compiled programs serve them).
 
@@ -99,6 +102,7 @@ class DecodeStep:
             )
         return rehome(state, self.mesh)
 
+    @cheap_sharding_probes()
     def __call__(self, model: nnx.Module, tokens: Any) -> jax.Array:
         """Appends ``tokens`` to the cache and returns the logits after the last of them.
 

@@ -28,6 +28,7 @@ from substrax_flax._jitted import Built, JittedStep, mark_entry
 from substrax_flax._manual import batch_specs, manual_movers, manual_rules, state_of
 from substrax_flax._pipeline_step import Stages
 from substrax_flax._plan import ModelPlan, model_plan, shardings_of
+from substrax_flax._probes import cheap_sharding_probes
 from substrax_flax._resolve import Rules, Strategy
 from substrax_flax._state import check_filter
 from substrax_flax._step_plan import Decision, StepPlan, param_steps, precision_name
@@ -64,6 +65,7 @@ class EvalStep:
         self._compiled = StepCache()
         self._last: Built | None = None
 
+    @cheap_sharding_probes()
     def __call__(self, model: nnx.Module, batch: Any) -> dict:
         """Evaluates ``fn`` on ``batch``.
 
@@ -106,6 +108,7 @@ class EvalStep:
             raise RuntimeError("The eval step has no plan yet: call it, or use plan_for(...).")
         return self._last.plan
 
+    @cheap_sharding_probes()
     def lower(self, model: nnx.Module, batch: Any) -> jax.stages.Lowered:
         """The evaluation's program for these arguments, lowered (not run).
 
@@ -120,6 +123,7 @@ class EvalStep:
         with jax.set_mesh(built.mesh):
             return built.jitted.lower(built.enter(state), JittedStep._batch(batch, built))
 
+    @cheap_sharding_probes()
     def _built(self, model: nnx.Module, batch: Any) -> tuple[Built, Any]:
         if not isinstance(model, nnx.Module):
             raise TypeError(f"model must be an nnx.Module, got {type(model).__name__}.")

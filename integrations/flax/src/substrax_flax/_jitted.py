@@ -26,6 +26,7 @@ from substrax_flax._cache import ProgramKey, StepCache
 from substrax_flax._nonfinite import Guard, NonFinite, all_finite
 from substrax_flax._optimizer import optimizer_rows
 from substrax_flax._plan import ModelPlan, plan_of, shardings_of
+from substrax_flax._probes import cheap_sharding_probes
 from substrax_flax._recompute import twice
 from substrax_flax._state import constrain_state, shape_and_dtype, variables, write_back
 from substrax_flax._step_plan import StepPlan
@@ -357,6 +358,7 @@ class JittedStep:
         self._last = built
         return built, (model_state, opt_state)
 
+    @cheap_sharding_probes()
     def _with_built(
         self, model: nnx.Module, optimizer: nnx.Optimizer, batch: Any, use: Callable
     ) -> Any:

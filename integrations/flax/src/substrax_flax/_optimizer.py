@@ -14,6 +14,7 @@ from substrax import warn_user
 from substrax.layout import Layout
 from substrax.mesh import Reason
 from substrax_flax._plan import ModelPlan, model_plan, remember, shardings_of
+from substrax_flax._probes import cheap_sharding_probes
 from substrax_flax._resolve import Rules, Strategy, VariableSharding, make_row
 from substrax_flax._state import (
     check_filter,
@@ -159,7 +160,7 @@ def create_sharded_optimizer(
     mesh, param_rows = plan.mesh, plan.rows
 
     def make(state):
-        with nnx.use_eager_sharding(False):
+        with nnx.use_eager_sharding(False), cheap_sharding_probes():
             return nnx.Optimizer(nnx.merge(graphdef, state), tx, wrt=wrt)
 
     opt_graphdef, abstract_opt_state = nnx.split(nnx.eval_shape(make, model_state))

@@ -16,6 +16,7 @@ from substrax.distributed import agree
 from substrax.layout import Layout
 from substrax.mesh import MeshRules, as_axes, check_mesh, spec_entry
 from substrax_flax._cache import equal
+from substrax_flax._probes import cheap_sharding_probes
 from substrax_flax._resolve import (
     Indivisible,
     Resolver,
@@ -331,7 +332,7 @@ class ModelPlan:
             )
 
     def _create_values(self) -> list[jax.Array]:
-        with nnx.use_eager_sharding(False):
+        with nnx.use_eager_sharding(False), cheap_sharding_probes():
             model = self._factory()
         state = constrain_state(nnx.state(model), self.shardings)
         return [_value(leaf) for _, leaf in variables(state)]
