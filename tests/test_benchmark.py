@@ -125,6 +125,15 @@ def test_step_benchmark_runs_at_a_tiny_size(tmp_path):
     assert again["precision"] == report["precision"] and again["guard"] == report["guard"]
 
 
+def test_tracing_benchmark_times_each_part_with_and_without_the_probe_walk(tmp_path):
+    import tracing
+
+    report = tracing.main(["--layers", "2", "--output-dir", str(tmp_path)])
+    assert [(row["layers"], row["walk"]) for row in report["rows"]] == [(2, True), (2, False)]
+    assert all(row[part] > 0 for row in report["rows"] for part in tracing.PARTS)
+    assert "| 2 | skipped |" in (tmp_path / "tracing.md").read_text()
+
+
 def test_decode_benchmark_runs_at_a_tiny_size(tmp_path):
     import decode
 

@@ -5,9 +5,9 @@ In jax 0.10.2, reading ``.sharding`` on a tracer raises ``AttributeError`` (so t
 the tracer's origin: ``Tracer._origin_msg`` walks every equation traced so far. Flax NNX
 probes it on every ``variable[...] = value`` (``Variable.set_value``), which each
 ``nnx.Rngs`` draw performs to advance its count: building a model under a trace, or a
-forward pass with dropout, then takes time quadratic in the number of draws. A 32-layer
-decoder's plan took 1.88 s and its init lowered in 2.10 s, 0.57 s and 0.75 s without the walk;
-``nnx.eval_shape`` of a 126-layer model took about 28 s. Upstream jax drops the origin from
+forward pass with dropout, then takes time quadratic in the number of draws: the example
+decoder with 126 unstacked layers planned in 29.7 s and its train step lowered in 92.6 s,
+3.2 s and 44.2 s without the walk (``benchmarks/tracing.py``). Upstream jax drops the origin from
 this message (jax-ml/jax#40041).
 
 :func:`cheap_sharding_probes` swaps the message for one without the origin while substrax
