@@ -8,7 +8,7 @@ abstract build (``model_leaves``), the plan (``plan_model``), the init lowered
 (``compile_init``'s trace and lowering) and the train step lowered (its plan, trace and
 lowering). Nothing is compiled; times are wall seconds on this machine.
 
-Run: ``python benchmarks/tracing.py [--layers 8 32 64] [--output-dir DIR]``; writes
+Run: ``python benchmarks/tracing.py [--layers 8 32 64 126] [--output-dir DIR]``; writes
 ``tracing.json`` and ``tracing.md``.
 """
 
@@ -79,7 +79,7 @@ def measure(layers: int, walk: bool) -> dict[str, float]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[8, 32, 64])
+    parser.add_argument("--layers", type=int, nargs="+", default=[8, 32, 64, 126])
     parser.add_argument("--output-dir", type=pathlib.Path, default=pathlib.Path("benchmarks"))
     args = parser.parse_args(argv)
     rows = []
