@@ -6,7 +6,10 @@ decoder (``examples/gpt.py``, d_model 64, dropout 0.1, unstacked layers) at each
 times, once as substrax traces (the walk skipped) and once with jax's own probe: the planner's
 abstract build (``model_leaves``), the plan (``plan_model``), the init lowered
 (``compile_init``'s trace and lowering) and the train step lowered (its plan, trace and
-lowering). Nothing is compiled; times are wall seconds on this machine.
+lowering), and beside it Flax's own step for the same model and optimizer (``nnx.split`` of
+both, ``nnx.value_and_grad`` and ``optimizer.update`` in a donated ``jax.jit``, under
+``jax.set_mesh``), lowered with the walk as substrax's. The mesh has Auto axes, on which
+Flax's step traces. Nothing is compiled; times are wall seconds on this machine.
 
 Run: ``python benchmarks/tracing.py [--layers 8 32 64 126] [--output-dir DIR]``; writes
 ``tracing.json`` and ``tracing.md``.
@@ -24,6 +27,7 @@ import time
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import AxisType
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "examples"))
 
@@ -33,7 +37,7 @@ import substrax_flax as sf
 from substrax_flax import _probes
 from substrax_flax.planner import model_leaves
 
-PARTS = ("model_leaves", "plan", "init_lowered", "step_lowered")
+PARTS = ("model_leaves", "plan", "init_lowered", "step_lowered", "flax_step_lowered")
 
 
 @contextlib.contextmanager
@@ -53,6 +57,20 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def flax_lowered(model: nnx.Module, optimizer: nnx.Optimizer, batch, mesh) -> jax.stages.Lowered:
+    """Flax's functional train step for ``model`` and ``optimizer`` (abstract), lowered."""
+    graphdef, state = nnx.split((model, optimizer))
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(gpt.loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss, nnx.state((model, optimizer))
+
+    with jax.set_mesh(mesh):
+        return jax.jit(step, donate_argnums=0).lower(state, batch)
+
+
 def measure(layers: int, walk: bool) -> dict[str, float]:
     """Seconds of each part for a decoder of ``layers`` unstacked layers."""
     config = gpt.Config(vocab=256, d_model=64, heads=4, mlp=128, layers=layers, seq=16,
@@ -61,7 +79,7 @@ def measure(layers: int, walk: bool) -> dict[str, float]:
     def factory():
         return gpt.GPT(config, nnx.Rngs(0))
 
-    mesh = jax.make_mesh((len(jax.devices()),), ("data",))
+    mesh = jax.make_mesh((len(jax.devices()),), ("data",), axis_types=(AxisType.Auto,))
     batch = jax.ShapeDtypeStruct((2 * len(jax.devices()), config.seq + 1), np.int32)
     row = {}
     with _walking(walk):
@@ -74,6 +92,8 @@ def measure(layers: int, walk: bool) -> dict[str, float]:
         optimizer = sf.create_sharded_optimizer(model, gpt.optimizer())
         step = sf.make_train_step(gpt.loss_fn)
         row["step_lowered"] = _timed(lambda: step.lower(model, optimizer, batch))
+        with _probes.cheap_sharding_probes():  # Flax's own step: the walk as substrax's
+            row["flax_step_lowered"] = _timed(lambda: flax_lowered(model, optimizer, batch, mesh))
     return row
 
 

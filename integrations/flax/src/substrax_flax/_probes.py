@@ -6,8 +6,8 @@ the tracer's origin: ``Tracer._origin_msg`` walks every equation traced so far. 
 probes it on every ``variable[...] = value`` (``Variable.set_value``), which each
 ``nnx.Rngs`` draw performs to advance its count: building a model under a trace, or a
 forward pass with dropout, then takes time quadratic in the number of draws: the example
-decoder with 126 unstacked layers planned in 29.7 s and its train step lowered in 92.6 s,
-3.2 s and 44.2 s without the walk (``benchmarks/tracing.py``). Upstream jax drops the origin from
+decoder with 126 unstacked layers planned in 31.2 s and its train step lowered in 94.7 s,
+2.2 s and 43.5 s without the walk (``benchmarks/tracing.py``). Upstream jax drops the origin from
 this message (jax-ml/jax#40041).
 
 :func:`cheap_sharding_probes` swaps the message for one without the origin while substrax

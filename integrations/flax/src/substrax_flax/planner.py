@@ -61,8 +61,8 @@ def model_leaves(factory: Callable[[], nnx.Module]) -> list[Leaf]:
     """The parameters of the model ``factory`` builds, as the planner's leaves.
 
     The model is built abstractly (``nnx.eval_shape``, eager sharding off), in time linear in
-    its depth (:func:`~substrax_flax._probes.cheap_sharding_probes`: 2.0 s for 126 unstacked
-    layers, where a plain ``nnx.eval_shape`` took 30.1 s; ``benchmarks/tracing.py``).
+    its depth (:func:`~substrax_flax._probes.cheap_sharding_probes`: 2.8 s for 126 unstacked
+    layers, where a plain ``nnx.eval_shape`` took 30.7 s; ``benchmarks/tracing.py``).
 
     Args:
       factory: A function of no arguments that builds the model.
