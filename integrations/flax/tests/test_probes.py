@@ -43,7 +43,7 @@ def test_this_jax_walks_the_trace_for_each_probe_outside_substrax(walks):
     assert len(walks) >= 2 * CONFIG.layers  # one walk per Rngs draw at least
 
 
-def test_planning_creating_and_stepping_a_dropout_model_walk_no_trace(walks):
+def test_planning_creating_stepping_and_decoding_a_dropout_model_walk_no_trace(walks):
     mesh = jax.make_mesh((8,), ("data",))
     plan = sf.plan_model(factory, mesh, layout="fsdp")
     model = plan.create()
@@ -54,6 +54,8 @@ def test_planning_creating_and_stepping_a_dropout_model_walk_no_trace(walks):
     assert step.plan.draws is not None  # the step traced dropout's draws
     model.eval()
     sf.make_eval_step(gpt.loss_fn)(model, batch)
+    decode = sf.make_decode_step(model, 8, CONFIG.seq)  # traces init_cache, then each call
+    assert decode(model, batch[:, :4]).shape == (8, CONFIG.vocab)
     model_leaves(factory)
     assert walks == []
     assert core.Tracer.__dict__["sharding"] is _probes._SLOW  # restored after each block

@@ -41,7 +41,6 @@ class DecodeStep:
     model that has ``init_cache``.
     """
 
-    @cheap_sharding_probes()
     def __init__(self, model: nnx.Module, batch_size: int, max_length: int, plan: ModelPlan,
                  logits_fn: Callable):  # fmt: skip
         """Plans and creates the cache; see :func:`make_decode_step`.
@@ -82,7 +81,6 @@ class DecodeStep:
         """The cache's bytes on one device, as planned."""
         return sum(row.bytes_per_device for row in self.rows)
 
-    @cheap_sharding_probes()
     def reset(self, model: nnx.Module) -> None:
         """Empties the cache for new prompts (the same compiled programs serve them).
 
@@ -102,7 +100,6 @@ class DecodeStep:
             )
         return rehome(state, self.mesh)
 
-    @cheap_sharding_probes()
     def __call__(self, model: nnx.Module, tokens: Any) -> jax.Array:
         """Appends ``tokens`` to the cache and returns the logits after the last of them.
 
@@ -135,7 +132,7 @@ class DecodeStep:
         made = {}
 
         def make(state):
-            with nnx.use_eager_sharding(False):
+            with nnx.use_eager_sharding(False), cheap_sharding_probes():
                 model = nnx.merge(graphdef, state)
                 model.init_cache(batch_size, max_length)
                 made["graphdef"], cache, _ = nnx.split(model, nnx.Cache, ...)
@@ -144,7 +141,11 @@ class DecodeStep:
         return make, made
 
     def _step(self, state, cache, tokens):
-        with use_rules(self.mesh, self.rules), nnx.use_eager_sharding(False):
+        with (
+            use_rules(self.mesh, self.rules),
+            nnx.use_eager_sharding(False),
+            cheap_sharding_probes(),
+        ):
             model = nnx.merge(self._graphdef["graphdef"], cache, state)
             logits = self.logits_fn(model, tokens)
             cache = nnx.state(model, nnx.Cache)
